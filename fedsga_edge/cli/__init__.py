@@ -1,0 +1,1 @@
+"""Command-line interface: thin commands that wire roles to transports and format results."""

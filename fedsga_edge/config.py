@@ -1,0 +1,80 @@
+"""Run configuration: plain data shared by the roles, the simulation and the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+__all__ = ["STRATEGIES", "FedSGAConfig", "TrainConfig", "RunConfig"]
+
+STRATEGIES = ("static", "fedavg", "fedprox", "fedsga", "random", "resource")
+
+
+@dataclass
+class TrainConfig:
+    """What a client needs to run its local epochs; travels in every ``round_start``."""
+
+    local_epochs: int = 5
+    batch_size: int = 64
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 5e-4
+    mu: float = 0.0  # FedProx proximal weight (0 = off)
+    augment: bool | None = None  # random crop (pad 4) + horizontal flip; None = auto (not for digits)
+    max_batches: int = 0  # cap on batches per local epoch (0 = all); for quick smoke runs
+
+
+@dataclass
+class FedSGAConfig:
+    """Hyperparameters of the method (paper §4.1.3 defaults)."""
+
+    rho: float = 0.1
+    beta: float = 0.05
+    lambda_align: float = 0.1
+    tau_a: float = 0.5
+    tau_m: float = 0.5
+    prompts: int = 4
+    mu_proto: float = 0.9
+    cal_every: int = 5
+    adapt: bool = True  # False: the no-adapt ablation, o = [a, delta] and no prompts
+    estimator: bool = True  # False: every client at p_ref
+    harmonizer: bool = True  # False: pooled features straight to the head, no alignment loss
+    proto_dim: int = 128  # harmonizer / prototype space
+
+
+@dataclass
+class RunConfig:
+    dataset: str = "digits"
+    data_root: str | None = None
+    partition: str = "iid"
+    alpha: float = 0.1
+    clients: int = 20
+    rounds: int = 100
+    model: str = "resnet18_cifar"
+    width: float | None = None
+    img_size: int | None = None
+    pretrained: str | None = None
+    strategy: str = "static"
+    split: int = 2  # 1-based split index for `static`
+    seed: int = 0
+    device: str = "auto"
+    train_subset: int = 0  # use only this many training samples (0 = all), stratified by the seed
+    eval_every: int = 1
+    speed_sigma: float = 0.5  # `resource`: log-normal spread of client speed factors
+    profile: str | None = None  # `resource`: a measured latency profile (fedsga-edge profile --json)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    fedsga: FedSGAConfig = field(default_factory=FedSGAConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown config keys: {sorted(unknown)}")
+        data = dict(data)
+        data["train"] = TrainConfig(**data.get("train", {}))
+        data["fedsga"] = FedSGAConfig(**data.get("fedsga", {}))
+        return cls(**data)

@@ -1,0 +1,30 @@
+"""FedSGA's pure method components (DESIGN §1): no models, roles, transports or CLI here."""
+
+from .adaptation import descriptor, prompt_contributions
+from .estimator import CalibrationBuffer, MonotoneEstimator, fit
+from .harmonizer import Harmonizer, alignment_loss, server_loss
+from .observation import Observation, ShallowHead, alignment, drift, phi_s_loss, prompt_variation
+from .policy import CEIL_EPS, reference_index, split_index, sufficiency_label
+from .prototypes import Prototypes
+
+__all__ = [
+    "CEIL_EPS",
+    "CalibrationBuffer",
+    "Harmonizer",
+    "MonotoneEstimator",
+    "Observation",
+    "Prototypes",
+    "ShallowHead",
+    "alignment",
+    "alignment_loss",
+    "descriptor",
+    "drift",
+    "fit",
+    "phi_s_loss",
+    "prompt_contributions",
+    "prompt_variation",
+    "reference_index",
+    "server_loss",
+    "split_index",
+    "sufficiency_label",
+]

@@ -1,0 +1,149 @@
+"""Shallow-sufficiency estimator r^t = Gamma(o^t, r^{t-1}) and its calibration (Eqs. 6-7, Alg. 1).
+
+Gamma is a low-capacity *monotone* model: r is non-decreasing in the alignment a and in r^{t-1},
+non-increasing in the drift delta and the prompt variation q. Monotonicity holds by construction
+for every parameter value: the inputs are [a, -delta/s_delta, -q/s_q, r_prev] with positive
+scales s, both layers use non-negative weights (softplus of raw parameters), and the activations
+(tanh, then sigmoid) are increasing. Biases are free.
+
+Input scaling: delta and q are norms whose scale depends on the backbone and the prompts. Each
+is divided by a positive scale that is not learned: it is the mean of that feature over all
+stored calibration pairs, refreshed at every ``fit`` (1 before the first fit, and kept at 1 when
+the feature is all zero). a (a cosine) and r_prev (a probability) are used as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["MonotoneEstimator", "CalibrationBuffer", "fit"]
+
+_INIT_OUT_WEIGHT = 0.01
+
+
+class MonotoneEstimator(nn.Module):
+    """Eq. 6's Gamma: forward(obs (B, num_obs), r_prev (B,)) -> r (B,) in [0, 1].
+
+    ``num_obs`` is 3 for o = [a, delta, q] and 2 for the no-adaptation ablation o = [a, delta].
+    Untrained output is close to 0.5 (no evidence either way): the output-layer weights start at
+    0.01 and the output bias at 0, so |logit| <= 0.01 * hidden and r lies in
+    [sigmoid(-0.01 * hidden), sigmoid(0.01 * hidden)] (0.48..0.52 for hidden = 8).
+    """
+
+    def __init__(self, num_obs: int = 3, hidden: int = 8) -> None:
+        super().__init__()
+        if num_obs not in (2, 3):
+            raise ValueError("num_obs must be 3 ([a, delta, q]) or 2 ([a, delta])")
+        self.num_obs = num_obs
+        self.w1_raw = nn.Parameter(torch.randn(hidden, num_obs + 1) * 0.5)
+        self.b1 = nn.Parameter(torch.zeros(hidden))
+        out_raw = math.log(math.expm1(_INIT_OUT_WEIGHT))  # softplus^{-1}(0.01)
+        self.w2_raw = nn.Parameter(torch.full((hidden,), out_raw))
+        self.b2 = nn.Parameter(torch.zeros(()))
+        self.register_buffer("obs_sign", torch.tensor([1.0, -1.0, -1.0][:num_obs]))
+        self.register_buffer("obs_scale", torch.ones(num_obs))
+
+    @torch.no_grad()
+    def set_scale(self, obs: Tensor) -> None:
+        """Set the delta / q scales to their mean absolute value over ``obs`` (N, num_obs)."""
+        mean_abs = obs.detach().to(self.obs_scale).abs().mean(dim=0)
+        scale = torch.where(mean_abs > 1e-12, mean_abs, torch.ones_like(mean_abs))
+        scale[0] = 1.0  # a is a cosine in [-1, 1]: already on a fixed scale
+        self.obs_scale.copy_(scale)
+
+    def logit(self, obs: Tensor, r_prev: Tensor) -> Tensor:
+        """Pre-sigmoid output (B,); monotone in the same directions as ``forward``."""
+        if obs.dim() != 2 or obs.shape[1] != self.num_obs or r_prev.shape != obs.shape[:1]:
+            raise ValueError(
+                f"expected obs (B, {self.num_obs}) and r_prev (B,), "
+                f"got {tuple(obs.shape)}, {tuple(r_prev.shape)}"
+            )
+        x = torch.cat([obs * self.obs_sign / self.obs_scale, r_prev.unsqueeze(1).to(obs)], dim=1)
+        h = torch.tanh(F.linear(x, F.softplus(self.w1_raw), self.b1))
+        return h @ F.softplus(self.w2_raw) + self.b2
+
+    def forward(self, obs: Tensor, r_prev: Tensor) -> Tensor:
+        """Eq. 6: r = Gamma(o, r_prev) in [0, 1], shape (B,)."""
+        return torch.sigmoid(self.logit(obs, r_prev))
+
+
+class CalibrationBuffer:
+    """All calibration pairs ((o, r_prev), s) collected so far (Alg. 1, line 7); never evicted."""
+
+    def __init__(self, num_obs: int = 3) -> None:
+        self.num_obs = num_obs
+        self._obs: list[list[float]] = []
+        self._r_prev: list[float] = []
+        self._s: list[float] = []
+
+    def append(self, obs: Tensor | Sequence[float], r_prev: float, s: int) -> None:
+        """Store one pair: observation (num_obs,), previous estimate r_prev, label s in {0, 1}."""
+        values = [float(v) for v in (obs.tolist() if isinstance(obs, Tensor) else obs)]
+        if len(values) != self.num_obs:
+            raise ValueError(f"observation must have {self.num_obs} values, got {len(values)}")
+        if s not in (0, 1):
+            raise ValueError("label s must be 0 or 1")
+        self._obs.append(values)
+        self._r_prev.append(float(r_prev))
+        self._s.append(float(s))
+
+    def __len__(self) -> int:
+        return len(self._s)
+
+    def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(obs (N, num_obs), r_prev (N,), s (N,)) as float32 tensors, in insertion order."""
+        obs = torch.tensor(self._obs, dtype=torch.float32).reshape(len(self), self.num_obs)
+        r_prev = torch.tensor(self._r_prev, dtype=torch.float32)
+        return obs, r_prev, torch.tensor(self._s, dtype=torch.float32)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Checkpointable contents (plain tensors; loads with ``torch.load(weights_only=True)``)."""
+        obs, r_prev, s = self.tensors()
+        return {"obs": obs, "r_prev": r_prev, "s": s}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Replace the contents with a ``state_dict()``."""
+        obs, r_prev, s = state["obs"], state["r_prev"], state["s"]
+        if obs.dim() != 2 or obs.shape[1] != self.num_obs or not (len(obs) == len(r_prev) == len(s)):
+            raise ValueError(f"state does not hold pairs with {self.num_obs} observation values")
+        self._obs = obs.tolist()
+        self._r_prev = r_prev.tolist()
+        self._s = s.tolist()
+
+
+def fit(
+    estimator: MonotoneEstimator, buffer: CalibrationBuffer, steps: int = 200, lr: float = 0.05
+) -> dict[str, float]:
+    """Alg. 1 line 8 / Eq. 7: refit Gamma by BCE on *all* stored pairs.
+
+    Full batch, fresh Adam each call, warm-started from the current weights, so the result is
+    deterministic given the weights and the buffer. Refreshes the input scales first. Returns the
+    final (post-fit) BCE, accuracy at threshold 0.5 and Brier score on the stored pairs.
+    Raises ValueError on an empty buffer.
+    """
+    if len(buffer) == 0:
+        raise ValueError("cannot fit on an empty calibration buffer")
+    if buffer.num_obs != estimator.num_obs:
+        raise ValueError(f"buffer holds {buffer.num_obs} observation values, estimator {estimator.num_obs}")
+    like = estimator.b2
+    obs, r_prev, s = (t.to(like) for t in buffer.tensors())
+    estimator.set_scale(obs)
+    optimizer = torch.optim.Adam(estimator.parameters(), lr=lr)
+    with torch.enable_grad():
+        for _ in range(steps):
+            optimizer.zero_grad()
+            F.binary_cross_entropy_with_logits(estimator.logit(obs, r_prev), s).backward()
+            optimizer.step()
+    with torch.no_grad():
+        logit = estimator.logit(obs, r_prev)
+        r = torch.sigmoid(logit)
+        return {
+            "loss": float(F.binary_cross_entropy_with_logits(logit, s)),
+            "accuracy": float(((r >= 0.5).float() == s).float().mean()),
+            "brier": float(((r - s) ** 2).mean()),
+        }

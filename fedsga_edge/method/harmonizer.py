@@ -1,0 +1,98 @@
+"""Split-compatible interface harmonization (paper §3.4, Eqs. 9-10).
+
+Clients offload at different depths, so the server sees interfaces of different abstraction
+levels. The server always runs the remaining blocks to the end and pools, then the depth-aware
+harmonizer Z = phi([pool(u), e(k)]) maps the pooled features into one shared space, conditioned
+on a learnable embedding of the split index k. Z is regularised towards last round's class
+prototypes C^{t-1} with a temperature-scaled cosine softmax (Eq. 9), added to CE (Eq. 10).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["Harmonizer", "alignment_loss", "server_loss"]
+
+
+class Harmonizer(nn.Module):
+    """Eq. 9's phi: a 2-layer MLP (hidden width = ``dim``) on concat(pooled, e(k)).
+
+    ``depth_index`` is the 1-based split index k returned by the policy (Eq. 8), in 1..num_depths.
+    ``in_dims`` is the pooled feature width: an int when every depth yields the same width (our
+    backbones: the server always runs to the final pooled features). A dict {k: width} is also
+    accepted for backbones where it differs; narrower features are then zero-padded to the widest
+    one (our choice: one shared MLP, the depth embedding tells depths apart).
+    """
+
+    def __init__(
+        self, in_dims: dict[int, int] | int, num_depths: int, dim: int = 128, depth_dim: int = 16
+    ) -> None:
+        super().__init__()
+        if num_depths < 1:
+            raise ValueError("num_depths must be >= 1")
+        if isinstance(in_dims, dict):
+            if set(in_dims) != set(range(1, num_depths + 1)):
+                raise ValueError(f"in_dims keys must be the split indices 1..{num_depths}")
+            self.in_dims = {int(k): int(v) for k, v in in_dims.items()}
+        else:
+            self.in_dims = {k: int(in_dims) for k in range(1, num_depths + 1)}
+        self.num_depths = num_depths
+        self.dim = dim
+        self.in_width = max(self.in_dims.values())
+        self.depth_embedding = nn.Embedding(num_depths, depth_dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.in_width + depth_dim, dim), nn.ReLU(inplace=True), nn.Linear(dim, dim)
+        )
+
+    def forward(self, pooled: Tensor, depth_index: int | Tensor) -> Tensor:
+        """Map pooled server features (B, F) entered at split k (int or (B,) tensor) to Z (B, dim)."""
+        batch = pooled.shape[0]
+        if isinstance(depth_index, int):
+            depths = {depth_index}
+            k = torch.full((batch,), depth_index, dtype=torch.long, device=pooled.device)
+        else:
+            k = depth_index.to(device=pooled.device, dtype=torch.long)
+            if k.dim() == 0:
+                k = k.expand(batch)
+            if k.shape != (batch,):
+                raise ValueError(f"depth_index must be an int or shape ({batch},), got {tuple(k.shape)}")
+            depths = set(k.unique().tolist())
+        if not depths <= set(self.in_dims):
+            raise ValueError(f"depth_index is 1-based, must lie in 1..{self.num_depths}; got {depths}")
+        widths = {self.in_dims[d] for d in depths}
+        if widths != {pooled.shape[1]}:
+            raise ValueError(f"pooled width {pooled.shape[1]} does not match in_dims {widths}")
+        if pooled.shape[1] < self.in_width:
+            pooled = F.pad(pooled, (0, self.in_width - pooled.shape[1]))
+        return self.mlp(torch.cat([pooled, self.depth_embedding(k - 1)], dim=1))
+
+
+def alignment_loss(Z: Tensor, labels: Tensor, prototypes: Tensor, tau_a: float = 0.5) -> Tensor:
+    """Eq. 9: mean over the batch of -log softmax_y(cos(Z, C_y) / tau_a).
+
+    Prototypes are last round's constants (detached). Uninitialised (all-zero) prototypes have
+    cosine 0 with everything, so before the first prototype update the loss is the constant
+    log(num_classes) with zero gradient.
+    """
+    if tau_a <= 0:
+        raise ValueError("tau_a must be positive")
+    protos = F.normalize(prototypes.detach().to(Z.dtype), dim=1)
+    logits = F.normalize(Z, dim=1) @ protos.t() / tau_a
+    return F.cross_entropy(logits, labels)
+
+
+def server_loss(
+    logits: Tensor,
+    Z: Tensor,
+    labels: Tensor,
+    prototypes: Tensor,
+    lambda_align: float = 0.1,
+    tau_a: float = 0.5,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Eq. 10: CE(G(Z), y) + lambda * L_align; parts are detached 0-d tensors ("ce", "align")."""
+    ce = F.cross_entropy(logits, labels)
+    align = alignment_loss(Z, labels, prototypes, tau_a)
+    loss = ce + lambda_align * align
+    return loss, {"ce": ce.detach(), "align": align.detach()}

@@ -1,0 +1,109 @@
+"""The one interface every split-ready backbone exposes.
+
+A backbone is a sequence of L *blocks* (the unit of depth-wise aggregation, DESIGN §1.8) followed
+by a final pooling and a linear head. ``blocks[0]`` consumes the image and the client's private
+prompts; every later block maps an activation to an activation. A *split depth* ``d`` means the
+client runs ``blocks[:d]`` and the server ``blocks[d:]``; the candidate depths (``splits``) sit at
+block boundaries, and the 1-based *split index* ``k`` names ``splits[k - 1]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["SplitModel"]
+
+
+class SplitModel(nn.Module):
+    """Backbone + head with exact prefix / suffix execution at any block boundary."""
+
+    arch: str = ""
+    family: str = ""  # "cnn" or "vit": decides how prompts enter and how activations pool
+
+    def __init__(
+        self,
+        blocks: list[nn.Module],
+        head: nn.Linear,
+        splits: tuple[int, ...],
+        feature_dim: int,
+        prompt_dim: int,
+        input_size: int,
+    ) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.head = head
+        if not splits or list(splits) != sorted(set(splits)) or splits[0] < 1 or splits[-1] >= len(blocks):
+            raise ValueError(f"candidate splits {splits} must be increasing block boundaries in 1..{len(blocks) - 1}")
+        self.splits = tuple(splits)
+        self.feature_dim = feature_dim
+        self.prompt_dim = prompt_dim
+        self.input_size = input_size
+
+    # -- geometry -------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_splits(self) -> int:
+        return len(self.splits)
+
+    def depth_of(self, k: int) -> int:
+        """Block count on the client for 1-based split index ``k``."""
+        if not 1 <= k <= len(self.splits):
+            raise ValueError(f"split index {k} out of range 1..{len(self.splits)} for {self.arch}")
+        return self.splits[k - 1]
+
+    # -- execution ------------------------------------------------------------------------------
+    def run_blocks(self, h: Tensor, start: int, end: int, prompts: Tensor | None = None) -> Tensor:
+        """Run ``blocks[start:end]``; ``prompts`` only matter when ``start == 0``."""
+        for j in range(start, end):
+            h = self.blocks[j](h, prompts) if j == 0 else self.blocks[j](h)
+        return h
+
+    def prefix(self, x: Tensor, depth: int, prompts: Tensor | None = None) -> Tensor:
+        """Client side: the activation ``z = h^(depth)`` that crosses the wire."""
+        return self.run_blocks(x, 0, depth, prompts)
+
+    def suffix(self, z: Tensor, depth: int) -> Tensor:
+        """Server side: the remaining blocks and the final pooling -> features (B, feature_dim)."""
+        return self.pool(self.run_blocks(z, depth, self.num_blocks))
+
+    def features(self, x: Tensor, prompts: Tensor | None = None) -> Tensor:
+        return self.suffix(self.prefix(x, self.num_blocks, prompts), self.num_blocks)
+
+    def forward(self, x: Tensor, prompts: Tensor | None = None) -> Tensor:
+        return self.head(self.features(x, prompts))
+
+    def pool(self, h: Tensor) -> Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def interface_pool(self, h: Tensor) -> Tensor:
+        """Pooled intermediate activation (``hbar`` in Eqs. 3 and 5): one vector per sample."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    # -- prompts --------------------------------------------------------------------------------
+    def init_prompts(self, m: int, generator: torch.Generator | None = None) -> Tensor:
+        """A fresh private prompt set (m, prompt_dim); never aggregated."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    # -- shapes ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def interface_shape(self, depth: int, prompts_m: int = 0) -> tuple[int, ...]:
+        """Per-sample activation shape at ``depth`` (one batch-1 forward, cached)."""
+        key = (depth, prompts_m)
+        cache = self.__dict__.setdefault("_shape_cache", {})
+        if key not in cache:
+            ref = next(self.parameters())
+            x = torch.zeros(1, 3, self.input_size, self.input_size, device=ref.device, dtype=ref.dtype)
+            p = torch.zeros(prompts_m, self.prompt_dim, device=ref.device, dtype=ref.dtype) if prompts_m else None
+            was_training = self.training
+            self.eval()
+            cache[key] = tuple(self.prefix(x, depth, p).shape[1:])
+            self.train(was_training)
+        return cache[key]
+
+    def block_param_count(self, start: int, end: int) -> int:
+        return sum(p.numel() for j in range(start, end) for p in self.blocks[j].parameters())
+

@@ -1,0 +1,53 @@
+"""Torch <-> wire conversions and batch preparation shared by both roles."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["to_numpy_state", "from_numpy_state", "to_numpy", "from_numpy", "image_batch", "augment_batch"]
+
+
+def to_numpy(t: Tensor) -> np.ndarray:
+    """Zero-copy for contiguous CPU tensors; the codec reads the buffer as is."""
+    return t.detach().to("cpu").contiguous().numpy()
+
+
+def from_numpy(a: np.ndarray, device: torch.device | str = "cpu") -> Tensor:
+    """Decoded wire arrays are read-only views of the message buffer; copy only when we must."""
+    if not a.flags.writeable:
+        a = a.copy()
+    return torch.from_numpy(a).to(device)
+
+
+def to_numpy_state(state: Mapping[str, Tensor]) -> dict[str, np.ndarray]:
+    return {k: to_numpy(v) for k, v in state.items()}
+
+
+def from_numpy_state(state: Mapping[str, np.ndarray], device: torch.device | str = "cpu") -> dict[str, Tensor]:
+    return {k: from_numpy(np.asarray(v), device) for k, v in state.items()}
+
+
+def image_batch(x: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...], device: torch.device | str) -> Tensor:
+    """uint8 NHWC -> normalised float NCHW on ``device``."""
+    t = torch.from_numpy(np.ascontiguousarray(x)).to(device).permute(0, 3, 1, 2).float().div_(255.0)
+    m = torch.tensor(mean, device=t.device).view(1, -1, 1, 1)
+    s = torch.tensor(std, device=t.device).view(1, -1, 1, 1)
+    return (t - m) / s
+
+
+def augment_batch(x: Tensor, generator: torch.Generator, pad: int = 4) -> Tensor:
+    """Random crop with zero padding and random horizontal flip, per sample (CIFAR standard)."""
+    b, _, h, w = x.shape
+    padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))
+    dx = torch.randint(0, 2 * pad + 1, (b,), generator=generator).tolist()
+    dy = torch.randint(0, 2 * pad + 1, (b,), generator=generator).tolist()
+    flip = (torch.rand(b, generator=generator) < 0.5).tolist()
+    out = torch.empty_like(x)
+    for i in range(b):
+        crop = padded[i, :, dy[i] : dy[i] + h, dx[i] : dx[i] + w]
+        out[i] = crop.flip(-1) if flip[i] else crop
+    return out

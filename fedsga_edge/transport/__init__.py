@@ -1,0 +1,21 @@
+"""Transports move bytes between addresses; Peer lets roles speak Messages over any of them.
+
+Only the loopback transport is imported here. Network transports (MQTT) live in
+their own modules and are imported by name when the CLI picks them, so devices
+without a broker client installed can still use this package.
+"""
+
+from .base import Handler, Transport, TransportError, TransportStats, check_address
+from .loopback import LoopbackTransport
+from .peer import MessageHandler, Peer
+
+__all__ = [
+    "Handler",
+    "LoopbackTransport",
+    "MessageHandler",
+    "Peer",
+    "Transport",
+    "TransportError",
+    "TransportStats",
+    "check_address",
+]

@@ -1,0 +1,99 @@
+"""The transport interface: move bytes between named addresses, count them, nothing else.
+
+Roles never see a transport; they talk through a ``Peer`` (``peer.py``), which
+encodes messages and hands bytes to whichever transport the CLI picked. So
+loopback simulation and MQTT trials run the same role code.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable
+
+__all__ = ["Handler", "Transport", "TransportError", "TransportStats", "check_address"]
+
+Handler = Callable[[bytes], bytes | None]
+"""Request bytes in, reply bytes out; None means "no reply"."""
+
+# Addresses end up in MQTT topics: no '/', '+', '#', spaces or control characters.
+_ADDRESS = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+class TransportError(Exception):
+    """Bytes could not be delivered: unknown address, no reply, timeout, closed transport."""
+
+
+def check_address(address: str) -> None:
+    """Raise TransportError unless ``address`` is safe to embed in an MQTT topic."""
+    if not isinstance(address, str) or not _ADDRESS.fullmatch(address):
+        raise TransportError(f"bad address {address!r}: use 1-128 of [A-Za-z0-9._:-]")
+
+
+class TransportStats:
+    """Bytes and messages per direction (src, dst); thread-safe.
+
+    Counts payload lengths exactly as handed to the transport (after encoding,
+    before any chunking or broker framing), so they equal the sum of
+    ``len(encode(...))`` of what the roles sent.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes: Counter[tuple[str, str]] = Counter()
+        self.messages: Counter[tuple[str, str]] = Counter()
+
+    def record(self, src: str, dst: str, nbytes: int) -> None:
+        with self._lock:
+            self.bytes[(src, dst)] += nbytes
+            self.messages[(src, dst)] += 1
+
+    def bytes_sent(self, src: str | None = None, dst: str | None = None) -> int:
+        """Total bytes from ``src`` to ``dst``; None matches any address."""
+        return self._sum(self.bytes, src, dst)
+
+    def messages_sent(self, src: str | None = None, dst: str | None = None) -> int:
+        """Total messages from ``src`` to ``dst``; None matches any address."""
+        return self._sum(self.messages, src, dst)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes.clear()
+            self.messages.clear()
+
+    def _sum(self, counter: Counter[tuple[str, str]], src: str | None, dst: str | None) -> int:
+        with self._lock:
+            return sum(v for (s, d), v in counter.items() if (src is None or s == src) and (dst is None or d == dst))
+
+
+class Transport(ABC):
+    """Deliver opaque payloads between registered addresses.
+
+    ``request`` blocks until the destination's handler replies; ``send`` is
+    one-way (any reply the handler returns is dropped). Implementations count
+    every payload they carry in ``stats``, replies included.
+    """
+
+    stats: TransportStats
+
+    @abstractmethod
+    def register(self, address: str, handler: Handler) -> None:
+        """Deliver payloads addressed to ``address`` to ``handler``."""
+
+    @abstractmethod
+    def unregister(self, address: str) -> None:
+        """Stop delivering to ``address`` (a device leaving, or a simulated failure)."""
+
+    @abstractmethod
+    def request(self, src: str, dst: str, payload: bytes, *, timeout: float | None = None) -> bytes:
+        """Send ``payload`` to ``dst`` and return its reply; TransportError if none comes."""
+
+    @abstractmethod
+    def send(self, src: str, dst: str, payload: bytes) -> None:
+        """Send ``payload`` to ``dst`` without waiting for a reply."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release resources; later calls raise TransportError."""

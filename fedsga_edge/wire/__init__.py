@@ -1,0 +1,26 @@
+"""Wire format: messages, the msgpack tensor codec, chunking. numpy + msgpack only (no torch)."""
+
+from .chunking import BROKER_PACKET_LIMITS, DEFAULT_HEADROOM, Reassembler, max_chunk_for, split_message
+from .codec import DTYPES, TENSOR_FORMATS, decode, encode
+from .errors import LocalProtocolError, RemoteProtocolError, WireError
+from .messages import KINDS, PROTOCOL_VERSION, REQUIRED_FIELDS, Message, check_body
+
+__all__ = [
+    "BROKER_PACKET_LIMITS",
+    "DEFAULT_HEADROOM",
+    "DTYPES",
+    "KINDS",
+    "PROTOCOL_VERSION",
+    "REQUIRED_FIELDS",
+    "TENSOR_FORMATS",
+    "LocalProtocolError",
+    "Message",
+    "Reassembler",
+    "RemoteProtocolError",
+    "WireError",
+    "check_body",
+    "decode",
+    "encode",
+    "max_chunk_for",
+    "split_message",
+]

@@ -1,0 +1,274 @@
+"""Message <-> bytes. msgpack envelope, typed tensors, never pickle.
+
+Layout of one encoded message (a msgpack map)::
+
+    {"v": 1, "kind": str, "run": str, "round": int, "seq": int,
+     "sender": str, "body": {...}}
+
+Inside ``body`` every numpy array becomes a *tensor map* (the reserved key
+``"__t"`` marks it, so body dicts may not use that key themselves)::
+
+    {"__t": 1, "dtype": "float32", "shape": [64, 128],
+     "data": <bin: little-endian, C order>,
+     "enc": "fp16" | "int8",          # absent = raw
+     "scale": float}                  # int8 only
+
+``dtype`` is always the dtype the receiver gets back; ``enc`` says how ``data``
+is laid out on the wire. Lossy encodings touch floating tensors only; integer
+and bool tensors always travel raw, so labels and masks are never damaged.
+
+Raw tensors decode as read-only numpy views on the ``bytes`` object msgpack
+hands back for the ``bin`` field: no copy beyond msgpack's own (msgpack cannot
+expose slices of the input buffer). Call ``.copy()`` before writing in place.
+fp16 / int8 tensors decode into fresh, writable arrays.
+
+Anything malformed in the input raises RemoteProtocolError; asking to encode
+something the format cannot hold raises LocalProtocolError.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .errors import LocalProtocolError, RemoteProtocolError, WireError
+from .messages import KINDS, PROTOCOL_VERSION, Message, check_body
+
+__all__ = ["DTYPES", "MAX_DEPTH", "TENSOR_FORMATS", "TENSOR_MARK", "decode", "encode"]
+
+TENSOR_FORMATS: tuple[str, ...] = ("raw", "fp16", "int8")
+DTYPES: frozenset[str] = frozenset(
+    {"float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool"}
+)
+TENSOR_MARK = "__t"
+_TENSOR_VERSION = 1
+_TENSOR_KEYS = frozenset({TENSOR_MARK, "dtype", "shape", "data", "enc", "scale"})
+_ENVELOPE_KEYS = frozenset({"v", "kind", "run", "round", "seq", "sender", "body"})
+
+MAX_DEPTH = 32  # nesting of body containers; deeper is a bug or an attack
+_MAX_NDIM = 32
+_MAX_ID_LEN = 256  # run id / sender id
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack can carry
+
+
+# --------------------------------------------------------------------- encode
+
+
+def encode(msg: Message, *, tensor_format: str = "raw") -> bytes:
+    """Serialise ``msg``; ``tensor_format`` picks raw, fp16 or int8 for floating tensors.
+
+    The body is checked against REQUIRED_FIELDS here too, so a role that builds
+    a bad message fails at the sender (LocalProtocolError), not at the peer.
+    numpy scalars in the body are sent as plain Python numbers.
+    """
+    if tensor_format not in TENSOR_FORMATS:
+        raise LocalProtocolError(f"unknown tensor_format {tensor_format!r}; use one of {TENSOR_FORMATS}")
+    _check_envelope(msg.kind, msg.run, msg.round, msg.seq, msg.sender, msg.body, LocalProtocolError)
+    check_body(msg.kind, msg.body, LocalProtocolError)
+    envelope = {
+        "v": PROTOCOL_VERSION,
+        "kind": msg.kind,
+        "run": msg.run,
+        "round": msg.round,
+        "seq": msg.seq,
+        "sender": msg.sender,
+        "body": _pack(msg.body, tensor_format, 0, "body"),
+    }
+    try:
+        return msgpack.packb(envelope, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:  # pragma: no cover - _pack screens these
+        raise LocalProtocolError(f"cannot encode {msg.kind!r} message: {e}") from e
+
+
+def _pack(v: Any, fmt: str, depth: int, path: str) -> Any:
+    if depth > MAX_DEPTH:
+        raise LocalProtocolError(f"{path}: nested deeper than {MAX_DEPTH}")
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, np.ndarray):
+        return _pack_tensor(v, fmt, path)
+    if isinstance(v, np.generic):  # before float: np.float64 subclasses float
+        if isinstance(v, np.bool_):
+            return bool(v)
+        if isinstance(v, np.integer):
+            return _pack(int(v), fmt, depth, path)
+        if isinstance(v, np.floating):
+            return float(v)
+        raise LocalProtocolError(f"{path}: cannot encode numpy scalar of dtype {v.dtype}")
+    if isinstance(v, int):
+        if not _INT_MIN <= v <= _INT_MAX:
+            raise LocalProtocolError(f"{path}: integer {v} does not fit in 64 bits")
+        return v
+    if isinstance(v, float):
+        return v
+    if isinstance(v, dict):
+        out = {}
+        for k, x in v.items():
+            if not isinstance(k, str):
+                raise LocalProtocolError(f"{path}: dict keys must be str, got {type(k).__name__} {k!r}")
+            if k == TENSOR_MARK:
+                raise LocalProtocolError(f"{path}: key {TENSOR_MARK!r} is reserved for tensors")
+            out[k] = _pack(x, fmt, depth + 1, f"{path}[{k!r}]")
+        return out
+    if isinstance(v, (list, tuple)):
+        return [_pack(x, fmt, depth + 1, f"{path}[{i}]") for i, x in enumerate(v)]
+    raise LocalProtocolError(f"{path}: cannot encode {type(v).__name__}")
+
+
+def _pack_tensor(a: np.ndarray, fmt: str, path: str) -> dict[str, Any]:
+    name = a.dtype.name
+    if name not in DTYPES or a.dtype.fields is not None:
+        raise LocalProtocolError(f"{path}: dtype {a.dtype} is not allowed; allowed: {sorted(DTYPES)}")
+    if a.ndim > _MAX_NDIM:
+        raise LocalProtocolError(f"{path}: {a.ndim} dimensions, at most {_MAX_NDIM}")
+    t: dict[str, Any] = {TENSOR_MARK: _TENSOR_VERSION, "dtype": name, "shape": list(a.shape)}
+    floating = a.dtype.kind == "f"
+    if fmt == "fp16" and floating and name != "float16":
+        with np.errstate(over="ignore"):  # |x| > 65504 becomes inf, as fp16 does
+            wire = np.ascontiguousarray(a, dtype="<f2")
+        t["enc"] = "fp16"
+    elif fmt == "int8" and floating:
+        wire, scale = _quantize_int8(a, path)
+        t["enc"] = "int8"
+        t["scale"] = scale
+    else:
+        wire = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
+    # A uint8 view of the contiguous buffer: msgpack packs it as bin without an extra copy.
+    t["data"] = wire.reshape(-1).view(np.uint8).data
+    return t
+
+
+def _quantize_int8(a: np.ndarray, path: str) -> tuple[np.ndarray, float]:
+    """Symmetric per-tensor int8: q = round(x / scale), scale = max|x| / 127."""
+    if a.size and not np.isfinite(a).all():
+        raise LocalProtocolError(f"{path}: int8 encoding needs finite values (found nan/inf)")
+    peak = float(np.max(np.abs(a))) if a.size else 0.0
+    scale = peak / 127.0  # a Python float: msgpack sends it as a double, so no range is lost
+    if scale == 0:
+        return np.zeros(a.shape, dtype=np.int8), 0.0
+    x = np.divide(a, scale, dtype=_int8_math(a.dtype, scale))
+    return np.clip(np.rint(x), -127, 127).astype(np.int8), scale
+
+
+def _int8_math(dtype: np.dtype[Any] | str, scale: float) -> np.dtype[Any]:
+    """float32 arithmetic suffices for int8 unless the tensor is float64 or the scale is subnormal there."""
+    if np.dtype(dtype) == np.float64 or scale < np.finfo(np.float32).tiny:
+        return np.dtype(np.float64)
+    return np.dtype(np.float32)
+
+
+# --------------------------------------------------------------------- decode
+
+
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """Parse and validate one message; any defect raises RemoteProtocolError."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise LocalProtocolError(f"decode() takes bytes, got {type(data).__name__}")
+    try:
+        env = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, max_ext_len=0)
+    except Exception as e:  # msgpack raises a zoo of ValueError subclasses
+        raise RemoteProtocolError(f"not a msgpack message ({len(data)} bytes): {e}") from e
+    if not isinstance(env, dict):
+        raise RemoteProtocolError(f"message must be a msgpack map, got {type(env).__name__}")
+    v = env.get("v")
+    if v != PROTOCOL_VERSION or not _is_int(v):
+        raise RemoteProtocolError(f"unsupported protocol version {v!r}; this side speaks version {PROTOCOL_VERSION}")
+    if env.keys() != _ENVELOPE_KEYS:
+        missing = sorted(_ENVELOPE_KEYS - env.keys())
+        extra = sorted(map(repr, env.keys() - _ENVELOPE_KEYS))
+        raise RemoteProtocolError(f"bad envelope: missing {missing}, unexpected {extra}")
+    kind, run, rnd, seq, sender = env["kind"], env["run"], env["round"], env["seq"], env["sender"]
+    _check_envelope(kind, run, rnd, seq, sender, env["body"], RemoteProtocolError)
+    body = _unpack(env["body"], 0, "body")
+    check_body(kind, body, RemoteProtocolError)
+    return Message(kind=kind, run=run, round=rnd, seq=seq, sender=sender, body=body)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_envelope(kind: Any, run: Any, rnd: Any, seq: Any, sender: Any, body: Any, error: type[WireError]) -> None:
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise error(f"unknown message kind {kind!r}; known: {', '.join(KINDS)}")
+    if not isinstance(run, str) or len(run) > _MAX_ID_LEN:
+        raise error(f"{kind!r}: run must be a str of at most {_MAX_ID_LEN} chars, got {run!r:.80}")
+    if not isinstance(sender, str) or not 0 < len(sender) <= _MAX_ID_LEN:
+        raise error(f"{kind!r}: sender must be a non-empty str of at most {_MAX_ID_LEN} chars")
+    for name, n in (("round", rnd), ("seq", seq)):
+        if not _is_int(n) or not 0 <= n <= _INT_MAX:
+            raise error(f"{kind!r}: {name} must be a non-negative 64-bit int, got {n!r:.80}")
+    if not isinstance(body, dict):
+        raise error(f"{kind!r}: body must be a map, got {type(body).__name__}")
+
+
+def _unpack(v: Any, depth: int, path: str) -> Any:
+    if depth > MAX_DEPTH:
+        raise RemoteProtocolError(f"{path}: nested deeper than {MAX_DEPTH}")
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, list):
+        return [_unpack(x, depth + 1, f"{path}[{i}]") for i, x in enumerate(v)]
+    if isinstance(v, dict):
+        if TENSOR_MARK in v:
+            return _unpack_tensor(v, path)
+        out = {}
+        for k, x in v.items():
+            if not isinstance(k, str):
+                raise RemoteProtocolError(f"{path}: map keys must be str, got {type(k).__name__}")
+            out[k] = _unpack(x, depth + 1, f"{path}[{k!r}]")
+        return out
+    raise RemoteProtocolError(f"{path}: unexpected {type(v).__name__} value outside a tensor")
+
+
+def _unpack_tensor(t: dict[Any, Any], path: str) -> np.ndarray:
+    if not t.keys() <= _TENSOR_KEYS:
+        extra = sorted(map(repr, t.keys() - _TENSOR_KEYS))
+        raise RemoteProtocolError(f"{path}: unexpected tensor keys {extra}")
+    if t[TENSOR_MARK] != _TENSOR_VERSION or not _is_int(t[TENSOR_MARK]):
+        raise RemoteProtocolError(
+            f"{path}: tensor format {t[TENSOR_MARK]!r:.40} unsupported; this side reads {_TENSOR_VERSION}"
+        )
+    dtype, shape, data = t.get("dtype"), t.get("shape"), t.get("data")
+    enc = t.get("enc", "raw")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise RemoteProtocolError(f"{path}: dtype {dtype!r:.40} not in allow-list {sorted(DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > _MAX_NDIM or not all(_is_int(d) and d >= 0 for d in shape):
+        raise RemoteProtocolError(f"{path}: shape must be a list of at most {_MAX_NDIM} non-negative ints")
+    if not isinstance(data, bytes):
+        raise RemoteProtocolError(f"{path}: tensor data must be bin, got {type(data).__name__}")
+    if enc not in TENSOR_FORMATS:
+        raise RemoteProtocolError(f"{path}: unknown tensor encoding {enc!r:.40}")
+    floating = dtype.startswith("float")
+    if enc != "raw" and not floating:
+        raise RemoteProtocolError(f"{path}: encoding {enc!r} is only for floating tensors, not {dtype}")
+    if ("scale" in t) != (enc == "int8"):
+        raise RemoteProtocolError(f"{path}: 'scale' goes with int8 encoding and only with it")
+    wire = {"raw": np.dtype(dtype).newbyteorder("<"), "fp16": np.dtype("<f2"), "int8": np.dtype("i1")}[enc]
+    expected = math.prod(shape) * wire.itemsize
+    if expected != len(data):
+        raise RemoteProtocolError(f"{path}: shape {shape} of {enc} {dtype} needs {expected} bytes, got {len(data)}")
+    try:
+        arr = np.frombuffer(data, dtype=wire).reshape(shape)
+    except (ValueError, OverflowError) as e:  # e.g. [0, 2**62]: zero bytes, impossible shape
+        raise RemoteProtocolError(f"{path}: shape {shape} cannot be built: {e}") from e
+    if dtype == "bool" and arr.size and np.frombuffer(data, dtype=np.uint8).max() > 1:
+        raise RemoteProtocolError(f"{path}: bool tensor holds bytes other than 0 and 1")
+    if enc == "fp16":
+        return arr.astype(dtype)
+    if enc == "int8":
+        scale = t["scale"]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 <= scale < math.inf):
+            raise RemoteProtocolError(f"{path}: int8 scale must be a finite non-negative number")
+        if scale * 127 > float(np.finfo(dtype).max) * 1.0001:  # no honest sender makes one
+            raise RemoteProtocolError(f"{path}: int8 scale {scale:g} overflows {dtype}")
+        out = np.empty(arr.shape, dtype=_int8_math(dtype, scale))
+        np.multiply(arr, scale, out=out)  # out=: a 0-d result stays an array
+        return out.astype(dtype, copy=False)
+    if sys.byteorder == "big" and arr.dtype.byteorder == "<":  # pragma: no cover - little-endian CI
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    return arr

@@ -1,0 +1,54 @@
+import math
+
+import torch
+
+from fedsga_edge.method import (
+    Observation,
+    ShallowHead,
+    alignment,
+    alignment_loss,
+    drift,
+    phi_s_loss,
+    prompt_variation,
+)
+
+
+def test_alignment_hand_computed():
+    out = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    protos = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    labels = torch.tensor([0, 1])
+    assert math.isclose(alignment(out, protos, labels), (1 + 1 / math.sqrt(2)) / 2, rel_tol=1e-6)
+
+
+def test_alignment_uninitialised_prototypes():
+    out = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    labels = torch.tensor([0, 1])
+    assert alignment(out, torch.zeros(2, 2), labels) == 0.0
+    # only the sample whose class prototype exists counts
+    partial = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    assert math.isclose(alignment(out, partial, labels), 1.0, rel_tol=1e-6)
+
+
+def test_drift_and_prompt_variation():
+    assert drift(torch.tensor([3.0, 4.0]), torch.zeros(2)) == 5.0
+    assert drift(torch.tensor([3.0, 4.0]), None) == 0.0
+    assert math.isclose(prompt_variation(torch.ones(4), torch.zeros(4)), 2.0)
+    assert prompt_variation(torch.ones(4), None) == 0.0
+
+
+def test_observation_as_tensor():
+    o = Observation(a=0.5, delta=2.0, q=0.25)
+    assert torch.equal(o.as_tensor(), torch.tensor([0.5, 2.0, 0.25]))
+    assert torch.equal(o.as_tensor(adapt=False), torch.tensor([0.5, 2.0]))
+
+
+def test_shallow_head_and_loss():
+    torch.manual_seed(0)
+    head = ShallowHead(in_dim=6, proto_dim=4)
+    out = head(torch.randn(5, 6))
+    assert out.shape == (5, 4)
+    protos, labels = torch.randn(3, 4), torch.tensor([0, 1, 2, 0, 1])
+    loss = phi_s_loss(out, labels, protos, tau_a=0.5)
+    assert torch.equal(loss, alignment_loss(out, labels, protos, 0.5))
+    loss.backward()
+    assert head.net[0].weight.grad is not None
