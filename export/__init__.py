@@ -1,0 +1,58 @@
+"""ONNX export of client prefixes: forward graphs, backward (train) graphs, int8, manifest.
+
+Importing this package is cheap: the names below load their module (and torch, where that
+module needs it) on first use, so ``fedsga_edge.export.manifest`` stays torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "ExportConfig",
+    "ExportError",
+    "export_prefixes",
+    "export_prefix",
+    "validate_prefix",
+    "PrefixModule",
+    "export_train_graphs",
+    "check_train_graphs",
+    "convolution_backward",
+    "quantize_prefix",
+    "count_macs",
+    "read_manifest",
+    "write_manifest",
+    "ManifestError",
+    "Check",
+    "summary_table",
+]
+
+_WHERE = {
+    "ExportConfig": "pipeline",
+    "ExportError": "pipeline",
+    "export_prefixes": "pipeline",
+    "export_prefix": "onnx_prefix",
+    "validate_prefix": "onnx_prefix",
+    "PrefixModule": "onnx_prefix",
+    "export_train_graphs": "backward",
+    "check_train_graphs": "backward",
+    "convolution_backward": "backward",
+    "quantize_prefix": "quantize",
+    "count_macs": "macs",
+    "read_manifest": "manifest",
+    "write_manifest": "manifest",
+    "ManifestError": "manifest",
+    "Check": "report",
+    "summary_table": "report",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -34,6 +34,7 @@ __all__ = [
     "Validation",
     "export_onnx",
     "export_prefix",
+    "file_opset",
     "export_friendly",
     "set_metadata",
     "validate_prefix",
@@ -81,6 +82,9 @@ def weights_sha256(module: nn.Module) -> str:
     return h.hexdigest()
 
 
+EXPORT_OPSET = 18  # torch.onnx's own implementations start at 18
+
+
 def export_onnx(
     module: nn.Module | torch.export.ExportedProgram,
     args: tuple,
@@ -91,7 +95,12 @@ def export_onnx(
     opset: int,
     dynamic_shapes: Any = None,
 ) -> None:
-    """torch.onnx dynamo export to one self-contained file, quietly (its progress lines are noise)."""
+    """torch.onnx dynamo export to one self-contained file, quietly (its progress lines are noise).
+
+    torch.onnx translates to opset 18; asked for less, its built-in conversion runs before constant
+    folding and fails on ResNet prefixes (ReduceMean axes not yet constant), silently leaving opset
+    18. So we export at 18 and convert the saved, folded model with onnx's version converter.
+    """
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -99,7 +108,7 @@ def export_onnx(
             args,
             None,
             dynamo=True,
-            opset_version=opset,
+            opset_version=max(opset, EXPORT_OPSET),
             input_names=input_names,
             output_names=output_names,
             dynamic_shapes=dynamic_shapes,
@@ -108,6 +117,33 @@ def export_onnx(
             optimize=True,
         )
     program.save(str(path), external_data=False)
+    if opset < EXPORT_OPSET:
+        import onnx
+        from onnx import version_converter
+
+        proto = version_converter.convert_version(onnx.load(str(path)), opset)
+        _drop_opset18_reduce_attr(proto.graph)
+        onnx.checker.check_model(proto)
+        onnx.save(proto, str(path))
+
+
+def _drop_opset18_reduce_attr(graph) -> None:  # noqa: ANN001 - onnx GraphProto
+    """onnx's converter (1.23) leaves ``noop_with_empty_axes`` on ReduceMean & co. when it moves
+    their axes back to an attribute, but before opset 18 only ReduceSum has that attribute."""
+    for node in graph.node:
+        if node.op_type.startswith("Reduce") and node.op_type != "ReduceSum":
+            for attr in list(node.attribute):
+                if attr.name == "noop_with_empty_axes":
+                    if attr.i:
+                        raise NotImplementedError(f"{node.name}: noop_with_empty_axes=1 has no opset-17 form")
+                    node.attribute.remove(attr)
+
+
+def file_opset(path: Path) -> int:
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    return next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
 
 
 def set_metadata(path: Path, props: dict[str, Any]) -> None:
@@ -190,10 +226,12 @@ def validate_prefix(
     batch: int = 3,
     x: Tensor | None = None,
     rtol_of_max: float = 0.0,
+    opset: int | None = None,
 ) -> Validation:
     """Fresh onnxruntime session vs torch eval-mode prefix, at a batch other than the export's.
 
-    ``rtol_of_max`` > 0 widens the tolerance to ``max(atol, rtol_of_max * max|z|)`` (fp16 files).
+    ``rtol_of_max`` > 0 widens the tolerance to ``max(atol, rtol_of_max * max|z|)`` (fp16 files);
+    ``opset`` adds a check of the file's opset.
     """
     val = Validation(batch=batch, atol=atol)
     try:
@@ -205,6 +243,9 @@ def validate_prefix(
     outs = [o.name for o in sess.get_outputs()]
     val.checks.append(Check(ins == list(INPUT_NAMES), "ONNX model input names match reference model", f"{ins}"))
     val.checks.append(Check(outs == [OUTPUT_NAME], "ONNX model output names match reference model", f"{outs}"))
+    if opset is not None:
+        got = file_opset(path)
+        val.checks.append(Check(got == opset, f"ONNX opset is {opset}", f"file has opset {got}"))
     dims = sess.get_inputs()[0].shape
     val.checks.append(Check(isinstance(dims[0], str), "batch dimension is dynamic", f"input x has shape {dims}"))
 

@@ -48,58 +48,53 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _kb(n: float) -> str:
+    """Compact byte count for table cells: 64K, 751K, 2.1M."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.1f}{unit}" if v < 10 else f"{v:.0f}{unit}"
+    return f"{n:.0f}B"
+
+
 def _si(n: float) -> str:
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
+            v = n / scale
+            return f"{v:.2f}{unit}" if v < 10 else f"{v:.1f}{unit}" if v < 100 else f"{v:.0f}{unit}"
     return f"{n:.0f}"
 
 
 def summary_table(manifest: dict):  # noqa: ANN201 - rich.table.Table, imported lazily
-    """One row per prefix: split, depth, params, FLOPs, MACs, activation, file sizes, validation."""
+    """One row per prefix: split, depth, params, FLOPs (torch, per sample), MACs (ONNX graph, per sample),
+    activation shape and fp32 bytes per sample, file size, validation diff, int8 size and speed-up, train check."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=f"{manifest['model']['arch']} prefixes -> {manifest.get('out_dir', '')}", show_lines=False)
-    for col, justify in (
-        ("k", "right"),
-        ("depth", "right"),
-        ("file", "left"),
-        ("params", "right"),
-        ("FLOPs/sample", "right"),
-        ("MACs (onnx)", "right"),
-        ("activation", "left"),
-        ("act fp32/int8", "right"),
-        ("size", "right"),
-        ("max |diff|", "right"),
-        ("int8", "left"),
-        ("train", "left"),
-        ("ok", "center"),
-    ):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    title = f"{manifest['model']['arch']} prefixes -> {manifest.get('out_dir', '')}"
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True)
+    for col in ("k", "depth", "params", "FLOPs", "MACs", "z shape", "z bytes", "file", "diff", "int8", "grad err", "ok"):
+        table.add_column(col, justify="left" if col in ("z shape", "int8", "grad err") else "right", no_wrap=True)
     for p in manifest["prefixes"]:
         act = p["activation"]
-        v = p["validation"]
         q = p.get("int8")
         t = p.get("train")
         int8 = "-"
         if q:
-            int8 = f"{human_bytes(q['bytes'])}, dev {q['max_abs_dev']:.3g}"
-            if q.get("speedup") is not None:
-                int8 += f", x{q['speedup']:.2f}"
+            int8 = f"{_kb(q['bytes'])} x{q['speedup']:.1f}" if q.get("speedup") else _kb(q["bytes"])
         train = "-"
         if t:
-            train = f"grad rel {t['max_rel_grad_err']:.1e}" if t.get("max_rel_grad_err") is not None else "yes"
+            train = f"{t['max_rel_grad_err']:.0e}" if t.get("max_rel_grad_err") is not None else "yes"
         table.add_row(
             str(p["split"]),
             str(p["depth"]),
-            p["file"],
             _si(p["params"]),
             _si(p["flops_per_sample"]),
             _si(p["macs_onnx"]) if p.get("macs_onnx") is not None else "-",
             "x".join(map(str, act["shape"])),
-            f"{human_bytes(act['bytes_per_sample']['fp32'])}/{human_bytes(act['bytes_per_sample']['int8'])}",
-            human_bytes(p["bytes"]),
-            f"{v['max_abs_diff']:.2e}",
+            _kb(act["bytes_per_sample"]["fp32"]),
+            _kb(p["bytes"]),
+            f"{p['validation']['max_abs_diff']:.1e}",
             int8,
             train,
             OK if p["valid"] else FAIL,

@@ -19,11 +19,13 @@ class PromptBias(nn.Module):
     spatial position. Each token gets its own gradient through its own attention weight.
     """
 
+    scale = 0.1
+
     def forward(self, s: Tensor, prompts: Tensor | None) -> Tensor:
         if prompts is None or prompts.shape[0] == 0:
             return s
         attn = torch.softmax(s.mean(dim=(2, 3)) @ prompts.t(), dim=-1)  # (B, m)
-        return s + (attn @ prompts)[:, :, None, None]
+        return s + self.scale * (attn @ prompts)[:, :, None, None]
 
 
 def insert_prompt_tokens(tokens: Tensor, prompts: Tensor | None, num_prefix: int = 1) -> Tensor:

@@ -1,0 +1,104 @@
+"""int8 static quantization of a prefix with real calibration images (onnxruntime.quantization).
+
+Format: QDQ, uint8 activations (asymmetric) and int8 per-channel weights. On x86 that is the
+combination that pays: u8 activations with s8 weights ran 2.2-3.7x faster than fp32 on the ResNet
+prefixes, s8 activations (S8S8) were no faster, and dynamic quantization (ConvInteger) was 7x
+slower. Calibration is MinMax over batches of the calibration set's training images, normalised
+as the model expects, with one fixed prompt set (``init_prompts`` with seed 0): the ranges do not
+depend much on the prompts, which only add a per-sample bias (CNN) or m tokens (ViT).
+
+This module is torch-free; the pipeline turns images into float batches before calling it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["TRANSFORMER_OPS", "CalibrationReader", "quantize_prefix", "output_deviation", "time_session", "normalize"]
+
+
+TRANSFORMER_OPS = ["Conv", "MatMul", "Gemm"]
+
+
+def normalize(images_nhwc_u8: np.ndarray, mean: Iterable[float], std: Iterable[float]) -> np.ndarray:
+    """uint8 NHWC -> float32 NCHW, (x/255 - mean) / std per channel."""
+    x = images_nhwc_u8.astype(np.float32) / 255.0
+    x = (x - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+
+
+class CalibrationReader:
+    """onnxruntime.quantization.CalibrationDataReader over a list of feed dicts."""
+
+    def __init__(self, feeds: Iterable[dict[str, np.ndarray]]) -> None:
+        self._feeds = list(feeds)
+        self._it: Iterator[dict[str, np.ndarray]] = iter(self._feeds)
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._it, None)
+
+    def rewind(self) -> None:
+        self._it = iter(self._feeds)
+
+
+def quantize_prefix(
+    fp32_path: Path, out_path: Path, feeds: Iterable[dict[str, np.ndarray]], op_types: list[str] | None = None
+) -> float:
+    """Writes the int8 QDQ model to ``out_path``; returns the seconds it took.
+
+    ``op_types`` limits what is quantized (None: everything onnxruntime can). Transformers keep
+    LayerNorm / Softmax in float (``TRANSFORMER_OPS``), as is usual for int8 ViTs.
+    """
+    import logging
+
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    start = time.perf_counter()
+    pre = out_path.with_suffix(".pre.onnx")
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # the quantizer warns through the root logger about every skipped axis
+    try:
+        # Shape inference + graph fusion first, as onnxruntime recommends for static quantization.
+        quant_pre_process(str(fp32_path), str(pre), skip_symbolic_shape=False)
+        quantize_static(
+            str(pre),
+            str(out_path),
+            CalibrationReader(feeds),
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            per_channel=True,
+            calibrate_method=CalibrationMethod.MinMax,
+            op_types_to_quantize=op_types,
+        )
+    finally:
+        root.setLevel(level)
+        pre.unlink(missing_ok=True)
+        for extra in out_path.parent.glob("*.pre-inferred.onnx"):
+            extra.unlink(missing_ok=True)
+    return time.perf_counter() - start
+
+
+def output_deviation(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
+    """Deviation of ``b`` from the reference ``a``: max / mean absolute, and mean relative to mean|a|."""
+    d = np.abs(a.astype(np.float64) - b.astype(np.float64))
+    scale = float(np.mean(np.abs(a))) + 1e-12
+    return {"max_abs_dev": float(d.max()), "mean_abs_dev": float(d.mean()), "rel_mean_dev": float(d.mean()) / scale}
+
+
+def time_session(sess, feeds: dict[str, np.ndarray], *, warmup: int = 2, iters: int = 10) -> float:  # noqa: ANN001
+    """Median seconds of one run."""
+    for _ in range(warmup):
+        sess.run(None, feeds)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        sess.run(None, feeds)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
