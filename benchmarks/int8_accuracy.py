@@ -26,9 +26,9 @@ SECTION = "## int8 prefixes: size, deviation, speed, accuracy (issue 4)"
 def train(args: argparse.Namespace) -> tuple[Path, float]:
     import torch
     import torch.nn.functional as F
+    from fedsga_edge.export.quantize import normalize
 
     from fedsga_edge.data import load_dataset
-    from fedsga_edge.export.quantize import normalize
     from fedsga_edge.models import create_model
 
     torch.manual_seed(args.seed)
@@ -80,8 +80,15 @@ def main() -> None:
 
     manifest = export_prefixes(
         ExportConfig(
-            model=args.model, width=args.width, out=args.out / "artifacts", checkpoint=ckpt, int8=True,
-            calib_data=args.data, data_root=args.data_root, eval_samples=0, prompts=args.prompts,
+            model=args.model,
+            width=args.width,
+            out=args.out / "artifacts",
+            checkpoint=ckpt,
+            int8=True,
+            calib_data=args.data,
+            data_root=args.data_root,
+            eval_samples=0,
+            prompts=args.prompts,
         ),
         log=lambda text: print(text, flush=True),
     )
@@ -91,16 +98,20 @@ def main() -> None:
         "",
         f"Command: `{command}`",
         "",
-        f"{m['arch']} width {m['width']}, trained centrally for {args.epochs} epochs on {args.data} "
-        f"({train_s:.0f} s; torch full-model test accuracy {100 * torch_acc:.2f}%), then `fedsga-edge export --int8 "
-        f"--calib-data {args.data} --checkpoint ...`: QDQ, uint8 activations, int8 per-channel weights, MinMax "
-        f"calibration on {manifest['prefixes'][0]['int8']['calibration']['samples']} training images. Accuracy: "
-        f"the whole test split through the fp32 / int8 ONNX prefix and the torch suffix and head. Deviation: "
-        f"mean |z_int8 - z_fp32| / mean |z_fp32| on the same images. Speed: onnxruntime p50 at batch "
-        f"{manifest['prefixes'][0]['int8']['latency_batch']}, default threads, on this shared 2-core machine.",
+        (
+            f"{m['arch']} width {m['width']}, trained centrally for {args.epochs} epochs on {args.data} "
+            f"({train_s:.0f} s; torch full-model test accuracy {100 * torch_acc:.2f}%), then `fedsga-edge export --int8 "
+            f"--calib-data {args.data} --checkpoint ...`: QDQ, uint8 activations, int8 per-channel weights, MinMax "
+            f"calibration on {manifest['prefixes'][0]['int8']['calibration']['samples']} training images. Accuracy: "
+            f"the whole test split through the fp32 / int8 ONNX prefix and the torch suffix and head. Deviation: "
+            f"mean |z_int8 - z_fp32| / mean |z_fp32| on the same images. Speed: onnxruntime p50 at batch "
+            f"{manifest['prefixes'][0]['int8']['latency_batch']}, default threads, on this shared 2-core machine."
+        ),
         "",
-        "| k | depth | fp32 file | int8 file | rel. deviation | max abs dev | fp32 acc | int8 acc | change | "
-        "top-1 agreement | fp32 ms | int8 ms | speed-up |",
+        (
+            "| k | depth | fp32 file | int8 file | rel. deviation | max abs dev | fp32 acc | int8 acc | change | "
+            "top-1 agreement | fp32 ms | int8 ms | speed-up |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in manifest["prefixes"]:

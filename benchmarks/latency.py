@@ -2,8 +2,8 @@
 
 Each (runtime, threads) pair is profiled in its own process: the two runtimes' thread pools
 interfere when they share one. The floor of each prefix is its forward FLOPs divided by the peak
-fp32 matmul FLOP/s this machine reaches with that many threads (torch.mm on 2048 x 2048, best of
-several runs, in its own process too).
+fp32 matmul FLOP/s this machine reaches with that many threads (torch.mm on 1024 x 1024, best of
+40 runs, in its own process too).
 
     python benchmarks/latency.py --model resnet18_cifar --out runs/latency \
         [--width 1.0] [--int8 --calib-data digits] [--batches 1,32] [--threads 1,2] [--iters 30] \
@@ -32,13 +32,17 @@ def _ints(text: str) -> list[int]:
     return [int(s) for s in text.split(",") if s.strip()]
 
 
-def peak_matmul_flops(threads: int, n: int = 2048, repeats: int = 5) -> float:
-    """Best fp32 torch.mm FLOP/s with ``threads`` threads (run in a process of its own)."""
+def peak_matmul_flops(threads: int, n: int = 1024, repeats: int = 40) -> float:
+    """Best fp32 torch.mm FLOP/s with ``threads`` threads (run in a process of its own).
+
+    Best of many short runs: on a shared machine the best one is the least disturbed.
+    """
     import torch
 
     torch.set_num_threads(threads)
     a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
+    for _ in range(3):
+        torch.mm(a, b)
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
@@ -72,9 +76,24 @@ def worker(args: argparse.Namespace) -> None:
 
 def _sub(kind: str, threads: int, args: argparse.Namespace, tmp: Path) -> dict:
     out = tmp / f"{kind}_t{threads}.json"
-    cmd = [sys.executable, str(HERE), "--worker", kind, "--worker-threads", str(threads), "--json", str(out),
-           "--artifacts", str(args.artifacts), "--batches", args.batches, "--warmup", str(args.warmup),
-           "--iters", str(args.iters)]
+    cmd = [
+        sys.executable,
+        str(HERE),
+        "--worker",
+        kind,
+        "--worker-threads",
+        str(threads),
+        "--json",
+        str(out),
+        "--artifacts",
+        str(args.artifacts),
+        "--batches",
+        args.batches,
+        "--warmup",
+        str(args.warmup),
+        "--iters",
+        str(args.iters),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     subprocess.run(cmd, check=True, env=env)
     return json.loads(out.read_text())
@@ -84,40 +103,66 @@ def _fmt_ms(v: float | None) -> str:
     return "-" if v is None else (f"{v:.3f}" if v < 1 else f"{v:.2f}" if v < 100 else f"{v:.0f}")
 
 
+def _p50(runs: dict, runtime: str, variant: str, split: int, batch: int, threads: int) -> float | None:
+    for r in runs[(runtime, threads)]["results"]:
+        if r["split"] == split and r["batch"] == batch and r["variant"] == variant:
+            return r["latency_ms"]["p50"]
+    return None
+
+
+def _contention_note(args: argparse.Namespace, dev: dict, peaks: dict[int, float]) -> list[str]:
+    """Says so when the machine was oversubscribed: then more threads measure slower, not faster."""
+    load = float(args.load.split(" / ")[0])
+    cores = dev.get("affinity_cores") or dev["cores_logical"]
+    worse = len(peaks) > 1 and peaks[max(peaks)] < peaks[min(peaks)]
+    if load < cores and not worse:
+        return []
+    return [
+        f"**Oversubscribed run**: load average {load:.1f} on {cores} cores"
+        + (f", and {max(peaks)} threads reached a lower matmul peak than {min(peaks)}" if worse else "")
+        + ". Other jobs held the cores, so the multi-thread rows show contention (OpenMP / thread-pool spin-waits),"
+        " not scaling; single-thread rows are the more reliable ones. Rerun on an idle device for thread scaling.",
+        "",
+    ]
+
+
 def markdown(args: argparse.Namespace, manifest: dict, runs: dict, peaks: dict[int, float], command: str) -> str:
     dev = runs[("onnxruntime", _ints(args.threads)[0])]["device"]
     torch_dev = runs[("torch", _ints(args.threads)[0])]["device"]
     m = manifest["model"]
+    peak_text = ", ".join(f"{t} thread{'s' if t > 1 else ''}: {peaks[t] / 1e9:.1f} GFLOP/s" for t in sorted(peaks))
     lines = [
         SECTION,
         "",
         f"Command: `{command}`",
         "",
-        f"Machine: {dev['cpu']}, {dev['cores_logical']} logical cores ({dev.get('affinity_cores', '?')} usable), "
-        f"{dev['os']}; onnxruntime {dev['onnxruntime']} (CPUExecutionProvider), torch {torch_dev['torch']} eager. "
-        f"Load average at start: {args.load}. Shared machine: other jobs ran at the same time, so treat "
-        f"differences under ~15% as noise.",
+        (
+            f"Machine: {dev['cpu']}, {dev['cores_logical']} logical cores ({dev.get('affinity_cores', '?')} usable), "
+            f"{dev['os']}; onnxruntime {dev['onnxruntime']} (CPUExecutionProvider), torch {torch_dev['torch']} eager. "
+            f"Load average at start: {args.load}. Shared machine: other jobs ran at the same time, so treat "
+            f"differences under ~15% as noise."
+        ),
         "",
-        f"Model: {m['arch']} width {m['width']} at {m['img_size']} px, m = {m['prompts_m']} prompts; random weights "
-        f"(latency does not depend on the values). p50 of {args.iters} runs after {args.warmup} warm-up runs, in ms "
-        f"per batch. Floor = FLOPs / peak fp32 matmul FLOP/s with the same threads "
-        f"({', '.join(f'{t} thread{"s" if t > 1 else ""}: {peaks[t] / 1e9:.1f} GFLOP/s' for t in sorted(peaks))}). "
-        f"ORT eff. = floor / ORT fp32 time.",
+        (
+            f"Model: {m['arch']} width {m['width']} at {m['img_size']} px, m = {m['prompts_m']} prompts; random "
+            f"weights (latency does not depend on the values). p50 of {args.iters} runs after {args.warmup} warm-up "
+            f"runs, in ms per batch. Floor = FLOPs / peak fp32 matmul FLOP/s with the same threads ({peak_text}). "
+            "ORT eff. = floor / ORT fp32 time (above 100% means the peak measurement itself was disturbed by other jobs)."
+        ),
         "",
-        "| k | depth | FLOPs/sample | z bytes/sample fp32 | batch | threads | ORT fp32 | ORT int8 | torch eager | "
-        "ORT vs torch | int8 vs fp32 | floor | ORT eff. |",
+        *_contention_note(args, dev, peaks),
+        (
+            "| k | depth | FLOPs/sample | z bytes/sample fp32 | batch | threads | ORT fp32 | ORT int8 | torch eager | "
+            "ORT vs torch | int8 vs fp32 | floor | ORT eff. |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in manifest["prefixes"]:
         for batch in _ints(args.batches):
             for threads in _ints(args.threads):
-                def pick(runtime: str, variant: str) -> float | None:
-                    for r in runs[(runtime, threads)]["results"]:
-                        if r["split"] == p["split"] and r["batch"] == batch and r["variant"] == variant:
-                            return r["latency_ms"]["p50"]
-                    return None
-
-                ort32, ort8, eager = pick("onnxruntime", "fp32"), pick("onnxruntime", "int8"), pick("torch", "fp32")
+                key = (p["split"], batch, threads)
+                ort32, ort8 = _p50(runs, "onnxruntime", "fp32", *key), _p50(runs, "onnxruntime", "int8", *key)
+                eager = _p50(runs, "torch", "fp32", *key)
                 floor = 1e3 * p["flops_per_sample"] * batch / peaks[threads]
                 lines.append(
                     f"| {p['split']} | {p['depth']} | {p['flops_per_sample'] / 1e6:.1f}M | "
@@ -169,7 +214,16 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.artifacts is None:
         args.artifacts = args.out / "artifacts"
-        cmd = [sys.executable, "-m", "fedsga_edge.cli.main", "export", "--model", args.model, "--out", str(args.artifacts)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fedsga_edge.cli.main",
+            "export",
+            "--model",
+            args.model,
+            "--out",
+            str(args.artifacts),
+        ]
         if args.width is not None:
             cmd += ["--width", str(args.width)]
         if args.img_size is not None:

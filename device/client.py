@@ -102,12 +102,15 @@ class TorchClient:
         prompts = self.state.prompts if use_prompts else None
 
         report: dict[str, Any] = {}
-        if body.get("split") is not None:
-            k = int(body["split"])
-        else:  # FedSGA: observe, maybe calibrate, estimate r, pick the split (DESIGN §1.2-1.5)
-            assert fed is not None
-            k, report = self._choose_split(t, model, body, fed, prompts)
         full = bool(body.get("full"))
+        if full:
+            k = 0
+        elif body.get("split") is not None:
+            k = int(body["split"])
+        elif fed is not None:  # FedSGA: observe, maybe calibrate, estimate r, pick the split (DESIGN §1.2-1.5)
+            k, report = self._choose_split(t, model, body, fed, prompts)
+        else:
+            raise ValueError("round_start names no split and carries no FedSGA settings to choose one")
         depth = model.num_blocks if full else model.depth_of(k)
         self._fetch_missing(t, model, body, depth, full)
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from .runtime import ArtifactError, PrefixRunner, load_manifest
 
-__all__ = ["RUNTIMES", "device_info", "latency_stats", "time_calls", "profile_artifacts", "peak_rss_during"]
+__all__ = ["RUNTIMES", "device_info", "latency_stats", "peak_rss_during", "profile_artifacts", "time_calls"]
 
 RUNTIMES = ("onnxruntime", "torch")
 
@@ -112,7 +112,7 @@ def time_calls(fn: Callable[[], Any], *, warmup: int, iters: int | None, duratio
             return times
 
 
-class peak_rss_during:  # noqa: N801 - used as a context manager
+class peak_rss_during:
     """Samples this process's RSS every ``interval`` s; ``.peak`` and ``.before`` in bytes."""
 
     def __init__(self, interval: float = 0.001) -> None:
@@ -140,7 +140,7 @@ class peak_rss_during:  # noqa: N801 - used as a context manager
         self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
-def _inputs(manifest: dict[str, Any], entry: dict[str, Any], batch: int, seed: int = 0):  # noqa: ANN202
+def _inputs(manifest: dict[str, Any], entry: dict[str, Any], batch: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     _, c, h, w = manifest["input"]["shape"]
     x = rng.standard_normal((batch, c, h, w), dtype=np.float32)
@@ -149,7 +149,7 @@ def _inputs(manifest: dict[str, Any], entry: dict[str, Any], batch: int, seed: i
     return x, prompts, dz
 
 
-def _profile_onnx(art: Path, manifest, entry, variant, batch, threads, warmup, iters, duration, train) -> dict:  # noqa: ANN001
+def _profile_onnx(art: Path, manifest, entry, variant, batch, threads, warmup, iters, duration, train) -> dict:
     x, prompts, dz = _inputs(manifest, entry, batch)
     with peak_rss_during() as mem:
         runner = PrefixRunner(art, entry["split"], variant=variant, threads=threads)
@@ -178,7 +178,7 @@ def _profile_onnx(art: Path, manifest, entry, variant, batch, threads, warmup, i
     return out
 
 
-def _profile_torch(manifest, entry, batch, threads, warmup, iters, duration, train) -> dict:  # noqa: ANN001
+def _profile_torch(manifest, entry, batch, threads, warmup, iters, duration, train) -> dict:
     import torch
 
     from fedsga_edge.models import create_model

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ArtifactError", "PrefixRunner", "load_manifest", "make_session", "VARIANTS"]
+__all__ = ["VARIANTS", "ArtifactError", "PrefixRunner", "load_manifest", "make_session"]
 
 VARIANTS = ("fp32", "fp16", "int8")
 _FORMAT = "fedsga-edge-prefixes"  # written by fedsga_edge.export.manifest (the device does not import export)
@@ -46,7 +46,7 @@ def load_manifest(artifacts: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def make_session(path: str | Path, *, threads: int | None = None, providers: list[str] | None = None):  # noqa: ANN201
+def make_session(path: str | Path, *, threads: int | None = None, providers: list[str] | None = None):
     """An onnxruntime session with ``threads`` intra-op threads (None: onnxruntime's default)."""
     import onnxruntime as ort
 
@@ -116,7 +116,7 @@ class PrefixRunner:
         self._sgd = _Sgd()
 
     # -- sessions (created on first use, so session-create time can be measured on its own) ----
-    def session(self):  # noqa: ANN201
+    def session(self):
         if self._fwd is None:
             self._fwd = make_session(self.dir / self.file, threads=self.threads, providers=self.providers)
         return self._fwd
@@ -125,12 +125,16 @@ class PrefixRunner:
     def trainable(self) -> bool:
         return self._train is not None
 
-    def train_sessions(self):  # noqa: ANN201
+    def train_sessions(self):
         if not self._train:
             raise ArtifactError(f"split {self.split} has no train graphs: export with --train")
         if self._train_fwd is None:
-            self._train_fwd = make_session(self.dir / self._train["forward_file"], threads=self.threads, providers=self.providers)
-            self._train_bwd = make_session(self.dir / self._train["backward_file"], threads=self.threads, providers=self.providers)
+            self._train_fwd = make_session(
+                self.dir / self._train["forward_file"], threads=self.threads, providers=self.providers
+            )
+            self._train_bwd = make_session(
+                self.dir / self._train["backward_file"], threads=self.threads, providers=self.providers
+            )
         return self._train_fwd, self._train_bwd
 
     # -- inference -----------------------------------------------------------------------------
@@ -150,7 +154,7 @@ class PrefixRunner:
         return self.session().run(["z"], {"x": x, "prompts": prompts})[0]
 
     # -- training ------------------------------------------------------------------------------
-    def _feeds(self, sess, base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:  # noqa: ANN001
+    def _feeds(self, sess, base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         # Unused inputs may be pruned from a graph: feed only what the session declares.
         return {i.name: base[i.name] if i.name in base else self.state[i.name] for i in sess.get_inputs()}
 

@@ -10,22 +10,22 @@ import importlib
 from typing import Any
 
 __all__ = [
+    "Check",
     "ExportConfig",
     "ExportError",
-    "export_prefixes",
-    "export_prefix",
-    "validate_prefix",
+    "ManifestError",
     "PrefixModule",
-    "export_train_graphs",
     "check_train_graphs",
     "convolution_backward",
-    "quantize_prefix",
     "count_macs",
+    "export_prefix",
+    "export_prefixes",
+    "export_train_graphs",
+    "quantize_prefix",
     "read_manifest",
-    "write_manifest",
-    "ManifestError",
-    "Check",
     "summary_table",
+    "validate_prefix",
+    "write_manifest",
 ]
 
 _WHERE = {

@@ -47,7 +47,7 @@ from .manifest import sha256_file
 from .onnx_prefix import PrefixModule, export_friendly, export_onnx, ort_session
 from .report import Check
 
-__all__ = ["TrainGraphs", "convolution_backward", "export_train_graphs", "check_train_graphs", "BN_STATS"]
+__all__ = ["BN_STATS", "TrainGraphs", "check_train_graphs", "convolution_backward", "export_train_graphs"]
 
 aten = torch.ops.aten
 BN_STATS = ("running_mean", "running_var")
@@ -281,7 +281,12 @@ def export_train_graphs(
     arrays = {k: v.cpu().numpy() for k, v in prefix.state_dict().items()}
     np.savez(out_dir / f"{stem}.state.npz", **arrays)
     return TrainGraphs(
-        f"{stem}.train_fwd.onnx", f"{stem}.train_bwd.onnx", f"{stem}.state.npz", params, stats, time.perf_counter() - start
+        f"{stem}.train_fwd.onnx",
+        f"{stem}.train_bwd.onnx",
+        f"{stem}.state.npz",
+        params,
+        stats,
+        time.perf_counter() - start,
     )
 
 
@@ -290,7 +295,14 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def check_train_graphs(
-    model: SplitModel, depth: int, out_dir: Path, graphs: TrainGraphs, *, prompts_m: int, batch: int = 3, rtol: float = 1e-4
+    model: SplitModel,
+    depth: int,
+    out_dir: Path,
+    graphs: TrainGraphs,
+    *,
+    prompts_m: int,
+    batch: int = 3,
+    rtol: float = 1e-4,
 ) -> tuple[list[Check], float]:
     """Train graphs vs torch autograd at ``batch`` (not the export's), with perturbed weights as inputs.
 
@@ -312,7 +324,9 @@ def check_train_graphs(
     checks: list[Check] = []
 
     fwd = ort_session(out_dir / graphs.forward_file)
-    feeds = {"x": x.numpy(), "prompts": prompts.detach().numpy()} | {n: state[n] for n in graphs.params + graphs.buffers}
+    feeds = {"x": x.numpy(), "prompts": prompts.detach().numpy()} | {
+        n: state[n] for n in graphs.params + graphs.buffers
+    }
     names = {i.name for i in fwd.get_inputs()}
     got = fwd.run(None, {k: v for k, v in feeds.items() if k in names})
     z_err = _rel(got[0], z.detach().numpy())
@@ -330,6 +344,8 @@ def check_train_graphs(
     refs = [prompts.grad.numpy()] + [named[p].grad.numpy() for p in graphs.params]
     worst = max(_rel(g, r) for g, r in zip(grads, refs))
     checks.append(
-        Check(worst <= rtol, f"gradients of prompts and {len(graphs.params)} params match autograd (max rel {worst:.1e})")
+        Check(
+            worst <= rtol, f"gradients of prompts and {len(graphs.params)} params match autograd (max rel {worst:.1e})"
+        )
     )
     return checks, max(worst, z_err, s_err)

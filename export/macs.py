@@ -21,7 +21,7 @@ __all__ = ["MACS_METHOD", "count_macs"]
 MACS_METHOD = "fedsga_edge.export.macs: Conv/ConvTranspose/MatMul/Gemm MACs on onnxruntime-observed shapes, batch 1"
 
 
-def _prod(shape) -> int:  # noqa: ANN001
+def _prod(shape) -> int:
     return int(math.prod(int(s) for s in shape))
 
 

@@ -30,7 +30,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST_NAME", "ManifestError", "sha256_file", "write_manifest", "read_manifest"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "ManifestError",
+    "read_manifest",
+    "sha256_file",
+    "write_manifest",
+]
 
 FORMAT = "fedsga-edge-prefixes"
 FORMAT_VERSION = 1
@@ -70,13 +78,17 @@ def read_manifest(out_dir: str | Path, *, verify: bool = False) -> dict[str, Any
     if manifest.get("format") != FORMAT:
         raise ManifestError(f"{path} is not a fedsga-edge prefix manifest (format={manifest.get('format')!r})")
     if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise ManifestError(f"{path} has format_version {manifest['format_version']}; this reader knows {FORMAT_VERSION}")
+        raise ManifestError(
+            f"{path} has format_version {manifest['format_version']}; this reader knows {FORMAT_VERSION}"
+        )
     if verify:
         for p in manifest["prefixes"]:
             for name, digest in _listed_files(p):
                 actual = sha256_file(Path(out_dir) / name)
                 if actual != digest:
-                    raise ManifestError(f"{name}: sha256 {actual[:12]}... does not match the manifest's {digest[:12]}...")
+                    raise ManifestError(
+                        f"{name}: sha256 {actual[:12]}... does not match the manifest's {digest[:12]}..."
+                    )
     return manifest
 
 

@@ -32,10 +32,10 @@ __all__ = [
     "OUTPUT_NAME",
     "PrefixModule",
     "Validation",
+    "export_friendly",
     "export_onnx",
     "export_prefix",
     "file_opset",
-    "export_friendly",
     "set_metadata",
     "validate_prefix",
     "weights_sha256",
@@ -127,7 +127,7 @@ def export_onnx(
         onnx.save(proto, str(path))
 
 
-def _drop_opset18_reduce_attr(graph) -> None:  # noqa: ANN001 - onnx GraphProto
+def _drop_opset18_reduce_attr(graph) -> None:
     """onnx's converter (1.23) leaves ``noop_with_empty_axes`` on ReduceMean & co. when it moves
     their axes back to an attribute, but before opset 18 only ReduceSum has that attribute."""
     for node in graph.node:
@@ -205,7 +205,7 @@ class Validation:
         }
 
 
-def ort_session(path: str | Path, threads: int | None = None):  # noqa: ANN201
+def ort_session(path: str | Path, threads: int | None = None):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -264,7 +264,11 @@ def validate_prefix(
         val.checks.append(Check(False, f"runs at batch {batch}", str(exc).splitlines()[0]))
         return val
     val.checks.append(
-        Check(got.shape == ref.shape, f"(batch {batch}) matches the reference output shape {ref.shape}", f"got {got.shape}")
+        Check(
+            got.shape == ref.shape,
+            f"(batch {batch}) matches the reference output shape {ref.shape}",
+            f"got {got.shape}",
+        )
     )
     if got.shape != ref.shape:
         return val

@@ -124,7 +124,7 @@ def _checkpoint_info(path: Path) -> tuple[int | None, Any]:
     return head, prompts
 
 
-def _batches(x: np.ndarray, size: int):  # noqa: ANN202
+def _batches(x: np.ndarray, size: int):
     for i in range(0, len(x), size):
         yield x[i : i + size]
 
@@ -211,11 +211,18 @@ def export_prefixes(cfg: ExportConfig, log: Log = print) -> dict[str, Any]:
         depth = model.depth_of(k)
         stem = f"prefix_k{k}"
         path = out / f"{stem}.onnx"
-        seconds = export_prefix(model, depth, path, prompts_m=cfg.prompts, opset=cfg.opset, example_batch=cfg.example_batch)
+        seconds = export_prefix(
+            model, depth, path, prompts_m=cfg.prompts, opset=cfg.opset, example_batch=cfg.example_batch
+        )
         val = validate_prefix(
             path, model, depth, prompts_m=cfg.prompts, atol=cfg.atol, batch=cfg.validate_batch, opset=cfg.opset
         )
-        log(format_checks(f"Validating ONNX model {path.name} (split {k}, depth {depth}, exported in {seconds:.1f} s)...", val.checks))
+        log(
+            format_checks(
+                f"Validating ONNX model {path.name} (split {k}, depth {depth}, exported in {seconds:.1f} s)...",
+                val.checks,
+            )
+        )
 
         with export_friendly(pristine):
             # Fused attention off: FlopCounterMode does not count the CPU flash-attention kernel
@@ -280,7 +287,13 @@ def export_prefixes(cfg: ExportConfig, log: Log = print) -> dict[str, Any]:
             onnx.save(half, str(fp16_path))
             set_metadata(fp16_path, meta | {"variant": "fp16 (fp32 inputs and outputs)"})
             v16 = validate_prefix(
-                fp16_path, model, depth, prompts_m=cfg.prompts, atol=cfg.atol, batch=cfg.validate_batch, rtol_of_max=1e-2
+                fp16_path,
+                model,
+                depth,
+                prompts_m=cfg.prompts,
+                atol=cfg.atol,
+                batch=cfg.validate_batch,
+                rtol_of_max=1e-2,
             )
             log(format_checks(f"Validating ONNX model {fp16_path.name} (fp16 weights and compute)...", v16.checks))
             entry["fp16"] = {
@@ -303,7 +316,9 @@ def export_prefixes(cfg: ExportConfig, log: Log = print) -> dict[str, Any]:
             q_seconds = quantize_prefix(path, int8_path, feeds, op_types)
             set_metadata(int8_path, meta | {"variant": "int8 QDQ (u8 activations, s8 per-channel weights)"})
             s32, s8 = ort_session(path), ort_session(int8_path)
-            z32 = np.concatenate([s32.run(None, {"x": xb, "prompts": prompts_np})[0] for xb in _batches(data.test_x, 64)])
+            z32 = np.concatenate(
+                [s32.run(None, {"x": xb, "prompts": prompts_np})[0] for xb in _batches(data.test_x, 64)]
+            )
             z8 = np.concatenate([s8.run(None, {"x": xb, "prompts": prompts_np})[0] for xb in _batches(data.test_x, 64)])
             dev = output_deviation(z32, z8)
             bench = {"x": data.test_x[:32], "prompts": prompts_np}
@@ -351,7 +366,9 @@ def export_prefixes(cfg: ExportConfig, log: Log = print) -> dict[str, Any]:
             )
             for name in (graphs.forward_file, graphs.backward_file):
                 set_metadata(out / name, meta | {"variant": name.split(".")[-2]})
-            checks, worst = check_train_graphs(model, depth, out, graphs, prompts_m=cfg.prompts, batch=cfg.validate_batch)
+            checks, worst = check_train_graphs(
+                model, depth, out, graphs, prompts_m=cfg.prompts, batch=cfg.validate_batch
+            )
             log(format_checks(f"Validating train graphs {graphs.forward_file}, {graphs.backward_file}...", checks))
             entry["train"] = graphs.to_dict(out) | {
                 "max_rel_grad_err": worst,
@@ -372,7 +389,7 @@ def export_prefixes(cfg: ExportConfig, log: Log = print) -> dict[str, Any]:
     return manifest
 
 
-def _int8_accuracy(model, depth, z32, z8, data: _Data, trained: bool, log: Log) -> dict[str, Any]:  # noqa: ANN001
+def _int8_accuracy(model, depth, z32, z8, data: _Data, trained: bool, log: Log) -> dict[str, Any]:
     """Full-model predictions with the fp32 vs int8 prefix feeding the torch suffix and head."""
     import torch
 
@@ -380,7 +397,7 @@ def _int8_accuracy(model, depth, z32, z8, data: _Data, trained: bool, log: Log) 
         model.eval()
         p32 = model.head(model.suffix(torch.from_numpy(z32), depth)).argmax(1).numpy()
         p8 = model.head(model.suffix(torch.from_numpy(z8), depth)).argmax(1).numpy()
-    out: dict[str, Any] = {"eval_samples": int(len(z32)), "agreement": float(np.mean(p32 == p8))}
+    out: dict[str, Any] = {"eval_samples": len(z32), "agreement": float(np.mean(p32 == p8))}
     if trained and model.head.out_features == data.num_classes:
         out["accuracy_fp32"] = float(np.mean(p32 == data.test_y))
         out["accuracy_int8"] = float(np.mean(p8 == data.test_y))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["TRANSFORMER_OPS", "CalibrationReader", "quantize_prefix", "output_deviation", "time_session", "normalize"]
+__all__ = ["TRANSFORMER_OPS", "CalibrationReader", "normalize", "output_deviation", "quantize_prefix", "time_session"]
 
 
 TRANSFORMER_OPS = ["Conv", "MatMul", "Gemm"]
@@ -92,7 +92,7 @@ def output_deviation(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
     return {"max_abs_dev": float(d.max()), "mean_abs_dev": float(d.mean()), "rel_mean_dev": float(d.mean()) / scale}
 
 
-def time_session(sess, feeds: dict[str, np.ndarray], *, warmup: int = 2, iters: int = 10) -> float:  # noqa: ANN001
+def time_session(sess, feeds: dict[str, np.ndarray], *, warmup: int = 2, iters: int = 10) -> float:
     """Median seconds of one run."""
     for _ in range(warmup):
         sess.run(None, feeds)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-__all__ = ["Check", "format_checks", "all_passed", "summary_table", "human_bytes"]
+__all__ = ["Check", "all_passed", "format_checks", "human_bytes", "summary_table"]
 
 OK, FAIL = "✓", "x"
 
@@ -65,7 +65,7 @@ def _si(n: float) -> str:
     return f"{n:.0f}"
 
 
-def summary_table(manifest: dict):  # noqa: ANN201 - rich.table.Table, imported lazily
+def summary_table(manifest: dict):
     """One row per prefix: split, depth, params, FLOPs (torch, per sample), MACs (ONNX graph, per sample),
     activation shape and fp32 bytes per sample, file size, validation diff, int8 size and speed-up, train check."""
     from rich import box
@@ -73,7 +73,20 @@ def summary_table(manifest: dict):  # noqa: ANN201 - rich.table.Table, imported 
 
     title = f"{manifest['model']['arch']} prefixes -> {manifest.get('out_dir', '')}"
     table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True)
-    for col in ("k", "depth", "params", "FLOPs", "MACs", "z shape", "z bytes", "file", "diff", "int8", "grad err", "ok"):
+    for col in (
+        "k",
+        "depth",
+        "params",
+        "FLOPs",
+        "MACs",
+        "z shape",
+        "z bytes",
+        "file",
+        "diff",
+        "int8",
+        "grad err",
+        "ok",
+    ):
         table.add_column(col, justify="left" if col in ("z shape", "int8", "grad err") else "right", no_wrap=True)
     for p in manifest["prefixes"]:
         act = p["activation"]

@@ -6,6 +6,8 @@ exporting its own copy (a module-level cache: pytest fixtures in separate module
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -13,12 +15,24 @@ import typer
 
 _CACHE: dict[str, Path] = {}
 _ROOT = Path(tempfile.mkdtemp(prefix="fedsga-export-tests-"))
+atexit.register(shutil.rmtree, _ROOT, True)
 
 # The "must show" command: resnet18_cifar at width 0.25, every candidate split, plus fp16 and int8
 # on the bundled digits data (small calibration / evaluation sets to stay fast).
 MUST_SHOW_ARGS = [
-    "export", "--model", "resnet18_cifar", "--width", "0.25", "--fp16", "--int8", "--calib-data", "digits",
-    "--calib-samples", "64", "--eval-samples", "96",
+    "export",
+    "--model",
+    "resnet18_cifar",
+    "--width",
+    "0.25",
+    "--fp16",
+    "--int8",
+    "--calib-data",
+    "digits",
+    "--calib-samples",
+    "64",
+    "--eval-samples",
+    "96",
 ]
 
 

@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
+from _export_artifacts import train_artifacts
 from fedsga_edge.device.runtime import PrefixRunner
 from fedsga_edge.export.backward import convolution_backward
 from fedsga_edge.export.manifest import read_manifest
 from fedsga_edge.export.onnx_prefix import PrefixModule, ort_session
-from fedsga_edge.models import create_model
 
-from _export_artifacts import train_artifacts
+from fedsga_edge.models import create_model
 
 K = 2  # the exported split: stem + layer1 + layer2 (stride-2 and 1x1 downsampling convs, BatchNorm)
 
@@ -78,7 +77,9 @@ def test_gradients_match_autograd_at_other_batch_with_updated_weights(art, batch
         np.testing.assert_allclose(value, new[name].numpy(), rtol=1e-5, atol=1e-6)
 
     bwd = ort_session(art / t["backward_file"])
-    grads = dict(zip([o.name for o in bwd.get_outputs()], bwd.run(None, {i.name: feeds[i.name] for i in bwd.get_inputs()})))
+    grads = dict(
+        zip([o.name for o in bwd.get_outputs()], bwd.run(None, {i.name: feeds[i.name] for i in bwd.get_inputs()}))
+    )
     assert list(grads) == t["backward_outputs"]
     named = dict(prefix.named_parameters())
     refs = {"grad.prompts": p.grad} | {f"grad.{n}": named[n].grad for n in t["params"]}

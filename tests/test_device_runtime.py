@@ -10,13 +10,12 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-
+from _export_artifacts import must_show_artifacts, train_artifacts
 from fedsga_edge.device.runtime import ArtifactError, PrefixRunner
 from fedsga_edge.export.manifest import read_manifest
 from fedsga_edge.export.onnx_prefix import PrefixModule
-from fedsga_edge.models import create_model
 
-from _export_artifacts import must_show_artifacts, train_artifacts
+from fedsga_edge.models import create_model
 
 # Any import of torch (or a torch submodule) raises, as on a device with only the `device` extra.
 BLOCK_TORCH = textwrap.dedent(
@@ -31,10 +30,14 @@ BLOCK_TORCH = textwrap.dedent(
 )
 
 
-def _run_without_torch(code: str, tmp_path) -> subprocess.CompletedProcess:  # noqa: ANN001
+def _run_without_torch(code: str, tmp_path) -> subprocess.CompletedProcess:
     script = tmp_path / "device_script.py"
-    script.write_text(BLOCK_TORCH + textwrap.dedent(code) + "\nassert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules)\n")
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    script.write_text(
+        BLOCK_TORCH
+        + textwrap.dedent(code)
+        + "\nassert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules)\n"
+    )
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_must_show_profile_and_runner_without_torch(tmp_path) -> None:
@@ -54,7 +57,7 @@ def test_must_show_profile_and_runner_without_torch(tmp_path) -> None:
         f"""
         import numpy as np
         from fedsga_edge.device.runtime import PrefixRunner, load_manifest
-        ref = np.load({str(tmp_path / 'ref.npz')!r})
+        ref = np.load({str(tmp_path / "ref.npz")!r})
         for p in load_manifest({str(art)!r})["prefixes"]:
             for variant, tol in (("fp32", 1e-4), ("fp16", 0.05), ("int8", None)):
                 z = PrefixRunner({str(art)!r}, p["split"], variant=variant).forward(ref["x"], ref["prompts"])

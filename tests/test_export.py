@@ -10,21 +10,42 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from typer.testing import CliRunner
-
+from _export_artifacts import cli_app, must_show_artifacts
 from fedsga_edge.export.manifest import read_manifest, sha256_file
 from fedsga_edge.export.onnx_prefix import PrefixModule, file_opset, weights_sha256
+from typer.testing import CliRunner
+
 from fedsga_edge.models import create_model, list_models
 
-from _export_artifacts import cli_app, must_show_artifacts
-
 PREFIX_KEYS = {
-    "file", "sha256", "split", "depth", "params", "flops_per_sample", "macs_onnx", "activation", "inputs", "output",
-    "validation", "valid", "weights_sha256",
+    "file",
+    "sha256",
+    "split",
+    "depth",
+    "params",
+    "flops_per_sample",
+    "macs_onnx",
+    "activation",
+    "inputs",
+    "output",
+    "validation",
+    "valid",
+    "weights_sha256",
 }
 META_KEYS = {
-    "arch", "width", "split", "depth", "block", "input_shapes", "output_shape", "opset", "torch_version",
-    "onnx_version", "weights_sha256", "fedsga_edge_version", "variant",
+    "arch",
+    "width",
+    "split",
+    "depth",
+    "block",
+    "input_shapes",
+    "output_shape",
+    "opset",
+    "torch_version",
+    "onnx_version",
+    "weights_sha256",
+    "fedsga_edge_version",
+    "variant",
 }
 
 
@@ -137,7 +158,9 @@ TINY = {
 @pytest.mark.parametrize("name", list_models())
 def test_every_registered_model_exports_and_validates(name, tmp_path) -> None:
     if name == "vit_b16" and not os.environ.get("FEDSGA_EDGE_FULL_TESTS"):
-        pytest.skip("vit_b16: 86M params, ~15 s and ~2 GB RSS for even its shallowest prefix (FEDSGA_EDGE_FULL_TESTS=1 runs it)")
+        pytest.skip(
+            "vit_b16: 86M params, ~15 s and ~2 GB RSS for even its shallowest prefix (FEDSGA_EDGE_FULL_TESTS=1 runs it)"
+        )
     from fedsga_edge.export.pipeline import ExportConfig, export_prefixes
 
     assert name in TINY, f"add a tiny config for new model {name}"

@@ -6,14 +6,24 @@ import json
 
 import numpy as np
 import pytest
+from _export_artifacts import cli_app, must_show_artifacts, train_artifacts
+from fedsga_edge.device.profile import latency_stats, profile_artifacts, time_calls
 from typer.testing import CliRunner
 
-from fedsga_edge.device.profile import latency_stats, profile_artifacts, time_calls
-
-from _export_artifacts import cli_app, must_show_artifacts, train_artifacts
-
-FIELDS = {"session_create_s", "latency_ms", "rss_peak_mb", "rss_delta_mb", "flops_per_sample", "macs_onnx",
-          "activation_bytes_per_sample", "params", "batch", "split", "depth", "variant"}
+FIELDS = {
+    "session_create_s",
+    "latency_ms",
+    "rss_peak_mb",
+    "rss_delta_mb",
+    "flops_per_sample",
+    "macs_onnx",
+    "activation_bytes_per_sample",
+    "params",
+    "batch",
+    "split",
+    "depth",
+    "variant",
+}
 
 
 def test_latency_stats() -> None:
@@ -32,7 +42,9 @@ def test_time_calls_counts_and_duration() -> None:
 
 
 def test_onnxruntime_profile_every_variant_and_the_train_step() -> None:
-    rep = profile_artifacts(must_show_artifacts(), batches=(1, 2), threads=1, warmup=1, iters=3, variants=("fp32", "int8"))
+    rep = profile_artifacts(
+        must_show_artifacts(), batches=(1, 2), threads=1, warmup=1, iters=3, variants=("fp32", "int8")
+    )
     assert {(r["split"], r["variant"], r["batch"]) for r in rep["results"]} == {
         (k, v, b) for k in (1, 2, 3) for v in ("fp32", "int8") for b in (1, 2)
     }
@@ -47,8 +59,25 @@ def test_onnxruntime_profile_every_variant_and_the_train_step() -> None:
 
 def test_torch_profile_and_cli_json(tmp_path) -> None:
     out = tmp_path / "torch.json"
-    args = ["profile", "--artifacts", str(must_show_artifacts()), "--runtime", "torch", "--batch", "2",
-            "--threads", "1", "--warmup", "1", "--iters", "3", "--splits", "1,3", "--json", str(out)]
+    args = [
+        "profile",
+        "--artifacts",
+        str(must_show_artifacts()),
+        "--runtime",
+        "torch",
+        "--batch",
+        "2",
+        "--threads",
+        "1",
+        "--warmup",
+        "1",
+        "--iters",
+        "3",
+        "--splits",
+        "1,3",
+        "--json",
+        str(out),
+    ]
     result = CliRunner().invoke(cli_app(), args)
     assert result.exit_code == 0, result.output
     rep = json.loads(out.read_text())

@@ -33,11 +33,17 @@ def export(
     splits: Optional[str] = typer.Option(None, help="Comma-separated split indices k (default: every candidate)."),
     fp16: bool = typer.Option(False, "--fp16", help="Also write fp16 files (fp32 inputs and outputs)."),
     int8: bool = typer.Option(False, "--int8", help="Also write int8 static-quantized files (needs --calib-data)."),
-    calib_data: Optional[str] = typer.Option(None, help="Dataset spec for calibration and the int8 accuracy check, e.g. digits, cifar10."),
-    data_root: Optional[Path] = typer.Option(None, help="Dataset root (default $FEDSGA_EDGE_DATA or ~/.cache/fedsga-edge/data)."),
+    calib_data: Optional[str] = typer.Option(
+        None, help="Dataset spec for calibration and the int8 accuracy check, e.g. digits, cifar10."
+    ),
+    data_root: Optional[Path] = typer.Option(
+        None, help="Dataset root (default $FEDSGA_EDGE_DATA or ~/.cache/fedsga-edge/data)."
+    ),
     calib_samples: int = typer.Option(256, help="Calibration images (training split)."),
     eval_samples: int = typer.Option(1000, help="Test images for the int8 deviation and accuracy check (0 = all)."),
-    train: bool = typer.Option(False, "--train", help="Also write train graphs (forward + backward) for torch-free training."),
+    train: bool = typer.Option(
+        False, "--train", help="Also write train graphs (forward + backward) for torch-free training."
+    ),
     atol: float = typer.Option(1e-4, help="Max abs difference allowed between onnxruntime and torch."),
     seed: int = typer.Option(0, help="Seed for the random initialisation and the validation inputs."),
 ) -> None:

@@ -36,7 +36,7 @@ def _si(n: Optional[float]) -> str:
     return f"{n:.0f}"
 
 
-def profile_table(report: dict[str, Any]):  # noqa: ANN201 - rich Table
+def profile_table(report: dict[str, Any]):
     from rich import box
     from rich.table import Table
 
@@ -44,19 +44,41 @@ def profile_table(report: dict[str, Any]):  # noqa: ANN201 - rich Table
     ep = d.get("execution_provider", "")
     title = f"{report['model']['arch']} on {d['cpu']} ({d['cores_logical']} cores), {ep}, threads {d['threads'] or 'default'}"
     table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True)
-    cols = ("k", "depth", "var", "batch", "p50 ms", "p90", "p99", "cv", "samples/s", "create ms", "RSS MB",
-            "FLOPs", "z bytes", "train ms")
+    cols = (
+        "k",
+        "depth",
+        "var",
+        "batch",
+        "p50 ms",
+        "p90",
+        "p99",
+        "cv",
+        "samples/s",
+        "create ms",
+        "RSS MB",
+        "FLOPs",
+        "z bytes",
+        "train ms",
+    )
     for col in cols:
         table.add_column(col, justify="right", no_wrap=True)
     for r in report["results"]:
         lat = r["latency_ms"]
         train = r.get("train_step_ms")
         table.add_row(
-            str(r["split"]), str(r["depth"]), r["variant"], str(r["batch"]),
-            f"{lat['p50']:.3g}", f"{lat['p90']:.3g}", f"{lat['p99']:.3g}",
-            f"{lat['cv']:.2f}", f"{lat['throughput_sps']:.4g}",
-            f"{1e3 * r['session_create_s']:.3g}", f"{r['rss_peak_mb']:.0f}",
-            _si(r["flops_per_sample"]), _si(r["activation_bytes_per_sample"]["fp32"]),
+            str(r["split"]),
+            str(r["depth"]),
+            r["variant"],
+            str(r["batch"]),
+            f"{lat['p50']:.3g}",
+            f"{lat['p90']:.3g}",
+            f"{lat['p99']:.3g}",
+            f"{lat['cv']:.2f}",
+            f"{lat['throughput_sps']:.4g}",
+            f"{1e3 * r['session_create_s']:.3g}",
+            f"{r['rss_peak_mb']:.0f}",
+            _si(r["flops_per_sample"]),
+            _si(r["activation_bytes_per_sample"]["fp32"]),
             f"{train['p50']:.3g}" if train else "-",
         )
     return table

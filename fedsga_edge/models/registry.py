@@ -52,8 +52,10 @@ def load_weights(model: SplitModel, path: str | Path) -> list[str]:
         state = state["model"]
     remap = getattr(model, "remap_upstream", None)
     own = model.state_dict()
-    if remap is not None and not set(state) & set(own):
-        state = remap(state)
+    if remap is not None:  # upstream layout (torchvision / timm) when that explains more keys
+        mapped = remap(state)
+        if len(set(mapped) & set(own)) > len(set(state) & set(own)):
+            state = mapped
     usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     if not usable:
         raise ValueError(f"{path} holds no tensor that fits {model.arch}: is it the right architecture and width?")

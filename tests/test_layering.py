@@ -1,0 +1,52 @@
+"""Dependencies flow one way: core -> roles -> wiring; the wire and transport never need torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ["fedsga_edge/models", "fedsga_edge/data", "fedsga_edge/method", "fedsga_edge/wire", "fedsga_edge/transport",
+        "fedsga_edge/config.py", "fedsga_edge/tensors.py"]
+ROLES = ["coordinator", "device", "export"]
+ABOVE_CORE = ("fedsga_edge.coordinator", "fedsga_edge.device", "fedsga_edge.export", "fedsga_edge.cli", "fedsga_edge.simulation")
+
+
+def _imports(path: Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+def _files(entries: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for e in entries:
+        p = ROOT / e
+        files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
+    return files
+
+
+def test_core_imports_no_role_cli_or_wiring() -> None:
+    for f in _files(CORE):
+        bad = [m for m in _imports(f) if m.startswith(ABOVE_CORE)]
+        assert not bad, f"{f.relative_to(ROOT)} imports {bad}"
+
+
+def test_roles_do_not_import_each_other() -> None:
+    for role in ROLES:
+        others = tuple(f"fedsga_edge.{r}" for r in ROLES if r != role) + ("fedsga_edge.cli", "fedsga_edge.simulation")
+        for f in _files([role]):
+            bad = [m for m in _imports(f) if m.startswith(others)]
+            assert not bad, f"{f.relative_to(ROOT)} imports {bad}"
+
+
+def test_wire_and_transport_import_without_torch() -> None:
+    code = "import sys; sys.modules['torch'] = None; import fedsga_edge.wire, fedsga_edge.transport, fedsga_edge.data; print('ok')"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
