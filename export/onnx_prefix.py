@@ -14,7 +14,6 @@ import hashlib
 import io
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from fedsga_edge.models import SplitModel
+from fedsga_edge.models.cost import unfused_attention
 
 from .report import Check
 
@@ -59,17 +59,8 @@ class PrefixModule(nn.Module):
         return h
 
 
-@contextlib.contextmanager
-def export_friendly(model: SplitModel) -> Iterator[None]:
-    """ViT: timm's fused attention off while exporting (no ONNX op; wrong joint-graph gradients)."""
-    fused = [m.fused_attn for m in model.modules() if hasattr(m, "fused_attn")]
-    if fused:
-        model.set_fused_attention(False)  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        for m, f in zip((m for m in model.modules() if hasattr(m, "fused_attn")), fused):
-            m.fused_attn = f
+# ViT: timm's fused attention has no ONNX op and gives wrong joint-graph gradients: off while exporting.
+export_friendly = unfused_attention
 
 
 def weights_sha256(module: nn.Module) -> str:

@@ -176,6 +176,10 @@ def run_simulation(
             metrics.close()
     summary = summarize(records, sim, time.perf_counter() - started)
     if out_dir is not None:
+        # Global model weights (loadable by `create_model(..., pretrained=...)` and `export --checkpoint`)
+        # plus the coordinator's own state (harmonizer, prototypes, estimator, calibration pairs).
+        torch.save({"model": sim.model.state_dict(), "arch": cfg.model, "coordinator": sim.coordinator.state_dict()},
+                   out_dir / "checkpoint.pt")
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

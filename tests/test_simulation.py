@@ -44,6 +44,19 @@ def test_static_run_writes_config_metrics_and_summary(tmp_path, digits) -> None:
     for key in ("final_acc", "best_acc", "client_flops_per_sample", "client_params", "bytes_total", "wall_s"):
         assert key in saved
     assert saved["bytes_total"] == sum(r["bytes_up"] + r["bytes_down"] for r in rows) == summary["bytes_total"]
+    # The checkpoint loads back into a fresh model through the public loader.
+    from fedsga_edge.models import create_model, load_weights
+
+    fresh = create_model("resnet18_cifar", width=0.25, num_classes=10)
+    assert load_weights(fresh, tmp_path / "checkpoint.pt") == []
+
+
+def test_vit_fedsga_round_with_prompt_tokens(digits) -> None:
+    cfg = tiny("fedsga", model="vit_tiny_c32", clients=2, rounds=1,
+               train=TrainConfig(local_epochs=1, batch_size=16, max_batches=1))
+    rec = next(Simulation(cfg, digits).rounds())
+    assert rec["failures"] == {} and rec.get("remote_errors") is None
+    assert all(1 <= k <= 3 for k in rec["splits"].values())
 
 
 def test_same_seed_same_run(digits) -> None:

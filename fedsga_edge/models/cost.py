@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -9,7 +11,20 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .base import SplitModel
 
-__all__ = ["PrefixCost", "CostTable", "count_flops", "prefix_cost"]
+__all__ = ["PrefixCost", "CostTable", "count_flops", "unfused_attention", "prefix_cost"]
+
+
+@contextmanager
+def unfused_attention(model: torch.nn.Module) -> Iterator[None]:
+    """timm's fused attention off: the FLOP counter sees 0 FLOPs in its CPU kernel, ONNX has no op for it."""
+    fused = [(m, m.fused_attn) for m in model.modules() if hasattr(m, "fused_attn")]
+    for m, _ in fused:
+        m.fused_attn = False
+    try:
+        yield
+    finally:
+        for m, value in fused:
+            m.fused_attn = value
 
 
 def count_flops(fn, *args, **kwargs) -> int:  # noqa: ANN001 - any callable
@@ -48,14 +63,15 @@ def prefix_cost(model: SplitModel, depth: int, prompts_m: int = 0, batch: int = 
     try:
         if depth == 0:
             return PrefixCost(0, 0, 0, 0, (3, model.input_size, model.input_size))
-        with torch.no_grad():
+        with torch.no_grad(), unfused_attention(model):
             fwd = count_flops(model.prefix, x, depth, prompts)
 
         def step() -> None:
             z = model.prefix(x, depth, prompts)
             z.backward(torch.ones_like(z))
 
-        train = count_flops(step)
+        with unfused_attention(model):
+            train = count_flops(step)
         shape = model.interface_shape(depth, prompts_m)
     finally:
         model.zero_grad(set_to_none=True)
@@ -95,13 +111,14 @@ def _full_cost(model: SplitModel, prompts_m: int, batch: int = 2) -> tuple[int, 
     was_training = model.training
     model.train()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), unfused_attention(model):
             fwd = count_flops(model, x, prompts)
 
         def step() -> None:
             model(x, prompts).sum().backward()
 
-        train = count_flops(step)
+        with unfused_attention(model):
+            train = count_flops(step)
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
