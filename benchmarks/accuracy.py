@@ -1,0 +1,547 @@
+"""Accuracy of FedSGA against its baselines and ablations on real CIFAR-10 (issues 2 and 3).
+
+Runs every (method, partition, seed) as one in-process simulation, then prints tables shaped
+like the paper's Table 2 (accuracy, mean ± std over seeds), Table 4 (ablations) and Table 5
+(client parameters, client FLOPs/sample, wall time, bytes), plus FedSGA's calibration cost
+against probing all K depths every round (the O(|T_cal|) vs O(KT) claim), as markdown.
+
+    python benchmarks/accuracy.py                       # --preset cpu: about an hour on 2 cores
+    python benchmarks/accuracy.py --preset paper --device auto --out benchmarks/runs_paper
+    python benchmarks/accuracy.py --preset paper --dry-run   # print the plan only
+
+Every run writes ``OUT/<method>/<partition>/seed<s>/{config,metrics.jsonl,summary}.json``; a
+run whose ``summary.json`` exists is skipped, so a killed benchmark continues where it stopped.
+``OUT/results.json`` holds every run's summary and diagnostics, ``OUT/tables.md`` the tables.
+
+Evaluation: the final round is evaluated on the full test set (that is the reported accuracy);
+intermediate evaluations (every ``eval_every`` rounds) use a fixed, class-stratified test subset
+of ``eval_subset`` images and are stored as ``test_acc_subset`` in metrics.jsonl, for curves only.
+Nothing is tuned here: every hyperparameter is the paper's default or a stated scale choice, so
+the test set selects nothing (``best_acc`` is not reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parent.parent
+DEFAULT_NPZ = Path.home() / ".cache" / "fedsga-edge" / "cifar10.npz"
+MATERIALIZE = REPO.parent / "shared" / "data" / "cifar10" / "materialize.py"
+
+# method name -> (strategy, FedSGAConfig overrides); "static" runs at p_ref (SplitFed)
+METHODS: dict[str, tuple[str, dict[str, bool]]] = {
+    "fedavg": ("fedavg", {}),
+    "fedprox": ("fedprox", {}),
+    "static": ("static", {}),
+    "random": ("random", {}),
+    "resource": ("resource", {}),
+    "fedsga": ("fedsga", {}),
+    "fedsga-no-adapt": ("fedsga", {"adapt": False}),
+    "fedsga-no-estimator": ("fedsga", {"estimator": False}),
+    "fedsga-no-harmonizer": ("fedsga", {"harmonizer": False}),
+}
+MAIN_METHODS = ["fedavg", "fedprox", "static", "random", "resource", "fedsga"]
+ABLATIONS = ["fedsga", "fedsga-no-adapt", "fedsga-no-estimator", "fedsga-no-harmonizer"]
+DEFAULT_METHODS = ["fedsga", "static", "random", "resource", "fedavg", "fedprox",
+                   "fedsga-no-adapt", "fedsga-no-estimator", "fedsga-no-harmonizer"]
+LABELS = {
+    "fedavg": "FedAvg (whole model on the client)",
+    "fedprox": "FedProx",
+    "static": "Static at p_ref (SplitFed)",
+    "random": "Random split",
+    "resource": "Resource-driven (MultiSFL-style)",
+    "fedsga": "**FedSGA**",
+    "fedsga-no-adapt": "w/o adaptation channel",
+    "fedsga-no-estimator": "w/o estimator (all at p_ref)",
+    "fedsga-no-harmonizer": "w/o harmonizer",
+}
+
+
+@dataclass
+class Preset:
+    data: str
+    model: str = "resnet18_cifar"
+    width: float | None = 0.25
+    clients: int = 10
+    rounds: int = 10
+    local_epochs: int = 1
+    batch_size: int = 64
+    lr: float = 0.1
+    train_subset: int = 0
+    max_batches: int = 0
+    eval_every: int = 5
+    eval_subset: int = 2000
+    seeds: list[int] = field(default_factory=lambda: [0, 1])
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
+    partitions: list[str] = field(default_factory=lambda: ["iid", "dir0.1"])
+    threads: int = 1
+    device: str = "cpu"
+
+
+PRESETS: dict[str, Preset] = {
+    # Measured on the shared 2-core machine: ~3.5 ms per training sample with one thread, ~90 s a run.
+    "cpu": Preset(data=str(DEFAULT_NPZ), width=0.25, clients=10, rounds=10, local_epochs=1,
+                  train_subset=2000, eval_every=5, eval_subset=2000),
+    # The paper's setting (§4.1.3): ResNet-18, 20 clients, 100 rounds, 5 local epochs, batch 64, lr 0.1.
+    "paper": Preset(data=str(DEFAULT_NPZ), width=1.0, clients=20, rounds=100, local_epochs=5,
+                    train_subset=0, eval_every=5, eval_subset=0, seeds=[0, 1, 2], threads=0, device="auto"),
+    # For tests: digits, seconds.
+    "smoke": Preset(data="digits", width=0.25, clients=2, rounds=1, local_epochs=1, max_batches=2,
+                    eval_every=1, eval_subset=0, methods=["static", "fedsga"], partitions=["iid"]),
+}
+
+
+# -- planning -------------------------------------------------------------------------------------
+def parse_partition(name: str) -> tuple[str, float]:
+    """``iid`` -> (iid, 0); ``dir0.1`` / ``dirichlet0.1`` -> (dirichlet, 0.1)."""
+    n = name.strip().lower()
+    if n == "iid":
+        return "iid", 0.0
+    for prefix in ("dirichlet", "dir"):
+        if n.startswith(prefix):
+            try:
+                alpha = float(n[len(prefix):])
+            except ValueError:
+                break
+            if alpha > 0:
+                return "dirichlet", alpha
+    raise SystemExit(f"--partitions: {name!r} is not 'iid' or 'dirALPHA' (e.g. dir0.1)")
+
+
+def partition_label(name: str) -> str:
+    kind, alpha = parse_partition(name)
+    return "IID" if kind == "iid" else f"Dirichlet({alpha:g})"
+
+
+def data_spec(data: str) -> str:
+    """A path to an .npz (with or without ``npz:``) or any dataset spec load_dataset accepts."""
+    if data.startswith("npz:") or data.endswith(".npz"):
+        path = Path(data.removeprefix("npz:")).expanduser()
+        return f"npz:{path}"
+    return data
+
+
+def ensure_data(spec: str) -> None:
+    """Materialise the offline CIFAR-10 npz when it is missing and the shared copy is at hand."""
+    if not spec.startswith("npz:"):
+        return
+    path = Path(spec[4:])
+    if path.exists():
+        return
+    if MATERIALIZE.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"materialising CIFAR-10 into {path} (about 10 s)", file=sys.stderr)
+        subprocess.run([sys.executable, str(MATERIALIZE), str(path)], check=True)
+        return
+    raise SystemExit(f"--data: {path} does not exist; write it with "
+                     f"`python ../shared/data/cifar10/materialize.py {path}` or pass --data cifar10 --data-root DIR")
+
+
+def reference_split(model: str, width: float | None) -> int:
+    from fedsga_edge.method import reference_index
+    from fedsga_edge.models import create_model
+
+    kwargs: dict[str, Any] = {"num_classes": 10}
+    if model.startswith("resnet"):
+        kwargs["width"] = width
+    return reference_index(create_model(model, **kwargs).num_splits)
+
+
+def make_config(p: Preset, method: str, partition: str, seed: int, split: int, spec: str, data_root: str | None):
+    from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
+
+    strategy, fed = METHODS[method]
+    kind, alpha = parse_partition(partition)
+    rounds = p.rounds
+    return RunConfig(
+        dataset=spec, data_root=data_root, partition=kind, alpha=alpha if kind != "iid" else 0.1,
+        clients=p.clients, rounds=rounds, model=p.model, width=p.width, strategy=strategy, split=split,
+        seed=seed, device=p.device, train_subset=p.train_subset,
+        # the simulation evaluates only the final round (full test set); the benchmark adds subset evals
+        eval_every=rounds,
+        train=TrainConfig(local_epochs=p.local_epochs, batch_size=p.batch_size, lr=p.lr,
+                          mu=0.01 if strategy == "fedprox" else 0.0, max_batches=p.max_batches),
+        fedsga=FedSGAConfig(**fed),
+    )
+
+
+def plan(p: Preset, spec: str, data_root: str | None) -> list[dict[str, Any]]:
+    split = reference_split(p.model, p.width)
+    runs = []
+    for seed in p.seeds:  # seed-major: a run stopped half-way still has whole seeds
+        for part in p.partitions:
+            for method in p.methods:
+                cfg = make_config(p, method, part, seed, split, spec, data_root)
+                runs.append({"method": method, "partition": part, "seed": seed,
+                             "dir": f"{method}/{part}/seed{seed}", "config": cfg})
+    return runs
+
+
+# -- running ---------------------------------------------------------------------------------------
+class SubsetImages:
+    """A fixed subset of an ImageSet (the intermediate evaluations' test images)."""
+
+    def __init__(self, base: Any, indices: np.ndarray) -> None:
+        self.base, self.indices = base, np.asarray(indices)
+        self.labels = np.asarray(base.labels)[self.indices]
+        self.domains = None if base.domains is None else np.asarray(base.domains)[self.indices]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def get_batch(self, indices: np.ndarray) -> np.ndarray:
+        return self.base.get_batch(self.indices[np.asarray(indices)])
+
+
+def stratified(labels: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
+    if n <= 0 or n >= len(labels):
+        return np.arange(len(labels))
+    rng = np.random.default_rng([seed, 5])
+    picked = [rng.choice(idx, size=max(1, round(n * len(idx) / len(labels))), replace=False)
+              for idx in (np.flatnonzero(labels == c) for c in np.unique(labels))]
+    return np.sort(np.concatenate(picked))
+
+
+def run_one(cfg: Any, out: Path, bundle: Any, p: Preset, eval_set: Any, bar: Any = None) -> dict[str, Any]:
+    """One simulation, written like ``run_simulation`` does, plus subset evaluations."""
+    from fedsga_edge.simulation import Simulation, summarize
+
+    started = time.perf_counter()
+    sim = Simulation(cfg, bundle)
+    out.mkdir(parents=True, exist_ok=True)
+    config = cfg.to_dict() | {
+        "resolved_device": str(sim.device), "candidate_depths": list(sim.model.splits),
+        "client_sizes": {c: len(ix) for c, ix in zip(sim.client_ids, sim.parts)},
+        "benchmark": {"eval_every_subset": p.eval_every, "eval_subset": len(eval_set),
+                      "final_eval": "full test set"},
+    } | sim.assignment_info
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    records = []
+    with (out / "metrics.jsonl").open("w") as metrics:
+        for rec in sim.rounds():
+            t = rec["round"]
+            if t < cfg.rounds and p.eval_every > 0 and t % p.eval_every == 0:
+                rec["test_acc_subset"], rec["test_loss_subset"] = sim.coordinator.evaluate(eval_set, bundle.mean, bundle.std)
+            records.append(rec)
+            metrics.write(json.dumps(rec) + "\n")
+            metrics.flush()
+            if bar is not None:
+                acc = rec.get("test_acc", rec.get("test_acc_subset"))
+                bar.set_postfix_str(f"round {t}/{cfg.rounds} loss {rec['train_loss']:.3f}"
+                                    + (f" acc {acc:.3f}" if acc is not None else ""))
+    summary = summarize(records, sim, time.perf_counter() - started)
+    summary["calibration_all_k_flops"] = all_k_probe_flops(sim, records)
+    summary["train_client_flops_total"] = train_client_flops(sim, records)
+    summary["diagnostics"] = diagnostics(records)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def train_client_flops(sim: Any, records: list[dict[str, Any]]) -> int:
+    """Client-side training FLOPs of the whole run (forward + backward of each client's part)."""
+    tc = sim.cfg.train
+    seen = {}
+    for cid, ix in zip(sim.client_ids, sim.parts):
+        n = len(ix)
+        if tc.max_batches:
+            n = min(n, tc.max_batches * tc.batch_size)
+        seen[cid] = n * tc.local_epochs
+    return int(sum(sim.costs.train(k) * seen[c] for r in records for c, k in r["splits"].items()))
+
+
+def all_k_probe_flops(sim: Any, records: list[dict[str, Any]]) -> int:
+    """What Alg. 1's probes would cost if every round probed every candidate depth for every client.
+
+    Same probe batch as FedSGA's calibration (one batch per client), one client forward to the
+    deepest candidate p_K (it yields every interface) and one server forward from each p_k.
+    """
+    if sim.cfg.strategy != "fedsga" or not sim.cfg.fedsga.estimator:
+        return 0
+    K = sim.model.num_splits
+    per_sample = sim.costs.prefix_fwd(K) + sum(sim.costs.suffix_fwd(k) for k in range(1, K + 1))
+    bs = sim.cfg.train.batch_size
+    probe = sum(min(bs, len(ix)) for ix in sim.parts)
+    return int(len(records) * probe * per_sample)
+
+
+def diagnostics(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """FedSGA's decisions in numbers: r, the observations, calibration labels s, L1 - Lref."""
+    rows = [c for r in records for c in r.get("clients", {}).values()]
+    if not rows:
+        return {}
+    cal = [c for c in rows if "s" in c]
+    out: dict[str, Any] = {
+        "mean_r": float(np.mean([c["r"] for c in rows])),
+        "r_by_round": [float(np.mean([c["r"] for c in r["clients"].values()])) for r in records if r.get("clients")],
+        "mean_a": float(np.mean([c["a"] for c in rows])),
+        "mean_delta": float(np.mean([c["delta"] for c in rows])),
+        "mean_q": float(np.mean([c["q"] for c in rows])),
+        "calibration_pairs": len(cal),
+    }
+    if cal:
+        out["s_positive_rate"] = float(np.mean([c["s"] for c in cal]))
+        out["mean_L1_minus_Lref"] = float(np.mean([c["L1"] - c["Lref"] for c in cal]))
+        out["mean_L1_over_Lref"] = float(np.mean([c["L1"] / max(c["Lref"], 1e-12) for c in cal]))
+        out["s_by_round"] = {str(r["round"]): float(np.mean([c["s"] for c in r["clients"].values() if "s" in c]))
+                             for r in records if any("s" in c for c in r.get("clients", {}).values())}
+    last_cal = [r["calibration"] for r in records if "calibration" in r]
+    if last_cal:
+        out["estimator_accuracy"] = last_cal[-1]["accuracy"]
+        out["estimator_brier"] = last_cal[-1]["brier"]
+    return out
+
+
+# -- tables ----------------------------------------------------------------------------------------
+def _ms(values: list[float], scale: float = 100.0, digits: int = 2) -> str:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return "—"
+    mean = float(np.mean(vals)) * scale
+    if len(vals) < 2:
+        return f"{mean:.{digits}f} (n=1)"
+    std = float(np.std(vals, ddof=1)) * scale
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _group(runs: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["method"], r["partition"]), []).append(r["summary"])
+    return groups
+
+
+def tables(runs: list[dict[str, Any]], partitions: list[str], methods: list[str]) -> str:
+    g = _group(runs)
+    parts = [p for p in partitions if any((m, p) in g for m in methods)]
+    out: list[str] = []
+
+    def acc_table(title: str, rows: list[str]) -> None:
+        rows = [m for m in rows if m in methods and any((m, p) in g for p in parts)]
+        if not rows:
+            return
+        out.append(f"**{title}** — final test accuracy (%), mean ± std over seeds")
+        out.append("")
+        out.append("| Method | " + " | ".join(partition_label(p) for p in parts) + " | seeds |")
+        out.append("|---|" + "---:|" * len(parts) + "---:|")
+        for m in rows:
+            cells = [_ms([s["final_acc"] for s in g.get((m, p), [])]) for p in parts]
+            n = max(len(g.get((m, p), [])) for p in parts)
+            out.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + f" | {n} |")
+        out.append("")
+
+    acc_table("Table 2 (shape of the paper's): accuracy", MAIN_METHODS)
+    acc_table("Table 4 (shape of the paper's): ablations", ABLATIONS)
+
+    out.append("**Table 5 (shape of the paper's): client cost** — means over rounds, clients and seeds")
+    out.append("")
+    out.append("| Method | Partition | client params (K) | client MFLOPs/sample (fwd+bwd) | split histogram (k: client-rounds) | wall s / run | MB on the wire / run |")
+    out.append("|---|---|---:|---:|---|---:|---:|")
+    for m in methods:
+        for p in parts:
+            ss = g.get((m, p))
+            if not ss:
+                continue
+            hist: dict[str, int] = {}
+            for s in ss:
+                for k, v in s["split_histogram"].items():
+                    hist[k] = hist.get(k, 0) + v
+            hist_s = " ".join(f"{'full' if k == '0' else k}:{v}" for k, v in sorted(hist.items()))
+            out.append(
+                f"| {LABELS.get(m, m)} | {partition_label(p)} | {np.mean([s['client_params'] for s in ss]) / 1e3:.1f} "
+                f"| {np.mean([s['client_flops_per_sample'] for s in ss]) / 1e6:.2f} | {hist_s} "
+                f"| {np.mean([s['wall_s'] for s in ss]):.0f} | {np.mean([s['bytes_total'] for s in ss]) / 1e6:.1f} |"
+            )
+    out.append("")
+
+    cal_rows = [(m, p) for m in methods for p in parts if g.get((m, p)) and g[(m, p)][0].get("calibration_all_k_flops")]
+    if cal_rows:
+        out.append("**Calibration cost: sparse probes (Alg. 1) vs probing all K depths every round** — per run, mean over seeds")
+        out.append("")
+        out.append("| Method | Partition | calibration rounds | calibration GFLOPs (client + server) | all-K every round GFLOPs | ratio | calibration / client training FLOPs |")
+        out.append("|---|---|---:|---:|---:|---:|---:|")
+        for m, p in cal_rows:
+            ss = g[(m, p)]
+            cal = np.mean([s["calibration_flops"]["client"] + s["calibration_flops"]["server"] for s in ss])
+            allk = np.mean([s["calibration_all_k_flops"] for s in ss])
+            train = [s.get("train_client_flops_total") for s in ss]
+            frac = f"{100 * cal / np.mean(train):.2f}%" if all(train) else "—"
+            ncal = sum(1 for _ in ss[0]["diagnostics"].get("s_by_round", {}))
+            out.append(f"| {LABELS.get(m, m)} | {partition_label(p)} | {ncal} of {ss[0]['rounds']} | {cal / 1e9:.2f} "
+                       f"| {allk / 1e9:.2f} | {allk / max(cal, 1):.1f}x | {frac} |")
+        out.append("")
+
+    diag_rows = [(m, p) for m in methods for p in parts if g.get((m, p)) and g[(m, p)][0].get("diagnostics")]
+    if diag_rows:
+        out.append("**FedSGA diagnostics** — means over clients, rounds and seeds (s: calibration label 1[L1 <= (1+beta) Lref])")
+        out.append("")
+        out.append("| Method | Partition | mean r | r by round (seed mean) | s = 1 rate | mean L1/Lref | estimator acc. (last cal.) | mean a | mean delta | mean q |")
+        out.append("|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
+        for m, p in diag_rows:
+            ds = [s["diagnostics"] for s in g[(m, p)]]
+            rbr = np.mean([d["r_by_round"] for d in ds], axis=0)
+            rbr_s = " ".join(f"{v:.2f}" for v in rbr)
+
+            def mean_of(key: str, fmt: str = ".2f") -> str:
+                vals = [d[key] for d in ds if d.get(key) is not None]
+                return format(float(np.mean(vals)), fmt) if vals else "—"
+
+            out.append(f"| {LABELS.get(m, m)} | {partition_label(p)} | {mean_of('mean_r')} | {rbr_s} | {mean_of('s_positive_rate')} "
+                       f"| {mean_of('mean_L1_over_Lref', '.3f')} | {mean_of('estimator_accuracy')} | {mean_of('mean_a')} "
+                       f"| {mean_of('mean_delta')} | {mean_of('mean_q', '.3f')} |")
+        out.append("")
+
+    # the issue's must-show: fedsga vs static under non-IID, same run
+    for p in parts:
+        if parse_partition(p)[0] != "dirichlet" or ("fedsga", p) not in g or ("static", p) not in g:
+            continue
+        out.append(f"**FedSGA vs static at p_ref under {partition_label(p)}** (same benchmark run)")
+        out.append("")
+        out.append("| | final accuracy (%) | client MFLOPs/sample | client params (K) |")
+        out.append("|---|---:|---:|---:|")
+        for m in ("static", "fedsga"):
+            ss = g[(m, p)]
+            out.append(f"| {LABELS[m]} | {_ms([s['final_acc'] for s in ss])} | {np.mean([s['client_flops_per_sample'] for s in ss]) / 1e6:.2f} "
+                       f"| {np.mean([s['client_params'] for s in ss]) / 1e3:.1f} |")
+        out.append("")
+    return "\n".join(out)
+
+
+# -- entry point -----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument("--out", type=Path, default=None, help="Output folder (default benchmarks/runs_<preset>).")
+    ap.add_argument("--data", default=None, help="An .npz path (x_train,y_train,x_test,y_test) or a dataset spec (digits, cifar10, npz:PATH).")
+    ap.add_argument("--data-root", default=None, help="Root for dataset specs that read an official layout (cifar10 ...).")
+    ap.add_argument("--seeds", default=None, help="Comma-separated seeds (preset: 0,1).")
+    ap.add_argument("--methods", default=None, help=f"Comma-separated, from {','.join(METHODS)}.")
+    ap.add_argument("--partitions", default=None, help="Comma-separated: iid, dirALPHA (e.g. dir0.1).")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--clients", type=int, default=None)
+    ap.add_argument("--width", type=float, default=None)
+    ap.add_argument("--train-subset", type=int, default=None)
+    ap.add_argument("--local-epochs", type=int, default=None)
+    ap.add_argument("--device", default=None, help="cpu | cuda | auto (preset: cpu; paper: auto).")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (0 = torch's default). The CPU preset uses 1: on a shared 2-core machine "
+                         "two threads ran a round 15-20x slower than one (spin-waiting threads under contention).")
+    ap.add_argument("--dry-run", action="store_true", help="Print the plan (runs and per-run config) and exit.")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def resolve(args: argparse.Namespace) -> Preset:
+    p = PRESETS[args.preset]
+    p = Preset(**{k: (list(v) if isinstance(v, list) else v) for k, v in vars(p).items()})
+    if args.data is not None:
+        p.data = args.data
+    if args.seeds is not None:
+        p.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    if args.methods is not None:
+        p.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        bad = [m for m in p.methods if m not in METHODS]
+        if bad:
+            raise SystemExit(f"--methods: unknown {bad}; valid: {', '.join(METHODS)}")
+    if args.partitions is not None:
+        p.partitions = [s.strip() for s in args.partitions.split(",") if s.strip()]
+    for part in p.partitions:
+        parse_partition(part)
+    for name in ("rounds", "clients", "width", "train_subset", "local_epochs", "device", "threads"):
+        if getattr(args, name) is not None:
+            setattr(p, name, getattr(args, name))
+    if not p.seeds or not p.methods or not p.partitions:
+        raise SystemExit("need at least one seed, one method and one partition")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    p = resolve(args)
+    out: Path = args.out or REPO / "benchmarks" / f"runs_{args.preset}"
+    spec = data_spec(p.data)
+    runs = plan(p, spec, args.data_root)
+    command = "python benchmarks/accuracy.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    scale = {k: v for k, v in vars(p).items()} | {"data": spec, "static_split": runs[0]["config"].split}
+    if args.dry_run:
+        print(f"preset {args.preset}: {len(runs)} runs into {out}")
+        print("scale: " + json.dumps(scale))
+        for r in runs:
+            c = r["config"]
+            done = (out / r["dir"] / "summary.json").exists()
+            flags = {k: v for k, v in vars(c.fedsga).items() if k in ("adapt", "estimator", "harmonizer")}
+            print(f"  {r['dir']:<40} strategy={c.strategy} split={c.split if c.strategy == 'static' else '-'} "
+                  f"{f'fedsga={flags} ' if c.strategy == 'fedsga' else ''}"
+                  f"partition={c.partition}{'' if c.partition == 'iid' else f'({c.alpha:g})'}{'  [done]' if done else ''}")
+        print("per-run config (first run): " + json.dumps(runs[0]["config"].to_dict()))
+        return {"plan": [{k: v for k, v in r.items() if k != "config"} for r in runs], "scale": scale}
+
+    import torch
+
+    threads_before = torch.get_num_threads()
+    if p.threads > 0:
+        torch.set_num_threads(p.threads)
+    try:
+        return _run_all(args, p, out, spec, runs, command, scale)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run_all(args: argparse.Namespace, p: Preset, out: Path, spec: str, runs: list[dict[str, Any]],
+             command: str, scale: dict[str, Any]) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from fedsga_edge.data import load_dataset
+
+    ensure_data(spec)
+    bundle = None
+    eval_set = None
+    out.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    skipped = 0
+    bar = tqdm(runs, desc=f"accuracy[{args.preset}]", unit="run", disable=args.no_progress, mininterval=5, file=sys.stderr)
+    for r in bar:
+        run_dir = out / r["dir"]
+        summary_path = run_dir / "summary.json"
+        bar.set_description_str(f"accuracy[{args.preset}] {r['dir']}")
+        if summary_path.exists():
+            summary = json.loads(summary_path.read_text())
+            skipped += 1
+        else:
+            if bundle is None:
+                bundle = load_dataset(spec, args.data_root)
+                eval_set = SubsetImages(bundle.test, stratified(bundle.test.labels, p.eval_subset))
+            summary = run_one(r["config"], run_dir, bundle, p, eval_set, bar)
+            tqdm.write(f"{r['dir']}: final_acc {summary['final_acc']:.4f}  client MFLOPs/sample "
+                       f"{summary['client_flops_per_sample'] / 1e6:.2f}  splits {summary['split_histogram']}  {summary['wall_s']:.0f} s",
+                       file=sys.stderr)
+        results.append({"method": r["method"], "partition": r["partition"], "seed": r["seed"], "dir": r["dir"], "summary": summary})
+        write_results(out, args.preset, command, scale, results, p)
+    bar.close()
+    md = write_results(out, args.preset, command, scale, results, p)
+    print(md)
+    print(f"\n{len(results) - skipped} runs done, {skipped} skipped (summary.json existed); results in {out / 'results.json'}")
+    return {"runs": results, "skipped": skipped, "tables": md, "out": str(out)}
+
+
+def write_results(out: Path, preset: str, command: str, scale: dict[str, Any], results: list[dict[str, Any]], p: Preset) -> str:
+    md = tables(results, p.partitions, p.methods)
+    payload = {"preset": preset, "command": command, "scale": scale, "runs": results, "tables_markdown": md}
+    (out / "results.json").write_text(json.dumps(payload, indent=2))
+    (out / "tables.md").write_text(md + "\n")
+    return md
+
+
+if __name__ == "__main__":
+    main()

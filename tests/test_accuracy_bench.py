@@ -1,0 +1,83 @@
+"""benchmarks/accuracy.py: tables and results.json from a tiny digits preset, resuming, the paper plan."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "accuracy.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("accuracy_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["accuracy_bench"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_smoke_preset_writes_tables_and_resumes(bench, tmp_path, capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    argv = ["--preset", "smoke", "--out", str(tmp_path), "--no-progress"]
+    first = bench.main(argv)
+    assert torch.get_num_threads() == threads  # the benchmark's thread setting does not leak
+    assert first["skipped"] == 0 and len(first["runs"]) == 4  # 2 methods x 1 partition x 2 seeds
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["preset"] == "smoke"
+    keys = {(r["method"], r["partition"], r["seed"]) for r in results["runs"]}
+    assert keys == {(m, "iid", s) for m in ("static", "fedsga") for s in (0, 1)}
+    for r in results["runs"]:
+        s = r["summary"]
+        assert 0.0 <= s["final_acc"] <= 1.0
+        assert s["client_flops_per_sample"] > 0 and s["client_params"] > 0
+        assert (tmp_path / r["dir"] / "metrics.jsonl").exists()
+    fedsga = [r["summary"] for r in results["runs"] if r["method"] == "fedsga"]
+    assert all(s["calibration_flops"]["client"] > 0 and s["calibration_all_k_flops"] > 0 for s in fedsga)
+    assert all("mean_r" in s["diagnostics"] and "s_positive_rate" in s["diagnostics"] for s in fedsga)
+
+    md = capsys.readouterr().out
+    assert (tmp_path / "tables.md").read_text().strip() == results["tables_markdown"].strip()
+    for heading in ("Table 2", "Table 4", "Table 5", "Calibration cost", "FedSGA diagnostics"):
+        assert heading in md
+    table2 = md.split("**Table 2")[1].split("**Table 4")[0]
+    rows = [line for line in table2.splitlines() if line.startswith("| ") and "Method" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["Static at p_ref (SplitFed)", "**FedSGA**"]
+    assert all("±" in r and r.rstrip().endswith("| 2 |") for r in rows)  # mean ± std over 2 seeds
+
+    stamps = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("summary.json")}
+    again = bench.main(argv)
+    assert again["skipped"] == 4
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("summary.json")} == stamps
+    assert again["tables"] == first["tables"]
+
+
+def test_paper_preset_dry_run_plans_every_run(bench, tmp_path, capsys):
+    plan = bench.main(["--preset", "paper", "--dry-run", "--out", str(tmp_path)])
+    scale = plan["scale"]
+    assert (scale["model"], scale["width"], scale["clients"], scale["rounds"]) == ("resnet18_cifar", 1.0, 20, 100)
+    assert (scale["batch_size"], scale["lr"], scale["local_epochs"], scale["train_subset"]) == (64, 0.1, 5, 0)
+    assert scale["static_split"] == 2  # p_ref of ResNet-18's three candidates
+    runs = plan["plan"]
+    methods = {r["method"] for r in runs}
+    assert set(bench.DEFAULT_METHODS) <= methods
+    assert {r["partition"] for r in runs} == {"iid", "dir0.1"}
+    assert len(runs) == len(methods) * 2 * len(scale["seeds"]) and len(scale["seeds"]) >= 2
+    assert not any(tmp_path.iterdir())  # a dry run writes nothing
+    assert "per-run config" in capsys.readouterr().out
+
+
+def test_partition_names(bench):
+    assert bench.parse_partition("iid") == ("iid", 0.0)
+    assert bench.parse_partition("dir0.1") == ("dirichlet", 0.1)
+    assert bench.parse_partition("dirichlet0.5") == ("dirichlet", 0.5)
+    with pytest.raises(SystemExit):
+        bench.parse_partition("shards")
