@@ -369,17 +369,19 @@ def tables(runs: list[dict[str, Any]], partitions: list[str], methods: list[str]
     if cal_rows:
         out.append("**Calibration cost: sparse probes (Alg. 1) vs probing all K depths every round** — per run, mean over seeds")
         out.append("")
-        out.append("| Method | Partition | calibration rounds | calibration GFLOPs (client + server) | all-K every round GFLOPs | ratio | calibration / client training FLOPs |")
+        out.append("| Method | Partition | calibration rounds | calibration GFLOPs: client + server | all K every round GFLOPs | ratio | client calibration / client training FLOPs |")
         out.append("|---|---|---:|---:|---:|---:|---:|")
         for m, p in cal_rows:
             ss = g[(m, p)]
-            cal = np.mean([s["calibration_flops"]["client"] + s["calibration_flops"]["server"] for s in ss])
+            cal_c = np.mean([s["calibration_flops"]["client"] for s in ss])
+            cal_s = np.mean([s["calibration_flops"]["server"] for s in ss])
+            cal = cal_c + cal_s
             allk = np.mean([s["calibration_all_k_flops"] for s in ss])
             train = [s.get("train_client_flops_total") for s in ss]
-            frac = f"{100 * cal / np.mean(train):.2f}%" if all(train) else "—"
+            frac = f"{100 * cal_c / np.mean(train):.2f}%" if all(train) else "—"
             ncal = sum(1 for _ in ss[0]["diagnostics"].get("s_by_round", {}))
-            out.append(f"| {LABELS.get(m, m)} | {partition_label(p)} | {ncal} of {ss[0]['rounds']} | {cal / 1e9:.2f} "
-                       f"| {allk / 1e9:.2f} | {allk / max(cal, 1):.1f}x | {frac} |")
+            out.append(f"| {LABELS.get(m, m)} | {partition_label(p)} | {ncal} of {ss[0]['rounds']} | {cal_c / 1e9:.1f} + {cal_s / 1e9:.1f} = {cal / 1e9:.1f} "
+                       f"| {allk / 1e9:.1f} | {allk / max(cal, 1):.1f}x | {frac} |")
         out.append("")
 
     diag_rows = [(m, p) for m in methods for p in parts if g.get((m, p)) and g[(m, p)][0].get("diagnostics")]

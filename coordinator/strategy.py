@@ -69,18 +69,24 @@ def resource_splits(
 
 
 def _profile_latency(path: str | Path, K: int) -> dict[int, float]:
+    """Per-sample p50 latency per split from `fedsga-edge profile --json`: the train step where it
+    was measured (what a training device pays), else the forward; the largest batch profiled."""
     data = json.loads(Path(path).read_text())
-    rows = data.get("results", data) if isinstance(data, dict) else data
-    lat: dict[int, float] = {}
+    rows = data.get("results", []) if isinstance(data, dict) else data
+    best: dict[int, tuple[int, float]] = {}
     for row in rows:
-        k = int(row["split"])
-        value = row.get("train_step_ms") or row.get("latency", {}).get("mean_ms") or row.get("mean_ms")
-        if value is not None and k not in lat:
-            lat[k] = float(value)
-    missing = [k for k in range(1, K + 1) if k not in lat]
+        if row.get("variant", "fp32") != "fp32":
+            continue
+        stats = row.get("train_step_ms") or row.get("latency_ms")
+        if not stats:
+            continue
+        k, batch = int(row["split"]), int(row.get("batch", 1))
+        if k not in best or batch > best[k][0]:
+            best[k] = (batch, float(stats["p50"]) / batch)
+    missing = [k for k in range(1, K + 1) if k not in best]
     if missing:
-        raise ValueError(f"profile {path} has no latency for split(s) {missing}")
-    return lat
+        raise ValueError(f"profile {path} has no fp32 latency for split(s) {missing}")
+    return {k: v for k, (_, v) in best.items()}
 
 
 def make_assigner(strategy: str, num_splits: int, clients: list[str], train_flops: dict[int, int], *,

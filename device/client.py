@@ -207,7 +207,7 @@ class TorchClient:
                 if full:
                     loss = F.cross_entropy(model.head(model.pool(z)), y)
                     loss.backward()
-                    loss_value = float(loss)
+                    loss_value = float(loss.detach())
                 else:
                     body: dict[str, Any] = {"z": to_numpy(z), "y": to_numpy(y), "split": k}
                     if fedsga_h1:

@@ -172,3 +172,20 @@ def test_one_client_split_step_equals_local_step(digits) -> None:
     sa, sb = split.model.state_dict(), local.model.state_dict()
     for name in sa:
         assert torch.allclose(sa[name].double(), sb[name].double(), atol=1e-5), name
+
+
+def test_resource_strategy_reads_a_measured_profile(tmp_path) -> None:
+    from fedsga_edge.coordinator import resource_splits
+
+    rows = [{"split": k, "variant": "fp32", "batch": b, "latency_ms": {"p50": ms * b}}
+            for k, ms in ((1, 1.0), (2, 2.0), (3, 4.0)) for b in (1, 32)]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"results": rows}))
+    splits, speed = resource_splits([f"c{i}" for i in range(50)], {1: 1, 2: 1, 3: 1}, seed=0, sigma=1.0, profile=path)
+    for c, k in splits.items():  # budget = p_ref (2 ms) on a median device: deepest split that fits
+        fits = [j for j, ms in ((1, 1.0), (2, 2.0), (3, 4.0)) if ms / speed[c] <= 2.0 * (1 + 1e-9)]
+        assert k == (max(fits) if fits else 1)
+    assert set(splits.values()) == {1, 2, 3}
+    path.write_text(json.dumps({"results": rows[:2]}))
+    with pytest.raises(ValueError, match=r"split\(s\) \[2, 3\]"):
+        resource_splits(["c0"], {1: 1, 2: 1, 3: 1}, profile=path)

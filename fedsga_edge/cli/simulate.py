@@ -53,9 +53,16 @@ def simulate(
     no_harmonizer: bool = typer.Option(False, "--no-harmonizer", help="Ablation: pooled features straight to the head."),
     speed_sigma: float = typer.Option(0.5, help="--strategy resource: log-normal spread of device speeds."),
     profile: Optional[Path] = typer.Option(None, help="--strategy resource: a measured `fedsga-edge profile --json`."),
+    threads: int = typer.Option(0, help="torch intra-op threads (0 = torch's default). Use 1 when other jobs share the cores."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ) -> None:
     """Simulate split federated learning in one process and write metrics for every round."""
+    if threads < 0:
+        raise typer.BadParameter("--threads must be >= 0")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
 
     cfg = RunConfig(
