@@ -278,13 +278,14 @@ def all_k_probe_flops(sim: Any, records: list[dict[str, Any]]) -> int:
 
 def diagnostics(records: list[dict[str, Any]]) -> dict[str, Any]:
     """FedSGA's decisions in numbers: r, the observations, calibration labels s, L1 - Lref."""
-    rows = [c for r in records for c in r.get("clients", {}).values()]
-    if not rows:
+    records = [r for r in records if any("r" in c for c in r.get("clients", {}).values())]
+    rows = [c for r in records for c in r["clients"].values() if "r" in c]
+    if not rows:  # not fedsga, or the no-estimator ablation (no observations, no r)
         return {}
     cal = [c for c in rows if "s" in c]
     out: dict[str, Any] = {
         "mean_r": float(np.mean([c["r"] for c in rows])),
-        "r_by_round": [float(np.mean([c["r"] for c in r["clients"].values()])) for r in records if r.get("clients")],
+        "r_by_round": [float(np.mean([c["r"] for c in r["clients"].values() if "r" in c])) for r in records],
         "mean_a": float(np.mean([c["a"] for c in rows])),
         "mean_delta": float(np.mean([c["delta"] for c in rows])),
         "mean_q": float(np.mean([c["q"] for c in rows])),

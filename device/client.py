@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedsga_edge.config import FedSGAConfig, TrainConfig
+from fedsga_edge.config import FedSGAConfig, TrainConfig, from_wire
 from fedsga_edge.method.adaptation import descriptor, prompt_contributions
 from fedsga_edge.method.estimator import MonotoneEstimator
 from fedsga_edge.method.observation import Observation, ShallowHead, alignment, drift, prompt_variation
 from fedsga_edge.method.policy import split_index
 from fedsga_edge.models import SplitModel
 from fedsga_edge.tensors import augment_batch, from_numpy, from_numpy_state, image_batch, to_numpy, to_numpy_state
-from fedsga_edge.wire import Message
+from fedsga_edge.wire import Message, RemoteProtocolError
 
 __all__ = ["ClientData", "TorchClient"]
 
@@ -85,16 +85,18 @@ class TorchClient:
 
     # -- message entry point --------------------------------------------------------------------
     def handle(self, msg: Message) -> Message | None:
-        if msg.kind == "round_start":
-            body = self.run_round(msg.round, msg.body)
-            return Message("update", msg.run, msg.round, 0, self.cid, body)
-        raise ValueError(f"client {self.cid} cannot handle {msg.kind!r}")
+        """A coordinator that sends nonsense gets an error reply (via Peer); our own bugs still raise."""
+        if msg.kind != "round_start":
+            raise RemoteProtocolError(f"client {self.cid} does not accept {msg.kind!r}")
+        _check_round_start(msg.body)
+        body = self.run_round(msg.round, msg.body)
+        return Message("update", msg.run, msg.round, 0, self.cid, body)
 
     # -- one round --------------------------------------------------------------------------------
     def run_round(self, t: int, body: dict[str, Any]) -> dict[str, Any]:
         model = self._model()
-        train = TrainConfig(**body["train"])
-        fed = FedSGAConfig(**body["fedsga"]) if body.get("fedsga") else None
+        train = from_wire(TrainConfig, body["train"])
+        fed = from_wire(FedSGAConfig, body["fedsga"]) if body.get("fedsga") else None
         self._load(model, body["weights"])
         use_prompts = fed is not None and fed.adapt and fed.prompts > 0
         if use_prompts and self.state.prompts is None:
@@ -107,10 +109,9 @@ class TorchClient:
             k = 0
         elif body.get("split") is not None:
             k = int(body["split"])
-        elif fed is not None:  # FedSGA: observe, maybe calibrate, estimate r, pick the split (DESIGN §1.2-1.5)
+        else:  # FedSGA: observe, maybe calibrate, estimate r, pick the split (DESIGN §1.2-1.5)
+            assert fed is not None  # _check_round_start guarantees it
             k, report = self._choose_split(t, model, body, fed, prompts)
-        else:
-            raise ValueError("round_start names no split and carries no FedSGA settings to choose one")
         depth = model.num_blocks if full else model.depth_of(k)
         self._fetch_missing(t, model, body, depth, full)
 
@@ -270,6 +271,26 @@ class TorchClient:
         self.state.r_prev = r
         report.update(r=r)
         return k, report
+
+
+def _check_round_start(body: dict[str, Any]) -> None:
+    """Reject a malformed round start before any local state changes."""
+    try:
+        from_wire(TrainConfig, body["train"])
+        if body.get("fedsga"):
+            from_wire(FedSGAConfig, body["fedsga"])
+        if not isinstance(body["weights"], dict):
+            raise TypeError("weights must be a map of arrays")
+        split = body.get("split")
+        if split is not None and not isinstance(split, int):
+            raise TypeError("split must be an integer")
+        if split is None and not body.get("full") and not body.get("fedsga"):
+            raise ValueError("round_start names no split and carries no FedSGA settings to choose one")
+        if split is None and body.get("fedsga") and not body.get("full"):
+            for key in ("estimator", "phi_s", "prototypes", "proto_dim"):
+                body[key]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RemoteProtocolError(f"malformed round_start: {type(exc).__name__}: {exc}") from None
 
 
 def _block_index(name: str) -> int:

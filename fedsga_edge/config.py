@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["STRATEGIES", "FedSGAConfig", "TrainConfig", "RunConfig"]
+__all__ = ["STRATEGIES", "FedSGAConfig", "TrainConfig", "RunConfig", "from_wire"]
 
 STRATEGIES = ("static", "fedavg", "fedprox", "fedsga", "random", "resource")
 
@@ -78,3 +78,29 @@ class RunConfig:
         data["train"] = TrainConfig(**data.get("train", {}))
         data["fedsga"] = FedSGAConfig(**data.get("fedsga", {}))
         return cls(**data)
+
+
+def from_wire(cls: type, data: Any) -> Any:
+    """Build a flat config dataclass from a peer's map, checking every value's type.
+
+    Messages come from other machines: a string where a number belongs must be refused here, not
+    crash a training step later. bool is not accepted for numbers, int is accepted for floats.
+    """
+    if not isinstance(data, dict):
+        raise TypeError(f"{cls.__name__} must be a map, got {type(data).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = set(data) - set(known)
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    for name, value in data.items():
+        default = getattr(cls, name, None)
+        kind = type(default) if default is not None else (bool, type(None))
+        ok = (
+            isinstance(value, bool) if kind is bool
+            else isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
+            else isinstance(value, int) and not isinstance(value, bool) if kind is int
+            else isinstance(value, kind)
+        )
+        if not ok:
+            raise TypeError(f"{cls.__name__}.{name} = {value!r} has the wrong type")
+    return cls(**data)

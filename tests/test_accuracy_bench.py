@@ -81,3 +81,20 @@ def test_partition_names(bench):
     assert bench.parse_partition("dirichlet0.5") == ("dirichlet", 0.5)
     with pytest.raises(SystemExit):
         bench.parse_partition("shards")
+
+
+def test_diagnostics_without_estimator_and_with_calibration(bench):
+    # the no-estimator ablation reports empty per-client dicts: no r, no diagnostics, no crash
+    assert bench.diagnostics([{"round": 1, "splits": {"c0": 2}, "clients": {"c0": {}}}]) == {}
+    assert bench.diagnostics([{"round": 1, "splits": {"c0": 0}}]) == {}
+    recs = [
+        {"round": 1, "clients": {"c0": {"a": 0.0, "delta": 0.0, "q": 0.0, "r": 0.9, "L1": 2.0, "Lref": 2.0, "s": 1},
+                                 "c1": {"a": 0.0, "delta": 0.0, "q": 0.0, "r": 0.5, "L1": 3.0, "Lref": 2.0, "s": 0}},
+         "calibration": {"accuracy": 1.0, "brier": 0.1}},
+        {"round": 2, "clients": {"c0": {"a": 0.5, "delta": 1.0, "q": 0.1, "r": 0.7},
+                                 "c1": {"a": 0.5, "delta": 1.0, "q": 0.1, "r": 0.3}}},
+    ]
+    d = bench.diagnostics(recs)
+    assert d["r_by_round"] == pytest.approx([0.7, 0.5])
+    assert d["s_positive_rate"] == 0.5 and d["s_by_round"] == {"1": 0.5}
+    assert d["mean_L1_over_Lref"] == pytest.approx(1.25) and d["estimator_accuracy"] == 1.0

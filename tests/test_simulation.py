@@ -189,3 +189,15 @@ def test_resource_strategy_reads_a_measured_profile(tmp_path) -> None:
     path.write_text(json.dumps({"results": rows[:2]}))
     with pytest.raises(ValueError, match=r"split\(s\) \[2, 3\]"):
         resource_splits(["c0"], {1: 1, 2: 1, 3: 1}, profile=path)
+
+
+def test_device_answers_a_malformed_round_start_with_an_error(digits) -> None:
+    sim = Simulation(tiny(rounds=1), digits)
+    rogue = Peer(sim.transport, "rogue", "sim-0")
+    bad_lr = rogue.call("client-000", "round_start", 1, {"train": {"lr": "fast"}, "weights": {}, "split": 1})
+    assert bad_lr.kind == "error" and "TrainConfig.lr" in bad_lr.body["reason"]
+    assert rogue.call("client-000", "round_start", 1, {"weights": {}}).kind == "error"
+    assert rogue.call("client-000", "gradient", 1, {"dz": np.zeros(1, np.float32), "loss": 0.0}).kind == "error"
+    assert decode(sim.transport.request("rogue", "client-000", b"\x00garbage")).kind == "error"
+    rec = next(sim.rounds())  # the device still trains normally afterwards
+    assert rec["failures"] == {}
