@@ -98,3 +98,21 @@ def test_diagnostics_without_estimator_and_with_calibration(bench):
     assert d["r_by_round"] == pytest.approx([0.7, 0.5])
     assert d["s_positive_rate"] == 0.5 and d["s_by_round"] == {"1": 0.5}
     assert d["mean_L1_over_Lref"] == pytest.approx(1.25) and d["estimator_accuracy"] == 1.0
+
+
+@pytest.mark.slow
+def test_per_client_server_copies_is_the_engine_with_one_client(bench, tmp_path):
+    """The diagnostic server mode changes nothing with one client, and something with two."""
+
+    def losses(tag: str, mode: str, clients: int) -> list[float]:
+        out = tmp_path / tag
+        bench.main(["--preset", "smoke", "--methods", "static", "--seeds", "0", "--partitions", "dir0.3",
+                    "--clients", str(clients), "--server-copies", mode, "--out", str(out), "--no-progress"])
+        lines = (out / "static" / "dir0.3" / "seed0" / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["test_loss"] for line in lines]
+
+    assert losses("a", "shared", 1) == losses("b", "per-client", 1)
+    assert losses("c", "shared", 2) != losses("d", "per-client", 2)
+    from fedsga_edge.coordinator.server import Coordinator
+
+    assert Coordinator.run_round.__name__ == "run_round" and "per_client" not in Coordinator.run_round.__qualname__
