@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import subprocess
 import sys
 import time
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,7 +158,8 @@ def reference_split(model: str, width: float | None) -> int:
     return reference_index(create_model(model, **kwargs).num_splits)
 
 
-def make_config(p: Preset, method: str, partition: str, seed: int, split: int, spec: str, data_root: str | None):
+def make_config(p: Preset, method: str, partition: str, seed: int, split: int, spec: str, data_root: str | None,
+                server_copies: str = "shared"):
     from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
 
     strategy, fed = METHODS[method]
@@ -169,7 +168,7 @@ def make_config(p: Preset, method: str, partition: str, seed: int, split: int, s
     return RunConfig(
         dataset=spec, data_root=data_root, partition=kind, alpha=alpha if kind != "iid" else 0.1,
         clients=p.clients, rounds=rounds, model=p.model, width=p.width, strategy=strategy, split=split,
-        seed=seed, device=p.device, train_subset=p.train_subset,
+        seed=seed, device=p.device, train_subset=p.train_subset, server_copies=server_copies.replace("-", "_"),
         # the simulation evaluates only the final round (full test set); the benchmark adds subset evals
         eval_every=rounds,
         train=TrainConfig(local_epochs=p.local_epochs, batch_size=p.batch_size, lr=p.lr,
@@ -178,83 +177,16 @@ def make_config(p: Preset, method: str, partition: str, seed: int, split: int, s
     )
 
 
-def plan(p: Preset, spec: str, data_root: str | None) -> list[dict[str, Any]]:
+def plan(p: Preset, spec: str, data_root: str | None, server_copies: str = "shared") -> list[dict[str, Any]]:
     split = reference_split(p.model, p.width)
     runs = []
     for seed in p.seeds:  # seed-major: a run stopped half-way still has whole seeds
         for part in p.partitions:
             for method in p.methods:
-                cfg = make_config(p, method, part, seed, split, spec, data_root)
+                cfg = make_config(p, method, part, seed, split, spec, data_root, server_copies)
                 runs.append({"method": method, "partition": part, "seed": seed,
                              "dir": f"{method}/{part}/seed{seed}", "config": cfg})
     return runs
-
-
-# -- diagnostic: per-client server copies ---------------------------------------------------------
-@contextmanager
-def per_client_server_copies():
-    """Diagnostic (``--server-copies per-client``), not a method of the paper: SplitFed-v1-style server.
-
-    The engine keeps ONE server-side copy of the blocks after the split and of the head, and the
-    clients of a round train against it one after another (each its whole local epoch), so under
-    label skew the round ends with a server fitted to the last clients' classes. Here every client
-    trains its own copy, started from the round's global state; the copies are averaged (weighted
-    by |D_i|; per block over the clients whose data passed through it) and then enter DESIGN §1.8's
-    aggregation as the server's copy, exactly as the single copy does otherwise. Client order no
-    longer matters. Implemented by wrapping ``Coordinator.run_round`` for the benchmark's duration.
-    """
-    import torch
-
-    from fedsga_edge.coordinator.server import Coordinator
-
-    original = Coordinator.run_round
-
-    def run_round(self: Any, t: int) -> dict[str, Any]:
-        L = self.model.num_blocks
-        unit = lambda name: int(name.split(".", 2)[1]) if name.startswith("blocks.") else L  # noqa: E731
-        m0 = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        h0 = {k: v.detach().clone() for k, v in self.head.state_dict().items()}
-        acc_m = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in m0.items()}
-        w_m = dict.fromkeys(m0, 0.0)
-        acc_h = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in h0.items()}
-        w_h = [0.0]
-        call0, aggregate0 = self.peer.call, self._aggregate
-
-        def call(dst: str, kind: str, rnd: int, body: dict[str, Any]) -> Any:
-            if kind != "round_start":
-                return call0(dst, kind, rnd, body)
-            self.model.load_state_dict(m0)
-            self.head.load_state_dict(h0)
-            reply = call0(dst, kind, rnd, body)
-            if reply.kind != "update" or body.get("full"):
-                return reply
-            depth, n = int(reply.body["depth"]), float(self.clients[dst])
-            for k, v in self.model.state_dict().items():
-                if unit(k) >= depth:
-                    acc_m[k] += n * v.double()
-                    w_m[k] += n
-            for k, v in self.head.state_dict().items():
-                acc_h[k] += n * v.double()
-            w_h[0] += n
-            return reply
-
-        def aggregate(updates: dict[str, Any]) -> None:
-            self.model.load_state_dict({k: (acc_m[k] / w_m[k]).to(m0[k].dtype) if w_m[k] > 0 else m0[k] for k in m0})
-            if w_h[0] > 0:
-                self.head.load_state_dict({k: (acc_h[k] / w_h[0]).to(h0[k].dtype) for k in h0})
-            aggregate0(updates)
-
-        self.peer.call, self._aggregate = call, aggregate
-        try:
-            return original(self, t)
-        finally:
-            del self.peer.call, self._aggregate
-
-    Coordinator.run_round = run_round
-    try:
-        yield
-    finally:
-        Coordinator.run_round = original
 
 
 # -- running ---------------------------------------------------------------------------------------
@@ -415,7 +347,7 @@ def tables(runs: list[dict[str, Any]], partitions: list[str], methods: list[str]
 
     out.append("**Table 5 (shape of the paper's): client cost** — means over rounds, clients and seeds")
     out.append("")
-    out.append("| Method | Partition | client params (K) | client MFLOPs/sample (fwd+bwd) | split histogram (k: client-rounds) | wall s / run | MB on the wire / run |")
+    out.append("| Method | Partition | client params (K) | client MFLOPs/sample (fwd+bwd) | split histogram (k: client-rounds, all seeds) | wall s / run | MB on the wire / run |")
     out.append("|---|---|---:|---:|---|---:|---:|")
     for m in methods:
         for p in parts:
@@ -464,7 +396,7 @@ def tables(runs: list[dict[str, Any]], partitions: list[str], methods: list[str]
             rbr = np.mean([d["r_by_round"] for d in ds], axis=0)
             rbr_s = " ".join(f"{v:.2f}" for v in rbr)
 
-            def mean_of(key: str, fmt: str = ".2f") -> str:
+            def mean_of(key: str, fmt: str = ".2f", ds: list = ds) -> str:
                 vals = [d[key] for d in ds if d.get(key) is not None]
                 return format(float(np.mean(vals)), fmt) if vals else "—"
 
@@ -510,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "two threads ran a round 15-20x slower than one (spin-waiting threads under contention).")
     ap.add_argument("--server-copies", choices=["shared", "per-client"], default="shared",
                     help="shared: the engine as it is (one server copy, clients in sequence). per-client: a diagnostic, "
-                         "SplitFed-v1-style server copies averaged each round (see per_client_server_copies).")
+                         "SplitFed-v1-style server copies averaged each round (the engine's server_copies='per_client').")
     ap.add_argument("--dry-run", action="store_true", help="Print the plan (runs and per-run config) and exit.")
     ap.add_argument("--no-progress", action="store_true")
     return ap
@@ -545,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = resolve(args)
     out: Path = args.out or REPO / "benchmarks" / f"runs_{args.preset}"
     spec = data_spec(p.data)
-    runs = plan(p, spec, args.data_root)
+    runs = plan(p, spec, args.data_root, args.server_copies)
     command = "python benchmarks/accuracy.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     scale = {k: v for k, v in vars(p).items()} | {"data": spec, "static_split": runs[0]["config"].split,
                                                   "server_copies": args.server_copies}
@@ -568,8 +500,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if p.threads > 0:
         torch.set_num_threads(p.threads)
     try:
-        with per_client_server_copies() if args.server_copies == "per-client" else nullcontext():
-            return _run_all(args, p, out, spec, runs, command, scale)
+        return _run_all(args, p, out, spec, runs, command, scale)
     finally:
         torch.set_num_threads(threads_before)
 

@@ -225,10 +225,13 @@ class Coordinator:
         splits = self.assigner.assign(t, list(self.clients))
         updates: dict[str, dict[str, Any]] = {}
         failures: dict[str, str] = {}
+        copies = _ServerCopies(self) if self.cfg.server_copies == "per_client" else None
         for cid in self.clients:
             k = splits.get(cid)
             full = k == 0
             body = self._round_start_body(k, full, calibrate)
+            if copies is not None:
+                copies.start_client()
             try:
                 reply = self.peer.call(cid, "round_start", t, body)
             except Exception as exc:  # a device failing must not stop the round
@@ -238,6 +241,10 @@ class Coordinator:
                 failures[cid] = f"replied {reply.kind}: {reply.body.get('reason', '')}"
                 continue
             updates[cid] = reply.body
+            if copies is not None and not full:
+                copies.end_client(int(reply.body["depth"]), float(reply.body["num_samples"]))
+        if copies is not None:
+            copies.finish()
         if updates:
             self._aggregate(updates)
         if self.fedsga:
@@ -353,6 +360,47 @@ class Coordinator:
             "estimator": self.estimator.state_dict(),
             "cal_buffer": self.cal_buffer.state_dict(),
         }
+
+
+class _ServerCopies:
+    """``server_copies="per_client"``: every client trains its own copy of the server side.
+
+    The shared copy (the default) trains on the round's clients one after another, so under label
+    skew it ends the round fitted to the last clients' classes (benchmarks/RESULTS.md). Here each
+    client starts from the round's global server side; the copies (blocks, head or harmonizer, and
+    BatchNorm statistics) are averaged, weighted by |D_i|, per block over the clients whose data
+    passed through it, and the average enters DESIGN §1.8's aggregation as the server's copy.
+    """
+
+    def __init__(self, co: "Coordinator") -> None:
+        self.co = co
+        self.model0 = {k: v.detach().clone() for k, v in co.model.state_dict().items()}
+        self.head0 = {k: v.detach().clone() for k, v in co.head.state_dict().items()}
+        self.sums: dict[str, Tensor] = {}
+        self.weights: dict[str, float] = {}
+
+    def start_client(self) -> None:
+        self.co.model.load_state_dict(self.model0)
+        self.co.head.load_state_dict(self.head0)
+
+    @torch.no_grad()
+    def end_client(self, depth: int, weight: float) -> None:
+        L = self.co.model.num_blocks
+        trained = [(k, v) for k, v in self.co.model.state_dict().items() if _unit(k, L) >= depth]
+        trained += [("head:" + k, v) for k, v in self.co.head.state_dict().items()]
+        for k, v in trained:
+            self.sums[k] = self.sums.get(k, 0) + weight * v.double()
+            self.weights[k] = self.weights.get(k, 0.0) + weight
+
+    def _mean(self, key: str, like: Tensor) -> Tensor:
+        if key not in self.sums:
+            return like
+        mean = self.sums[key] / self.weights[key]
+        return mean.to(like.dtype) if like.is_floating_point() else mean.round().to(like.dtype)
+
+    def finish(self) -> None:
+        self.co.model.load_state_dict({k: self._mean(k, v) for k, v in self.model0.items()})
+        self.co.head.load_state_dict({k: self._mean("head:" + k, v) for k, v in self.head0.items()})
 
 
 def _unit(name: str, num_blocks: int) -> int:

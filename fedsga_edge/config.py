@@ -62,6 +62,7 @@ class RunConfig:
     eval_every: int = 1
     speed_sigma: float = 0.5  # `resource`: log-normal spread of client speed factors
     profile: str | None = None  # `resource`: a measured latency profile (fedsga-edge profile --json)
+    server_copies: str = "shared"  # "shared": one server copy, clients in turn; "per_client": averaged copies
     train: TrainConfig = field(default_factory=TrainConfig)
     fedsga: FedSGAConfig = field(default_factory=FedSGAConfig)
 

@@ -58,6 +58,8 @@ def validate_config(cfg: RunConfig) -> None:
     if cfg.partition != "iid" and not cfg.alpha > 0:
         problems.append("--alpha must be > 0")
     f = cfg.fedsga
+    if cfg.server_copies not in ("shared", "per_client"):
+        problems.append(f"--server-copies must be shared or per-client (got {cfg.server_copies!r})")
     if f.cal_every < 1:
         problems.append("--cal-every must be >= 1")
     if not 0 <= f.mu_proto <= 1:

@@ -201,3 +201,31 @@ def test_device_answers_a_malformed_round_start_with_an_error(digits) -> None:
     assert decode(sim.transport.request("rogue", "client-000", b"\x00garbage")).kind == "error"
     rec = next(sim.rounds())  # the device still trains normally afterwards
     assert rec["failures"] == {}
+
+
+def test_per_client_server_copies_with_one_client_is_the_shared_copy(digits) -> None:
+    a = list(Simulation(tiny(clients=1, rounds=2), digits).rounds())
+    b = list(Simulation(tiny(clients=1, rounds=2, server_copies="per_client"), digits).rounds())
+    assert [r["test_acc"] for r in a] == [r["test_acc"] for r in b]
+    assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
+
+
+def test_per_client_server_copies_average_the_server_side(digits) -> None:
+    """Two clients: the server side after the round is the data-weighted mean of what each trained."""
+    sim = Simulation(tiny(clients=2, rounds=1, server_copies="per_client", fedsga=FedSGAConfig()), digits)
+    co = sim.coordinator
+    seen = []
+    call = co.peer.call
+
+    def spy(dst, kind, rnd, body):
+        reply = call(dst, kind, rnd, body)
+        if kind == "round_start":
+            seen.append((float(reply.body["num_samples"]), co.model.blocks[4].layer[0].conv1.weight.detach().clone()))
+        return reply
+
+    co.peer.call = spy
+    next(sim.rounds())
+    (n1, w1), (n2, w2) = seen
+    # blocks[4] runs only on the server at split 2, so the global value is exactly the weighted mean.
+    assert torch.allclose(co.model.blocks[4].layer[0].conv1.weight, (n1 * w1 + n2 * w2) / (n1 + n2), atol=1e-6)
+    assert not torch.allclose(w1, w2)

@@ -53,6 +53,9 @@ def simulate(
     no_harmonizer: bool = typer.Option(False, "--no-harmonizer", help="Ablation: pooled features straight to the head."),
     speed_sigma: float = typer.Option(0.5, help="--strategy resource: log-normal spread of device speeds."),
     profile: Optional[Path] = typer.Option(None, help="--strategy resource: a measured `fedsga-edge profile --json`."),
+    server_copies: str = typer.Option(
+        "shared", help="shared: one server copy trained on the clients in turn (SplitFed-v2 style); "
+        "per-client: each client trains its own copy, averaged every round (SplitFed-v1 style)."),
     threads: int = typer.Option(0, help="torch intra-op threads (0 = torch's default). Use 1 when other jobs share the cores."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ) -> None:
@@ -70,7 +73,7 @@ def simulate(
         clients=clients, rounds=rounds, model=model, width=width, img_size=img_size,
         pretrained=str(pretrained) if pretrained else None, strategy=strategy, split=split, seed=seed,
         device=device, train_subset=train_subset, eval_every=eval_every, speed_sigma=speed_sigma,
-        profile=str(profile) if profile else None,
+        profile=str(profile) if profile else None, server_copies=server_copies.replace("-", "_"),
         train=TrainConfig(local_epochs=local_epochs, batch_size=batch_size, lr=lr, momentum=momentum,
                           weight_decay=weight_decay, mu=mu if strategy == "fedprox" else 0.0,
                           augment=augment, max_batches=max_batches),
