@@ -129,7 +129,7 @@ class Coordinator:
             return self._reply(msg, "error", {"reason": f"coordinator does not accept {msg.kind!r}"})
         try:
             kind, body = handler(msg)
-        except (KeyError, ValueError, RuntimeError, IndexError) as exc:
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:
             self._round.setdefault("remote_errors", []).append(f"{msg.sender}: {exc}")
             return self._reply(msg, "error", {"reason": f"bad {msg.kind}: {exc}"})
         return self._reply(msg, kind, body)

@@ -127,6 +127,8 @@ def test_coordinator_survives_malformed_messages(digits) -> None:
     assert rogue.call("coordinator", "activation", 1, bad).kind == "error"
     assert rogue.call("coordinator", "activation", 1, bad | {"split": 9}).kind == "error"
     assert rogue.call("coordinator", "hello", 1, {}).kind == "error"
+    assert rogue.call("coordinator", "fetch", 1, {"blocks": [[1]]}).kind == "error"
+    assert rogue.call("coordinator", "probe", 1, {"z1": np.zeros(2, np.float32)}).kind == "error"
     rec = next(sim.rounds())  # and the round still runs normally
     assert rec["failures"] == {} and rec["test_acc"] > 0
 
