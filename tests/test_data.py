@@ -340,7 +340,8 @@ def test_npz_errors_name_problem_and_layout(tmp_path: Path, arrays: dict[str, np
     assert "uint8 NHWC arrays x_train and x_test" in str(info.value)
 
 
-CIFAR_PACK = Path("/work/shared/data/cifar10/jpegpack.npz")
+# shared/ lies beside the checkout (developers and CI alike).
+CIFAR_PACK = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10" / "jpegpack.npz"
 
 
 @pytest.mark.integration
