@@ -31,20 +31,16 @@ from fedsga_edge.method import (
 )
 from fedsga_edge.method.aggregation import Contribution, aggregate_blocks
 from fedsga_edge.models import SplitModel
-from fedsga_edge.tensors import from_numpy, from_numpy_state, image_batch, to_numpy, to_numpy_state
+from fedsga_edge.tensors import from_numpy, image_batch, to_numpy, to_numpy_state
 from fedsga_edge.wire import Message
 
 from .strategy import SplitAssigner
 
-__all__ = ["Coordinator", "RoundFailure"]
+__all__ = ["Coordinator"]
 
 
 class Caller(Protocol):
     def call(self, dst: str, kind: str, round: int, body: dict[str, Any]) -> Message: ...
-
-
-class RoundFailure(RuntimeError):
-    """A device did not deliver its update; the round goes on without it."""
 
 
 class ServerHead(nn.Module):
@@ -54,11 +50,6 @@ class ServerHead(nn.Module):
         super().__init__()
         self.harmonizer = Harmonizer(model.feature_dim, model.num_splits, dim=dim) if harmonizer else None
         self.G = nn.Linear(dim, num_classes) if harmonizer else None
-
-    @property
-    def proto_dim(self) -> int:
-        assert self.harmonizer is not None
-        return self.harmonizer.dim
 
 
 class Coordinator:

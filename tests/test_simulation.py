@@ -15,7 +15,7 @@ from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
 from fedsga_edge.data import load_dataset
 from fedsga_edge.simulation import Simulation, run_simulation
 from fedsga_edge.transport import Peer
-from fedsga_edge.wire import Message, decode
+from fedsga_edge.wire import decode
 
 REQUIRED = {"round", "test_acc", "test_loss", "train_loss", "wall_s", "bytes_up", "bytes_down", "client_flops_per_sample", "splits"}
 
