@@ -80,6 +80,7 @@ class TorchClient:
         self._factory = model_factory
         self.model: SplitModel | None = None
         self.state = _PrivateState()
+        self._have: dict[int, set[int]] = {}  # round -> blocks already received this round
         self.rng = np.random.default_rng([seed, _stable_hash(cid)])
         self.gen = torch.Generator().manual_seed(int(self.rng.integers(2**31)))
 
@@ -95,6 +96,7 @@ class TorchClient:
     # -- one round --------------------------------------------------------------------------------
     def run_round(self, t: int, body: dict[str, Any]) -> dict[str, Any]:
         model = self._model()
+        self._have = {}
         train = from_wire(TrainConfig, body["train"])
         fed = from_wire(FedSGAConfig, body["fedsga"]) if body.get("fedsga") else None
         self._load(model, body["weights"])
@@ -143,11 +145,13 @@ class TorchClient:
             model.load_state_dict(from_numpy_state(weights, self.device), strict=False)
 
     def _fetch_missing(self, t: int, model: SplitModel, body: dict[str, Any], depth: int, full: bool) -> None:
-        have = {_block_index(n) for n in body["weights"]}
+        """Download this round's blocks that neither the round start nor an earlier fetch brought."""
+        have = self._have.setdefault(t, {_block_index(n) for n in body["weights"]})
         need = [j for j in range(depth) if j not in have]
-        if need or (full and not any(n.startswith("head.") for n in body["weights"])):
+        if need or (full and (1 << 30) not in have):
             reply = self._call(t, "fetch", {"blocks": need, "head": full})
             self._load(model, reply.body["weights"])
+            have.update(_block_index(n) for n in reply.body["weights"])
 
     def _call(self, t: int, kind: str, body: dict[str, Any]) -> Message:
         reply = self.peer.call(self.server, kind, t, body)

@@ -231,3 +231,20 @@ def test_per_client_server_copies_average_the_server_side(digits) -> None:
     # blocks[4] runs only on the server at split 2, so the global value is exactly the weighted mean.
     assert torch.allclose(co.model.blocks[4].layer[0].conv1.weight, (n1 * w1 + n2 * w2) / (n1 + n2), atol=1e-6)
     assert not torch.allclose(w1, w2)
+
+
+def test_calibration_round_downloads_each_block_once(digits) -> None:
+    sim = Simulation(tiny("fedsga", clients=1, rounds=1), digits)
+    fetched: list[list[int]] = []
+    call = sim.clients[0].peer.call
+
+    def spy(dst, kind, rnd, body):
+        if kind == "fetch":
+            fetched.append(list(body["blocks"]))
+        return call(dst, kind, rnd, body)
+
+    sim.clients[0].peer.call = spy
+    rec = next(sim.rounds())
+    blocks = [j for f in fetched for j in f]
+    assert len(blocks) == len(set(blocks)), fetched
+    assert "L1" in rec["clients"]["client-000"]  # round 1 calibrates
