@@ -8,6 +8,15 @@ against probing all K depths every round (the O(|T_cal|) vs O(KT) claim), as mar
     python benchmarks/accuracy.py                       # --preset cpu: about an hour on 2 cores
     python benchmarks/accuracy.py --preset paper --device auto --out benchmarks/runs_paper
     python benchmarks/accuracy.py --preset paper --dry-run   # print the plan only
+    python benchmarks/accuracy.py --preset domain       # Office-31 domain skew, 12 runs
+
+The ``domain`` preset is the paper's motivating case, domain skew: real Office-31 (amazon, dslr,
+webcam at 32 px, ../shared/data/office31), 9 clients, 3 per domain (``--partition domain``),
+and inside each domain a Dirichlet(0.5) label split among its 3 clients (partition name
+``domain0.5``). alpha=0.5 rather than the 0.1 of the label-skew runs keeps the label skew mild,
+so the domains, not missing classes, are what separates clients; it also keeps every client of
+the small dslr domain (399 train images, 31 classes) above min_samples. It compares FedSGA with
+static splits at p_1, p_ref and p_K, random splits, FedAvg and FedSGA without its harmonizer.
 
 Every run writes ``OUT/<method>/<partition>/seed<s>/{config,metrics.jsonl,summary}.json``; a
 run whose ``summary.json`` exists is skipped, so a killed benchmark continues where it stopped.
@@ -38,12 +47,17 @@ HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 DEFAULT_NPZ = Path.home() / ".cache" / "fedsga-edge" / "cifar10.npz"
 MATERIALIZE = REPO.parent / "shared" / "data" / "cifar10" / "materialize.py"
+# Real Office-31 at 32 px with domain ids (d_train, d_test, domains); see its README.md beside it.
+OFFICE31_NPZ = REPO.parent / "shared" / "data" / "office31" / "office31_32.npz"
 
-# method name -> (strategy, FedSGAConfig overrides); "static" runs at p_ref (SplitFed)
+# method name -> (strategy, FedSGAConfig overrides); "static" runs at p_ref (SplitFed),
+# "static-p1" / "static-pK" at the shallowest / deepest candidate (see STATIC_AT)
 METHODS: dict[str, tuple[str, dict[str, bool]]] = {
     "fedavg": ("fedavg", {}),
     "fedprox": ("fedprox", {}),
     "static": ("static", {}),
+    "static-p1": ("static", {}),
+    "static-pK": ("static", {}),
     "random": ("random", {}),
     "resource": ("resource", {}),
     "fedsga": ("fedsga", {}),
@@ -51,7 +65,9 @@ METHODS: dict[str, tuple[str, dict[str, bool]]] = {
     "fedsga-no-estimator": ("fedsga", {"estimator": False}),
     "fedsga-no-harmonizer": ("fedsga", {"harmonizer": False}),
 }
-MAIN_METHODS = ["fedavg", "fedprox", "static", "random", "resource", "fedsga"]
+# Static methods pinned to another depth than p_ref: "1" is p_1, "K" the model's last candidate.
+STATIC_AT: dict[str, str] = {"static-p1": "1", "static-pK": "K"}
+MAIN_METHODS = ["fedavg", "fedprox", "static-p1", "static", "static-pK", "random", "resource", "fedsga"]
 ABLATIONS = ["fedsga", "fedsga-no-adapt", "fedsga-no-estimator", "fedsga-no-harmonizer"]
 DEFAULT_METHODS = ["fedsga", "static", "random", "resource", "fedavg", "fedprox",
                    "fedsga-no-adapt", "fedsga-no-estimator", "fedsga-no-harmonizer"]
@@ -59,6 +75,8 @@ LABELS = {
     "fedavg": "FedAvg (whole model on the client)",
     "fedprox": "FedProx",
     "static": "Static at p_ref (SplitFed)",
+    "static-p1": "Static at p_1 (shallowest)",
+    "static-pK": "Static at p_K (deepest)",
     "random": "Random split",
     "resource": "Resource-driven (MultiSFL-style)",
     "fedsga": "**FedSGA**",
@@ -82,6 +100,7 @@ class Preset:
     max_batches: int = 0
     eval_every: int = 5
     eval_subset: int = 2000
+    augment: bool | None = None  # None: the engine's auto (crop + flip for natural images, not digits)
     seeds: list[int] = field(default_factory=lambda: [0, 1])
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     partitions: list[str] = field(default_factory=lambda: ["iid", "dir0.1"])
@@ -96,6 +115,13 @@ PRESETS: dict[str, Preset] = {
     # The paper's setting (§4.1.3): ResNet-18, 20 clients, 100 rounds, 5 local epochs, batch 64, lr 0.1.
     "paper": Preset(data=str(DEFAULT_NPZ), width=1.0, clients=20, rounds=100, local_epochs=5,
                     train_subset=0, eval_every=5, eval_subset=0, seeds=[0, 1, 2], threads=0, device="auto"),
+    # Domain skew on real Office-31 (module docstring). All 3290 train images, 1 local epoch: a
+    # round cost 20 s of CPU on one thread (6 ms/sample, shared 2-core machine under load), so 6
+    # rounds keep a run near 2 min (calibration in rounds 1 and 5); --rounds 12 doubles it. The
+    # 820 test images are few enough to evaluate in full.
+    "domain": Preset(data=str(OFFICE31_NPZ), width=0.25, clients=9, rounds=6, local_epochs=1,
+                     train_subset=0, eval_every=3, eval_subset=0, augment=True, partitions=["domain0.5"],
+                     methods=["fedsga", "static", "static-p1", "random", "fedavg", "fedsga-no-harmonizer"]),
     # For tests: digits, seconds.
     "smoke": Preset(data="digits", width=0.25, clients=2, rounds=1, local_epochs=1, max_batches=2,
                     eval_every=1, eval_subset=0, methods=["static", "fedsga"], partitions=["iid"]),
@@ -104,24 +130,28 @@ PRESETS: dict[str, Preset] = {
 
 # -- planning -------------------------------------------------------------------------------------
 def parse_partition(name: str) -> tuple[str, float]:
-    """``iid`` -> (iid, 0); ``dir0.1`` / ``dirichlet0.1`` -> (dirichlet, 0.1)."""
+    """``iid`` -> (iid, 0); ``dir0.1`` / ``dirichlet0.1`` -> (dirichlet, 0.1);
+    ``domain0.5`` -> (domain, 0.5): clients per domain, Dirichlet(0.5) labels inside each domain."""
     n = name.strip().lower()
     if n == "iid":
         return "iid", 0.0
-    for prefix in ("dirichlet", "dir"):
+    for prefix, kind in (("dirichlet", "dirichlet"), ("dir", "dirichlet"), ("domain", "domain")):
         if n.startswith(prefix):
             try:
                 alpha = float(n[len(prefix):])
             except ValueError:
                 break
             if alpha > 0:
-                return "dirichlet", alpha
-    raise SystemExit(f"--partitions: {name!r} is not 'iid' or 'dirALPHA' (e.g. dir0.1)")
+                return kind, alpha
+            break
+    raise SystemExit(f"--partitions: {name!r} is not 'iid', 'dirALPHA' (e.g. dir0.1) or 'domainALPHA' (e.g. domain0.5)")
 
 
 def partition_label(name: str) -> str:
     kind, alpha = parse_partition(name)
-    return "IID" if kind == "iid" else f"Dirichlet({alpha:g})"
+    if kind == "iid":
+        return "IID"
+    return f"Dirichlet({alpha:g})" if kind == "dirichlet" else f"Domain + Dirichlet({alpha:g})"
 
 
 def data_spec(data: str) -> str:
@@ -139,6 +169,9 @@ def ensure_data(spec: str) -> None:
     path = Path(spec[4:])
     if path.exists():
         return
+    if path.name == OFFICE31_NPZ.name:  # not CIFAR: materialising CIFAR-10 under this name would mislead
+        raise SystemExit(f"--data: {path} does not exist; the domain preset reads Office-31 from {OFFICE31_NPZ} "
+                         "(see its README.md), or pass --data PATH to a copy")
     if MATERIALIZE.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         print(f"materialising CIFAR-10 into {path} (about 10 s)", file=sys.stderr)
@@ -148,14 +181,25 @@ def ensure_data(spec: str) -> None:
                      f"`python ../shared/data/cifar10/materialize.py {path}` or pass --data cifar10 --data-root DIR")
 
 
-def reference_split(model: str, width: float | None) -> int:
-    from fedsga_edge.method import reference_index
+def num_splits(model: str, width: float | None) -> int:
+    """K, the model's number of candidate split depths (independent of the class count)."""
     from fedsga_edge.models import create_model
 
     kwargs: dict[str, Any] = {"num_classes": 10}
     if model.startswith("resnet"):
         kwargs["width"] = width
-    return reference_index(create_model(model, **kwargs).num_splits)
+    return create_model(model, **kwargs).num_splits
+
+
+def reference_split(model: str, width: float | None) -> int:
+    from fedsga_edge.method import reference_index
+
+    return reference_index(num_splits(model, width))
+
+
+def method_split(method: str, p_ref: int, K: int) -> int:
+    """The split a static method runs at: p_ref, unless STATIC_AT pins it to p_1 or p_K."""
+    return {"1": 1, "K": K}.get(STATIC_AT.get(method, ""), p_ref)
 
 
 def make_config(p: Preset, method: str, partition: str, seed: int, split: int, spec: str, data_root: str | None,
@@ -172,18 +216,19 @@ def make_config(p: Preset, method: str, partition: str, seed: int, split: int, s
         # the simulation evaluates only the final round (full test set); the benchmark adds subset evals
         eval_every=rounds,
         train=TrainConfig(local_epochs=p.local_epochs, batch_size=p.batch_size, lr=p.lr,
-                          mu=0.01 if strategy == "fedprox" else 0.0, max_batches=p.max_batches),
+                          mu=0.01 if strategy == "fedprox" else 0.0, max_batches=p.max_batches, augment=p.augment),
         fedsga=FedSGAConfig(**fed),
     )
 
 
 def plan(p: Preset, spec: str, data_root: str | None, server_copies: str = "shared") -> list[dict[str, Any]]:
+    K = num_splits(p.model, p.width)
     split = reference_split(p.model, p.width)
     runs = []
     for seed in p.seeds:  # seed-major: a run stopped half-way still has whole seeds
         for part in p.partitions:
             for method in p.methods:
-                cfg = make_config(p, method, part, seed, split, spec, data_root, server_copies)
+                cfg = make_config(p, method, part, seed, method_split(method, split, K), spec, data_root, server_copies)
                 runs.append({"method": method, "partition": part, "seed": seed,
                              "dir": f"{method}/{part}/seed{seed}", "config": cfg})
     return runs
@@ -233,7 +278,7 @@ def run_one(cfg: Any, out: Path, bundle: Any, p: Preset, eval_set: Any, bar: Any
         for rec in sim.rounds():
             t = rec["round"]
             if t < cfg.rounds and p.eval_every > 0 and t % p.eval_every == 0:
-                rec["test_acc_subset"], rec["test_loss_subset"] = sim.coordinator.evaluate(eval_set, bundle.mean, bundle.std)
+                rec["test_acc_subset"], rec["test_loss_subset"] = subset_eval(sim, eval_set, bundle)
             records.append(rec)
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
@@ -247,6 +292,14 @@ def run_one(cfg: Any, out: Path, bundle: Any, p: Preset, eval_set: Any, bar: Any
     summary["diagnostics"] = diagnostics(records)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def subset_eval(sim: Any, eval_set: Any, bundle: Any) -> tuple[float, float]:
+    """(accuracy, loss) on the eval subset; Coordinator.evaluate returns a dict now (a tuple before)."""
+    result = sim.coordinator.evaluate(eval_set, bundle.mean, bundle.std)
+    if isinstance(result, dict):
+        return result["test_acc"], result["test_loss"]
+    return result
 
 
 def train_client_flops(sim: Any, records: list[dict[str, Any]]) -> int:
@@ -407,7 +460,7 @@ def tables(runs: list[dict[str, Any]], partitions: list[str], methods: list[str]
 
     # the issue's must-show: fedsga vs static under non-IID, same run
     for p in parts:
-        if parse_partition(p)[0] != "dirichlet" or ("fedsga", p) not in g or ("static", p) not in g:
+        if parse_partition(p)[0] == "iid" or ("fedsga", p) not in g or ("static", p) not in g:
             continue
         out.append(f"**FedSGA vs static at p_ref under {partition_label(p)}** (same benchmark run)")
         out.append("")
@@ -426,16 +479,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     ap.add_argument("--out", type=Path, default=None, help="Output folder (default benchmarks/runs_<preset>).")
-    ap.add_argument("--data", default=None, help="An .npz path (x_train,y_train,x_test,y_test) or a dataset spec (digits, cifar10, npz:PATH).")
+    ap.add_argument("--data", default=None, help="An .npz path (x_train,y_train,x_test,y_test; d_train,d_test,domains for "
+                                                 "domain partitions) or a dataset spec (digits, cifar10, npz:PATH).")
     ap.add_argument("--data-root", default=None, help="Root for dataset specs that read an official layout (cifar10 ...).")
     ap.add_argument("--seeds", default=None, help="Comma-separated seeds (preset: 0,1).")
     ap.add_argument("--methods", default=None, help=f"Comma-separated, from {','.join(METHODS)}.")
-    ap.add_argument("--partitions", default=None, help="Comma-separated: iid, dirALPHA (e.g. dir0.1).")
+    ap.add_argument("--partitions", default=None,
+                    help="Comma-separated: iid, dirALPHA (e.g. dir0.1), domainALPHA (e.g. domain0.5: clients per domain, "
+                         "Dirichlet(ALPHA) labels inside each; needs data with domain ids).")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--clients", type=int, default=None)
     ap.add_argument("--width", type=float, default=None)
     ap.add_argument("--train-subset", type=int, default=None)
     ap.add_argument("--local-epochs", type=int, default=None)
+    ap.add_argument("--max-batches", type=int, default=None, help="Cap on batches per client per local epoch (0 = all).")
     ap.add_argument("--device", default=None, help="cpu | cuda | auto (preset: cpu; paper: auto).")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (0 = torch's default). The CPU preset uses 1: on a shared 2-core machine "
@@ -464,7 +521,7 @@ def resolve(args: argparse.Namespace) -> Preset:
         p.partitions = [s.strip() for s in args.partitions.split(",") if s.strip()]
     for part in p.partitions:
         parse_partition(part)
-    for name in ("rounds", "clients", "width", "train_subset", "local_epochs", "device", "threads"):
+    for name in ("rounds", "clients", "width", "train_subset", "local_epochs", "max_batches", "device", "threads"):
         if getattr(args, name) is not None:
             setattr(p, name, getattr(args, name))
     if not p.seeds or not p.methods or not p.partitions:
@@ -479,7 +536,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     spec = data_spec(p.data)
     runs = plan(p, spec, args.data_root, args.server_copies)
     command = "python benchmarks/accuracy.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    scale = {k: v for k, v in vars(p).items()} | {"data": spec, "static_split": runs[0]["config"].split,
+    scale = {k: v for k, v in vars(p).items()} | {"data": spec, "static_split": reference_split(p.model, p.width),
                                                   "server_copies": args.server_copies}
     if args.dry_run:
         print(f"preset {args.preset}: {len(runs)} runs into {out}")

@@ -1,15 +1,23 @@
 """The coordinator role: server-side blocks, harmonizer, prototypes, phi_s, the estimator and rounds.
 
-It sees messages, never a transport. ``handle`` answers the devices' requests during a round
-(activations, probes, block fetches); ``run_round`` drives one communication round by asking
-every participating device to train (``round_start`` -> ``update``) and then aggregates.
+It sees messages, never a transport, and never waits on a device. A driver calls
+
+* ``begin_round(t, now)`` -> the ``round_start`` bodies to send, one per device;
+* ``receive(msg, now)`` for every message from a device, in arrival order -> the reply (one
+  server step per activation, so the shared server blocks see the devices' batches interleaved);
+* ``tick(now)`` to apply the round's deadline, and ``end_round()`` once ``round_complete``.
+
+The simulation's scheduler and a network transport are two such drivers (docs/method.md, "Rounds").
+Every request is checked against the round (sender, round number) and validated completely before
+it touches a weight, an optimizer or a BatchNorm statistic.
 """
 
 from __future__ import annotations
 
+import copy
+import math
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,17 +38,16 @@ from fedsga_edge.method import (
     sufficiency_label,
 )
 from fedsga_edge.method.aggregation import Contribution, aggregate_blocks
-from fedsga_edge.models import SplitModel
-from fedsga_edge.tensors import from_numpy, image_batch, to_numpy, to_numpy_state
+from fedsga_edge.models import CostTable, SplitModel
+from fedsga_edge.tensors import from_numpy, image_batch, probe_mode, to_numpy, to_numpy_state
 from fedsga_edge.wire import Message
 
-from .strategy import SplitAssigner
+from .round import RoundError, RoundState
+from .strategy import Strategy
 
 __all__ = ["Coordinator"]
 
-
-class Caller(Protocol):
-    def call(self, dst: str, kind: str, round: int, body: dict[str, Any]) -> Message: ...
+_REQUESTS = ("activation", "probe", "fetch", "update", "error")
 
 
 class ServerHead(nn.Module):
@@ -52,26 +59,37 @@ class ServerHead(nn.Module):
         self.G = nn.Linear(dim, num_classes) if harmonizer else None
 
 
+class _ServerSide:
+    """One trainable copy of the server side (blocks + head) with its optimizer."""
+
+    def __init__(self, model: SplitModel, head: ServerHead, cfg: RunConfig) -> None:
+        self.model, self.head = model, head
+        tc = cfg.train
+        params = list(model.parameters()) + list(head.parameters())
+        self.opt = torch.optim.SGD(params, lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+
+
 class Coordinator:
     def __init__(
         self,
         model: SplitModel,
         cfg: RunConfig,
-        peer: Caller,
         clients: dict[str, int],
         num_classes: int,
-        assigner: SplitAssigner,
+        strategy: Strategy,
+        costs: CostTable,
         *,
         device: str | torch.device = "cpu",
         name: str = "coordinator",
     ) -> None:
         self.cfg = cfg
-        self.peer = peer
         self.clients = dict(clients)  # id -> |D_i|
         self.device = torch.device(device)
         self.model = model.to(self.device)
-        self.assigner = assigner
+        self.strategy = strategy
+        self.costs = costs
         self.name = name
+        self.num_classes = num_classes
         self.fedsga = cfg.strategy == "fedsga"
         fed = cfg.fedsga
         use_harm = self.fedsga and fed.harmonizer
@@ -85,21 +103,26 @@ class Coordinator:
         num_obs = 3 if fed.adapt else 2
         self.estimator = MonotoneEstimator(num_obs=num_obs)
         self.cal_buffer = CalibrationBuffer(num_obs=num_obs)
-        server_params = list(self.model.parameters()) + list(self.head.parameters())
-        tc = cfg.train
-        self.opt = torch.optim.SGD(server_params, lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
-        self.phi_opt = torch.optim.SGD(self.phi_s.parameters(), lr=tc.lr, momentum=tc.momentum)
-        self._round_snapshot: dict[str, Tensor] = {}
-        self._round: dict[str, Any] = {}
+        self.shared = _ServerSide(self.model, self.head, cfg)
+        self.phi_opt = torch.optim.SGD(self.phi_s.parameters(), lr=cfg.train.lr, momentum=cfg.train.momentum)
+        self.round = RoundState()
+        self.split_samples: dict[int, int] = {}  # split -> samples trained there so far (headline eval)
+        self.remote_errors = 0  # requests refused over the whole run
+        self._snapshot: dict[str, Tensor] = {}
+        self._stats: dict[str, Any] = {}
+        self._copies: dict[str, _ServerSide] = {}
+        self._copy_sums: dict[str, Tensor] = {}
+        self._copy_weights: dict[str, float] = {}
 
     # -- server-side computation ----------------------------------------------------------------
-    def server_forward(self, z: Tensor, k: int) -> tuple[Tensor, Tensor | None]:
+    def server_forward(self, z: Tensor, k: int, side: _ServerSide | None = None) -> tuple[Tensor, Tensor | None]:
         """Logits (and harmonized Z) for an activation that entered at split index k."""
-        feats = self.model.suffix(z, self.model.depth_of(k))
-        if self.head.harmonizer is None:
-            return self.model.head(feats), (feats if self.fedsga else None)
-        Z = self.head.harmonizer(feats, k)
-        return self.head.G(Z), Z
+        side = side or self.shared
+        feats = side.model.suffix(z, side.model.depth_of(k))
+        if side.head.harmonizer is None:
+            return side.model.head(feats), (feats if self.fedsga else None)
+        Z = side.head.harmonizer(feats, k)
+        return side.head.G(Z), Z
 
     def _loss(self, logits: Tensor, Z: Tensor | None, y: Tensor) -> Tensor:
         loss = F.cross_entropy(logits, y)
@@ -108,180 +131,95 @@ class Coordinator:
             loss = loss + fed.lambda_align * alignment_loss(Z, y, self.prototypes.protos, fed.tau_a)
         return loss
 
-    # -- message handling -------------------------------------------------------------------------
-    def handle(self, msg: Message) -> Message | None:
-        """Answer one device request; unknown kinds are the device's error, not ours."""
-        handler: Callable[[Message], dict[str, Any]] | None = {
-            "activation": self._on_activation,
-            "probe": self._on_probe,
-            "fetch": self._on_fetch,
-        }.get(msg.kind)
-        if handler is None:
-            return self._reply(msg, "error", {"reason": f"coordinator does not accept {msg.kind!r}"})
-        try:
-            kind, body = handler(msg)
-        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:
-            self._round.setdefault("remote_errors", []).append(f"{msg.sender}: {exc}")
-            return self._reply(msg, "error", {"reason": f"bad {msg.kind}: {exc}"})
-        return self._reply(msg, kind, body)
-
-    def _reply(self, msg: Message, kind: str, body: dict[str, Any]) -> Message:
-        return Message(kind, msg.run, msg.round, msg.seq, self.name, body)
-
-    def _on_activation(self, msg: Message) -> tuple[str, dict[str, Any]]:
-        k = int(msg.body["split"])
-        if not 1 <= k <= self.model.num_splits:
-            raise ValueError(f"split {k} out of range 1..{self.model.num_splits}")
-        z = from_numpy(msg.body["z"], self.device).requires_grad_(True)
-        y = from_numpy(msg.body["y"], self.device).long()
-        expected = self.model.interface_shape(self.model.depth_of(k), self._prompt_tokens(k))
-        if tuple(z.shape[1:]) != expected or y.shape != z.shape[:1]:
-            raise ValueError(f"activation shape {tuple(z.shape)} / labels {tuple(y.shape)} do not fit split {k} {expected}")
-        self.model.train()
-        self.head.train()
-        self.opt.zero_grad(set_to_none=True)
-        logits, Z = self.server_forward(z, k)
-        loss = self._loss(logits, Z, y)
-        loss.backward()
-        self.opt.step()
-        if Z is not None:
-            self.prototypes.accumulate(Z.detach(), y)
-        if self.fedsga and "h1" in msg.body:
-            self._train_phi_s(from_numpy(msg.body["h1"], self.device), y)
-        stats = self._round
-        stats["server_samples"][k] = stats["server_samples"].get(k, 0) + len(y)
-        return "gradient", {"dz": to_numpy(z.grad), "loss": float(loss.detach())}
-
-    def _prompt_tokens(self, k: int) -> int:
-        fed = self.cfg.fedsga
-        if self.model.family == "vit" and self.fedsga and fed.adapt:
-            return fed.prompts
-        return 0
-
-    def _train_phi_s(self, h1: Tensor, y: Tensor) -> None:
-        """phi_s learns to map pooled p_1 features onto the prototypes (our reading of Eq. 3's head)."""
-        if not bool(self.prototypes.initialized.any()):
-            return
-        self.phi_opt.zero_grad(set_to_none=True)
-        phi_s_loss(self.phi_s(h1), y, self.prototypes.protos, self.cfg.fedsga.tau_a).backward()
-        self.phi_opt.step()
-
-    @torch.no_grad()
-    def _on_probe(self, msg: Message) -> tuple[str, dict[str, Any]]:
-        """Alg. 1: probe losses at p_1 and p_ref with nothing updated, label, refit Gamma."""
-        fed = self.cfg.fedsga
-        y = from_numpy(msg.body["y"], self.device).long()
-        k_ref = reference_index(self.model.num_splits)
-        self.model.eval()
-        self.head.eval()
-        losses = []
-        for key, k in (("z1", 1), ("zref", k_ref)):
-            z = from_numpy(msg.body[key], self.device)
-            logits, Z = self.server_forward(z, k)
-            losses.append(float(self._loss(logits, Z, y)))
-        L1, Lref = losses
-        s = sufficiency_label(L1, Lref, fed.beta)
-        o = torch.tensor(msg.body["o"], dtype=torch.float32)
-        self.cal_buffer.append(o, float(msg.body["r_prev"]), s)
-        fit_stats = fit(self.estimator, self.cal_buffer)
-        stats = self._round
-        stats["calibration"].append({"client": msg.sender, "L1": L1, "Lref": Lref, "s": s} | fit_stats)
-        n = len(y)
-        stats["cal_flops_server"] += n * (self.costs.suffix_fwd(1) + self.costs.suffix_fwd(k_ref))
-        return "probe_result", {"L1": L1, "Lref": Lref, "s": s, "estimator": to_numpy_state(self.estimator.state_dict())}
-
-    def _on_fetch(self, msg: Message) -> tuple[str, dict[str, Any]]:
-        blocks = {int(j) for j in msg.body["blocks"]}
-        if any(not 0 <= j < self.model.num_blocks for j in blocks):
-            raise ValueError(f"block indices {sorted(blocks)} out of range 0..{self.model.num_blocks - 1}")
-        head = bool(msg.body.get("head"))
-        weights = {
-            n: v
-            for n, v in self._round_snapshot.items()
-            if (n.startswith("blocks.") and int(n.split(".", 2)[1]) in blocks) or (head and n.startswith("head."))
-        }
-        return "weights", {"weights": to_numpy_state(weights)}
-
     # -- rounds -----------------------------------------------------------------------------------
-    costs: Any = None  # set by the wiring: per-depth FLOP costs (a CostTable)
-
-    def run_round(self, t: int) -> dict[str, Any]:
-        """One round: assign splits, let every device train, aggregate; returns the round's record."""
-        started = time.perf_counter()
-        self._round_snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        self._round = {"server_samples": {}, "calibration": [], "cal_flops_server": 0, "remote_errors": []}
+    def begin_round(self, t: int, now: float | None = None, devices: list[str] | None = None) -> dict[str, dict[str, Any]]:
+        """Start round t for ``devices`` (default: all); returns each device's ``round_start`` body."""
+        now = time.monotonic() if now is None else now
         fed = self.cfg.fedsga
-        K = self.model.num_splits
+        devices = list(self.clients) if devices is None else devices
         calibrate = self.fedsga and fed.estimator and (t == 1 or t % max(fed.cal_every, 1) == 0)
-        splits = self.assigner.assign(t, list(self.clients))
-        updates: dict[str, dict[str, Any]] = {}
-        failures: dict[str, str] = {}
-        copies = _ServerCopies(self) if self.cfg.server_copies == "per_client" else None
-        for cid in self.clients:
-            k = splits.get(cid)
-            full = k == 0
-            body = self._round_start_body(k, full, calibrate)
-            if copies is not None:
-                copies.start_client()
-            try:
-                reply = self.peer.call(cid, "round_start", t, body)
-            except Exception as exc:  # a device failing must not stop the round
-                failures[cid] = f"{type(exc).__name__}: {exc}"
-                continue
-            if reply.kind != "update":
-                failures[cid] = f"replied {reply.kind}: {reply.body.get('reason', '')}"
-                continue
-            updates[cid] = reply.body
-            if copies is not None and not full:
-                copies.end_client(int(reply.body["depth"]), float(reply.body["num_samples"]))
-        if copies is not None:
-            copies.finish()
+        assigned = self.strategy.assign(t, devices)
+        timeout = self.cfg.round_timeout
+        self.round.begin(t, assigned, calibrate, now + timeout if timeout > 0 else None)
+        self._snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self._stats = {"server_samples": {}, "calibration": [], "cal_flops_server": 0, "remote_errors": [],
+                       "started": now}
+        self._copies, self._copy_sums, self._copy_weights = {}, {}, {}
+        return {cid: self._round_start_body(k, calibrate) for cid, k in assigned.items()}
+
+    @property
+    def round_complete(self) -> bool:
+        return self.round.complete or self.round.phase == "closed"
+
+    def tick(self, now: float | None = None) -> bool:
+        """Apply the deadline; True when the round is over (complete, or closed by the deadline)."""
+        self.round.expire(time.monotonic() if now is None else now)
+        return self.round_complete
+
+    def fail(self, device: str, reason: str) -> None:
+        """A driver saw ``device`` fail (its transport broke, it crashed): it leaves this round."""
+        self.round.fail(device, reason)
+
+    def end_round(self, now: float | None = None) -> dict[str, Any]:
+        """Aggregate what arrived, refit the estimator on calibration rounds; the round's record."""
+        now = time.monotonic() if now is None else now
+        rs = self.round
+        for d in rs.waiting:
+            rs.failures[d] = "no update when the round was closed"
+        if rs.phase == "training":
+            rs.close()
+        updates = rs.updates
+        if self.cfg.server_copies == "per_client":
+            self._finish_copies()
         if updates:
             self._aggregate(updates)
         if self.fedsga:
             self.prototypes.commit()
         record: dict[str, Any] = {
-            "round": t,
-            "splits": {cid: u.get("split") if u.get("split") is not None else 0 for cid, u in updates.items()},
+            "round": rs.t,
+            "splits": {cid: int(u["split"]) for cid, u in updates.items()},
             "depths": {cid: int(u["depth"]) for cid, u in updates.items()},
             "train_loss": float(np.mean([u["train_loss"] for u in updates.values()])) if updates else float("nan"),
-            "failures": failures,
-            "round_s": time.perf_counter() - started,
+            "failures": dict(rs.failures),
+            "round_s": now - self._stats["started"],
         }
+        for cid, u in updates.items():
+            k = int(u["split"])
+            self.split_samples[k] = self.split_samples.get(k, 0) + self.clients[cid]
         if self.fedsga:
-            record["clients"] = {
-                cid: {k: u[k] for k in ("a", "delta", "q", "r", "r_prev", "L1", "Lref", "s") if k in u}
-                for cid, u in updates.items()
-            }
-            cal = self._round["calibration"]
-            if cal:
+            keys = ("a", "delta", "q", "r", "r_prev", "k_policy", "L1", "Lref", "s", "descriptor_entropy")
+            record["clients"] = {cid: {k: u[k] for k in keys if k in u} for cid, u in updates.items()}
+            cal = self._stats["calibration"]
+            if cal:  # Alg. 1: refit Gamma once per calibration round, on all pairs; used from round t+1
+                fit_stats = fit(self.estimator, self.cal_buffer)
                 record["calibration"] = {
                     "pairs": len(self.cal_buffer),
-                    "accuracy": cal[-1]["accuracy"],
-                    "brier": cal[-1]["brier"],
-                    "bce": cal[-1]["loss"],
+                    "accuracy": fit_stats["accuracy"],
+                    "brier": fit_stats["brier"],
+                    "bce": fit_stats["loss"],
                     "positive_rate": float(np.mean([c["s"] for c in cal])),
                 }
-            client_cal = sum(self.costs.prefix_fwd(reference_index(K)) * int(u.get("probe_samples", 0)) for u in updates.values())
-            record["calibration_flops"] = {"client": int(client_cal), "server": int(self._round["cal_flops_server"])}
-        if self._round["remote_errors"]:
-            record["remote_errors"] = self._round["remote_errors"]
+            K = self.model.num_splits
+            client_cal = sum(self.costs.prefix_fwd(reference_index(K)) * int(u.get("probe_samples", 0))
+                             for u in updates.values())
+            record["calibration_flops"] = {"client": int(client_cal), "server": int(self._stats["cal_flops_server"])}
+        if self._stats["remote_errors"]:
+            record["remote_errors"] = self._stats["remote_errors"]
         return record
 
-    def _round_start_body(self, k: int | None, full: bool, calibrate: bool) -> dict[str, Any]:
+    def _round_start_body(self, k: int | None, calibrate: bool) -> dict[str, Any]:
         cfg = self.cfg
+        full = k == 0
         if full:
-            names = list(self._round_snapshot)
-            names = [n for n in names if n.startswith(("blocks.", "head."))]
+            names = [n for n in self._snapshot if n.startswith(("blocks.", "head."))]
         else:
-            known = k if k is not None else 1
-            depth = self.model.depth_of(known)
-            names = [n for n in self._round_snapshot if n.startswith("blocks.") and int(n.split(".", 2)[1]) < depth]
+            depth = self.model.depth_of(k if k is not None else 1)
+            names = [n for n in self._snapshot if n.startswith("blocks.") and int(n.split(".", 2)[1]) < depth]
         body: dict[str, Any] = {
             "split": None if full else k,
             "full": full,
-            "train": vars(cfg.train),
-            "weights": to_numpy_state({n: self._round_snapshot[n] for n in names}),
+            "train": vars(self.strategy.device_train(cfg.train)),
+            "weights": to_numpy_state({n: self._snapshot[n] for n in names}),
             "fedsga": vars(cfg.fedsga) if self.fedsga else None,
         }
         if self.fedsga and k is None:
@@ -292,55 +230,268 @@ class Coordinator:
                 prototypes=to_numpy(self.prototypes.protos),
                 proto_dim=self.proto_dim,
             )
-        elif self.fedsga:
-            body["split"] = k
         return body
 
-    def _aggregate(self, updates: dict[str, dict[str, Any]]) -> None:
-        """DESIGN §1.8: per block, clients' copies and the server's copy, weighted by data."""
+    # -- message handling -------------------------------------------------------------------------
+    def receive(self, msg: Message, now: float | None = None) -> Message | None:
+        """Answer one device message; a device's mistake gets an error reply and changes nothing."""
+        if msg.kind not in _REQUESTS:
+            return self._refuse(msg, f"coordinator does not accept {msg.kind!r}")
+        try:
+            self.tick(now)
+            self.round.check_request(msg.sender, msg.round)
+            if msg.kind == "error":  # the device gives up on this round
+                self.round.fail(msg.sender, f"device reported: {str(msg.body.get('reason', ''))[:200]}")
+                return None
+            kind, body = getattr(self, f"_on_{msg.kind}")(msg)
+        except (RoundError, KeyError, TypeError, ValueError, IndexError) as exc:
+            return self._refuse(msg, f"bad {msg.kind}: {exc}")
+        return Message(kind, msg.run, msg.round, msg.seq, self.name, body)
+
+    handle = receive  # Peer.register wants a handler
+
+    def _refuse(self, msg: Message, reason: str) -> Message:
+        self.remote_errors += 1
+        if self._stats:
+            self._stats["remote_errors"].append(f"{msg.sender}: {reason}"[:300])
+        return Message("error", msg.run, msg.round, msg.seq, self.name, {"reason": reason})
+
+    def _side(self, device: str) -> _ServerSide:
+        """The server-side copy this device's activations train (shared, or its own)."""
+        if self.cfg.server_copies != "per_client":
+            return self.shared
+        side = self._copies.get(device)
+        if side is None:
+            model, head = copy.deepcopy(self.model), copy.deepcopy(self.head)
+            model.load_state_dict(self._snapshot)
+            side = self._copies[device] = _ServerSide(model, head, self.cfg)
+        return side
+
+    def _check_activation(self, body: dict[str, Any], key: str, k: int) -> tuple[Tensor, Tensor]:
+        z, y = body[key], body["y"]
+        if not isinstance(z, np.ndarray) or not isinstance(y, np.ndarray):
+            raise TypeError(f"{key} and y must be arrays")
+        if z.dtype.kind != "f":
+            raise TypeError(f"{key} must be floating point, got {z.dtype}")
+        if y.dtype.kind not in "iu":
+            raise TypeError(f"labels must be integers, got {y.dtype}")
+        expected = self.model.interface_shape(self.model.depth_of(k), self._prompt_tokens())
+        if z.ndim != len(expected) + 1 or tuple(z.shape[1:]) != expected or y.shape != z.shape[:1] or len(y) < 2:
+            raise ValueError(f"{key} {z.shape} / labels {y.shape} do not fit split {k} (expected (B>=2, *{expected}))")
+        if not np.isfinite(z).all():
+            raise ValueError(f"{key} holds non-finite values")
+        if y.min() < 0 or y.max() >= self.num_classes:
+            raise ValueError(f"labels outside 0..{self.num_classes - 1}")
+        return from_numpy(z, self.device).float(), from_numpy(y, self.device).long()
+
+    def _split_of(self, body: dict[str, Any], device: str) -> int:
+        k = body["split"]
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.model.num_splits:
+            raise ValueError(f"split {k!r} out of range 1..{self.model.num_splits}")
+        fixed = self.round.assigned.get(device)
+        if fixed is not None and fixed != k and not (self.round.calibrate and k >= fixed):
+            raise ValueError(f"split {k} but this round assigned {fixed}")
+        return k
+
+    def _on_activation(self, msg: Message) -> tuple[str, dict[str, Any]]:
+        k = self._split_of(msg.body, msg.sender)
+        z, y = self._check_activation(msg.body, "z", k)
+        h1 = None
+        if self.fedsga and "h1" in msg.body:
+            h1 = msg.body["h1"]
+            if not isinstance(h1, np.ndarray) or h1.shape != (len(y), self.phi_s.net[0].in_features) or not np.isfinite(h1).all():
+                raise ValueError("h1 must be finite pooled p_1 features, one row per sample")
+        side = self._side(msg.sender)
+        z.requires_grad_(True)
+        side.model.train()
+        side.head.train()
+        side.opt.zero_grad(set_to_none=True)
+        logits, Z = self.server_forward(z, k, side)
+        loss = self._loss(logits, Z, y)
+        loss.backward()
+        side.opt.step()
+        if Z is not None:
+            self.prototypes.accumulate(Z.detach(), y)
+        if h1 is not None:
+            self._train_phi_s(from_numpy(h1, self.device).float(), y)
+        samples = self._stats["server_samples"]
+        samples[k] = samples.get(k, 0) + len(y)
+        return "gradient", {"dz": to_numpy(z.grad), "loss": float(loss.detach())}
+
+    def _prompt_tokens(self) -> int:
+        fed = self.cfg.fedsga
+        return fed.prompts if self.model.family == "vit" and self.fedsga and fed.adapt else 0
+
+    def _train_phi_s(self, h1: Tensor, y: Tensor) -> None:
+        """phi_s learns to map pooled p_1 features onto the prototypes (our reading of Eq. 3's head)."""
+        if not bool(self.prototypes.initialized.any()):
+            return
+        self.phi_opt.zero_grad(set_to_none=True)
+        phi_s_loss(self.phi_s(h1), y, self.prototypes.protos, self.cfg.fedsga.tau_a).backward()
+        self.phi_opt.step()
+
+    def _on_probe(self, msg: Message) -> tuple[str, dict[str, Any]]:
+        """Calibration (docs/method.md): L1 through the server's blocks from p_1, Lref through the
+        device's own blocks up to p_ref; nothing is updated. The pair is stored for the refit."""
+        if not (self.fedsga and self.round.calibrate):
+            raise ValueError("this round does not calibrate")
+        if any(c["client"] == msg.sender for c in self._stats["calibration"]):
+            raise ValueError("this device already probed this round")
+        fed = self.cfg.fedsga
+        k_ref = reference_index(self.model.num_splits)
+        body = msg.body
+        z1, y = self._check_activation(body, "z1", 1)
+        zref, y2 = self._check_activation(body, "zref", k_ref)
+        if not torch.equal(y, y2):
+            raise ValueError("z1 and zref must come from the same batch")
+        o = np.asarray(body["o"], dtype=np.float64)
+        r_prev = float(body["r_prev"])
+        if o.shape != (self.cal_buffer.num_obs,) or not np.isfinite(o).all() or not 0.0 <= r_prev <= 1.0:
+            raise ValueError(f"o must be {self.cal_buffer.num_obs} finite values and r_prev in [0, 1]")
+        side = self._side(msg.sender)
+        with probe_mode(side.model, side.head):
+            L1 = float(self._loss(*self.server_forward(z1, 1, side), y))
+            Lref = float(self._loss(*self.server_forward(zref, k_ref, side), y))
+        if not (math.isfinite(L1) and math.isfinite(Lref)):
+            raise ValueError("probe losses are not finite")
+        s = sufficiency_label(L1, Lref, fed.beta)
+        self.cal_buffer.append(o.tolist(), r_prev, s)
+        self._stats["calibration"].append({"client": msg.sender, "L1": L1, "Lref": Lref, "s": s})
+        n = len(y)
+        self._stats["cal_flops_server"] += n * (self.costs.suffix_fwd(1) + self.costs.suffix_fwd(k_ref))
+        return "probe_result", {"L1": L1, "Lref": Lref, "s": s}
+
+    def _on_fetch(self, msg: Message) -> tuple[str, dict[str, Any]]:
+        raw = msg.body["blocks"]
+        if not all(isinstance(j, int) and not isinstance(j, bool) for j in raw):
+            raise TypeError("blocks must be integers")
+        blocks = set(raw)
+        if any(not 0 <= j < self.model.num_blocks for j in blocks):
+            raise ValueError(f"block indices {sorted(blocks)} out of range 0..{self.model.num_blocks - 1}")
+        head = bool(msg.body.get("head"))
+        weights = {
+            n: v
+            for n, v in self._snapshot.items()
+            if (n.startswith("blocks.") and int(n.split(".", 2)[1]) in blocks) or (head and n.startswith("head."))
+        }
+        return "weights", {"weights": to_numpy_state(weights)}
+
+    def _on_update(self, msg: Message) -> tuple[str, dict[str, Any]]:
+        """Validated whole before it may enter aggregation: names, shapes, dtypes, finite values."""
+        body = msg.body
         L = self.model.num_blocks
-        state = self.model.state_dict()
-        units: dict[int, dict[str, Tensor]] = {j: {} for j in range(L + 1)}  # L = the head
-        for name, v in state.items():
-            units[_unit(name, L)][name] = v
+        assigned = self.round.assigned[msg.sender]
+        full = assigned == 0
+        k = 0 if full else self._split_of(body, msg.sender)
+        depth = L if full else self.model.depth_of(k)  # blocks trained on the device
+        if body.get("depth") != depth:
+            raise ValueError(f"depth {body.get('depth')!r} does not match split {k} (expected {depth})")
+        if full:
+            depth = L + 1  # the head (unit L) too
+        expected = {n for n in self._snapshot if split_units(n, L) < depth}
+        weights = body["weights"]
+        if set(weights) != expected:
+            extra, missing = sorted(set(weights) - expected)[:3], sorted(expected - set(weights))[:3]
+            raise ValueError(f"update weights do not match depth {depth}: extra {extra}, missing {missing}")
+        for n, arr in weights.items():
+            ref = self._snapshot[n]
+            if not isinstance(arr, np.ndarray) or tuple(arr.shape) != tuple(ref.shape):
+                raise ValueError(f"weight {n} has shape {getattr(arr, 'shape', None)}, expected {tuple(ref.shape)}")
+            if ref.is_floating_point() and (arr.dtype.kind != "f" or not np.isfinite(arr).all()):
+                raise ValueError(f"weight {n} must be finite floating point")
+        if not isinstance(body.get("train_loss"), (int, float)):
+            raise TypeError("train_loss must be a number")
+        if self.cfg.server_copies == "per_client" and msg.sender in self._copies:
+            self._fold_copy(msg.sender, depth)
+        self.round.accept_update(msg.sender, dict(body, split=k, depth=depth))
+        return "ack", {}
+
+    # -- per-client server copies ---------------------------------------------------------------
+    @torch.no_grad()
+    def _fold_copy(self, device: str, depth: int) -> None:
+        """Add a finished device's server copy to the data-weighted running sums, then drop it."""
+        side = self._copies.pop(device)
+        w = self.strategy.weight(self.clients[device])
+        L = self.model.num_blocks
+        trained = [(n, v) for n, v in side.model.state_dict().items() if split_units(n, L) >= depth]
+        trained += [("head:" + n, v) for n, v in side.head.state_dict().items()]
+        for n, v in trained:
+            self._copy_sums[n] = self._copy_sums.get(n, 0) + w * v.double()
+            self._copy_weights[n] = self._copy_weights.get(n, 0.0) + w
+
+    @torch.no_grad()
+    def _finish_copies(self) -> None:
+        """The averaged copies become the server's copy that enters aggregation (SplitFed-v1 style)."""
+        def mean(key: str, like: Tensor) -> Tensor:
+            if key not in self._copy_sums:
+                return like
+            m = self._copy_sums[key] / self._copy_weights[key]
+            return m.to(like.dtype) if like.is_floating_point() else m.round().to(like.dtype)
+
+        self.model.load_state_dict({n: mean(n, v) for n, v in self._snapshot.items()})
+        self.head.load_state_dict({n: mean("head:" + n, v) for n, v in self.head.state_dict().items()})
+        self._copies.clear()
+
+    # -- aggregation ------------------------------------------------------------------------------
+    def _aggregate(self, updates: dict[str, dict[str, Any]]) -> None:
+        """docs/method.md, "Aggregation": per block, devices' copies and the server's, weighted by data."""
+        L = self.model.num_blocks
+        server_state = self.model.state_dict()
+        units: dict[int, dict[str, Tensor]] = {j: {} for j in range(L + 1)}
+        for name, v in server_state.items():
+            units[split_units(name, L)][name] = v
         contributions = []
-        server_weight = {j: 0.0 for j in range(L + 1)}
-        for u in updates.values():
-            depth = int(u["depth"])
-            n = float(u["num_samples"])
-            client_states: dict[int, dict[str, Tensor]] = {}
+        server_weight = dict.fromkeys(range(L + 1), 0.0)
+        for cid, u in updates.items():
+            depth, n = int(u["depth"]), self.strategy.weight(self.clients[cid])
+            states: dict[int, dict[str, Tensor]] = {}
             for name, arr in u["weights"].items():
-                client_states.setdefault(_unit(name, L), {})[name] = from_numpy(arr, self.device)
-            complete = {j: s for j, s in client_states.items() if set(s) == set(units[j])}
-            contributions.append(Contribution(complete, n))
-            for j in range(L + 1):
-                if j not in complete and (j >= depth):
-                    server_weight[j] += n
-        for j in range(L + 1):
-            if server_weight[j] > 0:
-                contributions.append(Contribution({j: units[j]}, server_weight[j]))
-        snapshot_units = {j: {n: self._round_snapshot[n] for n in units[j]} for j in units}
+                states.setdefault(split_units(name, L), {})[name] = from_numpy(arr, self.device)
+            contributions.append(Contribution(states, n))
+            for j in range(depth, L + 1):
+                server_weight[j] += n
+        contributions += [Contribution({j: units[j]}, w) for j, w in server_weight.items() if w > 0]
+        snapshot_units = {j: {n: self._snapshot[n] for n in units[j]} for j in units}
         new = aggregate_blocks(snapshot_units, contributions)
-        merged = {n: v for j in new for n, v in new[j].items()}
-        self.model.load_state_dict(merged)
+        self.model.load_state_dict({n: v for j in new for n, v in new[j].items()})
 
     # -- evaluation -------------------------------------------------------------------------------
+    def headline_split(self) -> int:
+        """The depth embedding the headline accuracy uses: the split most trained so far (by samples),
+        ties to the shallower; p_ref before any split training (docs/method.md, "Evaluation")."""
+        if not self.split_samples or set(self.split_samples) == {0}:
+            return reference_index(self.model.num_splits)
+        split = {k: n for k, n in self.split_samples.items() if k > 0}
+        return min(split, key=lambda k: (-split[k], k)) if split else reference_index(self.model.num_splits)
+
     @torch.no_grad()
-    def evaluate(self, images: Any, mean: tuple, std: tuple, batch_size: int = 256) -> tuple[float, float]:
-        """Accuracy and loss of the global model on ``images`` (no prompts: they are private)."""
+    def evaluate(self, images: Any, mean: tuple, std: tuple, batch_size: int = 256) -> dict[str, Any]:
+        """Accuracy and loss of the global model under every depth embedding (no prompts: private).
+
+        Prefix + suffix is the whole backbone for any split, so the pooled features are computed
+        once; only the harmonizer's depth embedding e(k) differs between splits."""
         self.model.eval()
         self.head.eval()
-        k_eval = reference_index(self.model.num_splits)
-        correct, loss_sum, n = 0, 0.0, len(images)
+        K = self.model.num_splits
+        ks = list(range(1, K + 1)) if self.head.harmonizer is not None else [0]
+        correct = dict.fromkeys(ks, 0)
+        loss_sum = dict.fromkeys(ks, 0.0)
+        n = len(images)
         for start in range(0, n, batch_size):
             idx = np.arange(start, min(n, start + batch_size))
             x = image_batch(images.get_batch(idx), mean, std, self.device)
             y = torch.from_numpy(np.asarray(images.labels[idx], dtype=np.int64)).to(self.device)
-            depth = self.model.depth_of(k_eval)
-            logits, _ = self.server_forward(self.model.prefix(x, depth), k_eval)
-            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-            correct += int((logits.argmax(1) == y).sum())
-        return correct / max(n, 1), loss_sum / max(n, 1)
+            feats = self.model.features(x)
+            for k in ks:
+                logits = self.model.head(feats) if k == 0 else self.head.G(self.head.harmonizer(feats, k))
+                loss_sum[k] += float(F.cross_entropy(logits, y, reduction="sum"))
+                correct[k] += int((logits.argmax(1) == y).sum())
+        acc = {k: correct[k] / max(n, 1) for k in ks}
+        loss = {k: loss_sum[k] / max(n, 1) for k in ks}
+        head = self.headline_split() if ks != [0] else 0
+        by_split = {str(k): acc[k] for k in ks} if ks != [0] else {str(k): acc[0] for k in range(1, K + 1)}
+        return {"test_acc": acc[head], "test_loss": loss[head], "test_acc_by_split": by_split,
+                "eval_split": head if head else None}
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -353,47 +504,6 @@ class Coordinator:
         }
 
 
-class _ServerCopies:
-    """``server_copies="per_client"``: every client trains its own copy of the server side.
-
-    The shared copy (the default) trains on the round's clients one after another, so under label
-    skew it ends the round fitted to the last clients' classes (benchmarks/RESULTS.md). Here each
-    client starts from the round's global server side; the copies (blocks, head or harmonizer, and
-    BatchNorm statistics) are averaged, weighted by |D_i|, per block over the clients whose data
-    passed through it, and the average enters DESIGN §1.8's aggregation as the server's copy.
-    """
-
-    def __init__(self, co: "Coordinator") -> None:
-        self.co = co
-        self.model0 = {k: v.detach().clone() for k, v in co.model.state_dict().items()}
-        self.head0 = {k: v.detach().clone() for k, v in co.head.state_dict().items()}
-        self.sums: dict[str, Tensor] = {}
-        self.weights: dict[str, float] = {}
-
-    def start_client(self) -> None:
-        self.co.model.load_state_dict(self.model0)
-        self.co.head.load_state_dict(self.head0)
-
-    @torch.no_grad()
-    def end_client(self, depth: int, weight: float) -> None:
-        L = self.co.model.num_blocks
-        trained = [(k, v) for k, v in self.co.model.state_dict().items() if _unit(k, L) >= depth]
-        trained += [("head:" + k, v) for k, v in self.co.head.state_dict().items()]
-        for k, v in trained:
-            self.sums[k] = self.sums.get(k, 0) + weight * v.double()
-            self.weights[k] = self.weights.get(k, 0.0) + weight
-
-    def _mean(self, key: str, like: Tensor) -> Tensor:
-        if key not in self.sums:
-            return like
-        mean = self.sums[key] / self.weights[key]
-        return mean.to(like.dtype) if like.is_floating_point() else mean.round().to(like.dtype)
-
-    def finish(self) -> None:
-        self.co.model.load_state_dict({k: self._mean(k, v) for k, v in self.model0.items()})
-        self.co.head.load_state_dict({k: self._mean("head:" + k, v) for k, v in self.head0.items()})
-
-
-def _unit(name: str, num_blocks: int) -> int:
+def split_units(name: str, num_blocks: int) -> int:
+    """Aggregation unit of a state entry: its block index, or num_blocks for the head."""
     return int(name.split(".", 2)[1]) if name.startswith("blocks.") else num_blocks
-

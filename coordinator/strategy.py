@@ -1,45 +1,147 @@
-"""Who runs how deep this round: one assigner per strategy (FedSGA lets the devices decide).
+"""Strategies: one registered object per method, owning everything that differs between methods.
 
-``assign`` returns client id -> split index k (1..K), 0 for "the whole model on the device"
+A strategy decides who runs how deep each round (``assign``), what the devices are told to do
+locally (``device_train``: FedProx's proximal weight) and how much each device's update counts in
+aggregation (``weight``). Adding a baseline is one new class with ``@register_strategy`` (in this
+file or any module imported before the run is built); nothing else in the coordinator changes.
+Flower's Strategy objects have the same shape. See docs/method.md for the method itself.
+
+``assign`` returns device id -> split index k (1..K), 0 for "the whole model on the device"
 (FedAvg, FedProx), or None for "the device chooses" (FedSGA's estimator).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 
+from fedsga_edge.config import RunConfig, TrainConfig
 from fedsga_edge.method import reference_index
 
-__all__ = ["SplitAssigner", "make_assigner", "resource_splits"]
+__all__ = ["Strategy", "register_strategy", "create_strategy", "list_strategies", "resource_splits"]
+
+_REGISTRY: dict[str, type["Strategy"]] = {}
 
 
-class SplitAssigner:
-    def __init__(self, strategy: str, num_splits: int, *, split: int = 1, seed: int = 0,
-                 resource: dict[str, int] | None = None, estimator: bool = True) -> None:
-        self.strategy = strategy
+def register_strategy(cls: type["Strategy"]) -> type["Strategy"]:
+    if cls.name in _REGISTRY:
+        raise ValueError(f"strategy {cls.name!r} registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def list_strategies() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+class Strategy:
+    """Base: every device at one split, plain local SGD, updates weighted by |D_i|."""
+
+    name: ClassVar[str] = ""
+    help: ClassVar[str] = ""
+    adaptive: ClassVar[bool] = False  # splits can differ between devices and rounds
+
+    def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
+        self.cfg = cfg
         self.K = num_splits
-        self.split = split
-        self.rng = np.random.default_rng([seed, 7])
-        self.resource = resource or {}
-        self.estimator = estimator
+        self.clients = list(clients)
 
     def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
-        s = self.strategy
-        if s in ("fedavg", "fedprox"):
-            return {c: 0 for c in clients}
-        if s == "static":
-            return {c: self.split for c in clients}
-        if s == "random":
-            return {c: int(self.rng.integers(1, self.K + 1)) for c in clients}
-        if s == "resource":
-            return {c: self.resource[c] for c in clients}
-        if s == "fedsga":
-            return {c: (None if self.estimator else reference_index(self.K)) for c in clients}
-        raise ValueError(f"unknown strategy {s!r}")
+        raise NotImplementedError
+
+    def device_train(self, train: TrainConfig) -> TrainConfig:
+        """The local training settings sent in every round start."""
+        return dataclasses.replace(train, mu=0.0)
+
+    def weight(self, num_samples: int) -> float:
+        """A device's weight in aggregation (and its data's weight in the server copy's)."""
+        return float(num_samples)
+
+    def info(self) -> dict[str, Any]:
+        """What the strategy decided up front, for config.json."""
+        return {}
+
+
+@register_strategy
+class Static(Strategy):
+    name = "static"
+    help = "SplitFed: every device at --split"
+
+    def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
+        return {c: self.cfg.split for c in clients}
+
+
+@register_strategy
+class FedAvg(Strategy):
+    name = "fedavg"
+    help = "the whole model on every device, weights averaged"
+
+    def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
+        return {c: 0 for c in clients}
+
+
+@register_strategy
+class FedProx(FedAvg):
+    name = "fedprox"
+    help = "FedAvg with a proximal term (--mu)"
+
+    def device_train(self, train: TrainConfig) -> TrainConfig:
+        return dataclasses.replace(train, mu=self.cfg.prox_mu)
+
+
+@register_strategy
+class RandomSplit(Strategy):
+    name = "random"
+    help = "a uniformly random split per device and round (seeded)"
+    adaptive = True
+
+    def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
+        super().__init__(cfg, num_splits, clients, train_flops)
+        self.rng = np.random.default_rng([cfg.seed, 7])
+
+    def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
+        return {c: int(self.rng.integers(1, self.K + 1)) for c in clients}
+
+
+@register_strategy
+class Resource(Strategy):
+    name = "resource"
+    help = "MultiSFL-style: the deepest split each device's speed allows (--speed-sigma or --profile)"
+    adaptive = True
+
+    def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
+        super().__init__(cfg, num_splits, clients, train_flops)
+        self.splits, self.speed = resource_splits(clients, train_flops, seed=cfg.seed, sigma=cfg.speed_sigma,
+                                                  profile=cfg.profile)
+
+    def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
+        return {c: self.splits[c] for c in clients}
+
+    def info(self) -> dict[str, Any]:
+        return {"speed_factors": self.speed, "resource_splits": self.splits}
+
+
+@register_strategy
+class FedSGA(Strategy):
+    name = "fedsga"
+    help = "each device picks its split with the sufficiency estimator (docs/method.md)"
+    adaptive = True
+
+    def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
+        if not self.cfg.fedsga.estimator:  # ablation: everyone at p_ref
+            return {c: reference_index(self.K) for c in clients}
+        return {c: None for c in clients}
+
+
+def create_strategy(cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> Strategy:
+    if cfg.strategy not in _REGISTRY:
+        raise ValueError(f"unknown strategy {cfg.strategy!r}; choose one of {', '.join(list_strategies())}")
+    return _REGISTRY[cfg.strategy](cfg, num_splits, clients, train_flops)
 
 
 def resource_splits(
@@ -88,13 +190,3 @@ def _profile_latency(path: str | Path, K: int) -> dict[int, float]:
         raise ValueError(f"profile {path} has no fp32 latency for split(s) {missing}")
     return {k: v for k, (_, v) in best.items()}
 
-
-def make_assigner(strategy: str, num_splits: int, clients: list[str], train_flops: dict[int, int], *,
-                  split: int, seed: int, sigma: float, profile: str | None, estimator: bool) -> tuple[SplitAssigner, dict]:
-    """The assigner for ``strategy`` and what it decided up front (resource speeds) for the record."""
-    extra: dict = {}
-    resource = None
-    if strategy == "resource":
-        resource, speed = resource_splits(clients, train_flops, seed=seed, sigma=sigma, profile=profile)
-        extra = {"speed_factors": speed, "resource_splits": resource}
-    return SplitAssigner(strategy, num_splits, split=split, seed=seed, resource=resource, estimator=estimator), extra

@@ -8,8 +8,7 @@ blocks (``fetch`` -> ``weights``) and, on calibration rounds, for probe losses. 
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,12 +18,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fedsga_edge.config import FedSGAConfig, TrainConfig, from_wire
-from fedsga_edge.method.adaptation import descriptor, prompt_contributions
+from fedsga_edge.method.adaptation import descriptor, descriptor_weights, prompt_contributions, weight_entropy
 from fedsga_edge.method.estimator import MonotoneEstimator
 from fedsga_edge.method.observation import Observation, ShallowHead, alignment, drift, prompt_variation
-from fedsga_edge.method.policy import split_index
+from fedsga_edge.method.policy import reference_index, split_index
 from fedsga_edge.models import SplitModel
-from fedsga_edge.tensors import augment_batch, from_numpy, from_numpy_state, image_batch, to_numpy, to_numpy_state
+from fedsga_edge.tensors import (
+    augment_batch,
+    from_numpy,
+    from_numpy_state,
+    image_batch,
+    probe_mode,
+    to_numpy,
+    to_numpy_state,
+)
 from fedsga_edge.wire import Message, RemoteProtocolError
 
 __all__ = ["ClientData", "TorchClient"]
@@ -58,8 +65,32 @@ class _PrivateState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+class _Refused(Exception):
+    """The coordinator refused a request (or answered nonsense): this round cannot go on."""
+
+
+@dataclass
+class _Task:
+    t: int
+    gen: Generator[tuple[str, dict[str, Any]], Message | None, dict[str, Any]]
+    reply: Message | None = None
+
+
+def _expect(reply: Message | None, kind: str) -> Message:
+    if reply is None or reply.kind != kind:
+        reason = reply.body.get("reason") if reply is not None and reply.kind == "error" else None
+        got = reply.kind if reply is not None else "nothing"
+        raise _Refused(f"coordinator answered {got}" + (f": {reason}" if reason else f" where {kind} was expected"))
+    return reply
+
+
 class TorchClient:
-    """A device that trains its prefix with torch autograd (simulation, Jetson)."""
+    """A device that trains its prefix with torch autograd (simulation, Jetson).
+
+    A round is a generator (``_round``) that yields its requests to the coordinator and is sent
+    the replies: ``step()`` advances it by one request, so a scheduler can interleave many devices
+    one local batch at a time, and an agent process simply calls ``step()`` until it returns False.
+    """
 
     def __init__(
         self,
@@ -80,26 +111,66 @@ class TorchClient:
         self._factory = model_factory
         self.model: SplitModel | None = None
         self.state = _PrivateState()
-        self._have: dict[int, set[int]] = {}  # round -> blocks already received this round
         self.rng = np.random.default_rng([seed, _stable_hash(cid)])
         self.gen = torch.Generator().manual_seed(int(self.rng.integers(2**31)))
+        self._task: _Task | None = None
+        self.last_error: str | None = None
 
     # -- message entry point --------------------------------------------------------------------
     def handle(self, msg: Message) -> Message | None:
-        """A coordinator that sends nonsense gets an error reply (via Peer); our own bugs still raise."""
+        """A round start arms this round's task; a coordinator that sends nonsense gets an error reply."""
         if msg.kind != "round_start":
             raise RemoteProtocolError(f"client {self.cid} does not accept {msg.kind!r}")
         _check_round_start(msg.body)
-        body = self.run_round(msg.round, msg.body)
-        return Message("update", msg.run, msg.round, 0, self.cid, body)
+        self._task = _Task(msg.round, self._round(msg.round, msg.body))
+        self.last_error = None
+        return None
+
+    @property
+    def busy(self) -> bool:
+        return self._task is not None
+
+    def step(self) -> bool:
+        """Compute up to the next request, send it and keep the reply; False once the round is done.
+
+        A round the coordinator refuses (an error reply) ends here: the device tells the
+        coordinator it gives up (so the round need not wait for its deadline) and keeps its state.
+        """
+        task = self._task
+        if task is None:
+            return False
+        try:
+            kind, body = task.gen.send(task.reply)
+        except StopIteration as done:
+            self._task = None
+            reply = self.peer.call(self.server, "update", task.t, done.value)
+            if reply.kind == "error":
+                self.last_error = f"update refused: {reply.body.get('reason')}"
+            return False
+        except _Refused as exc:
+            self._give_up(task, str(exc))
+            return False
+        task.reply = self.peer.call(self.server, kind, task.t, body)
+        return True
+
+    def abort(self) -> None:
+        """Drop the running round (its deadline passed); the device keeps its private state."""
+        if self._task is not None:
+            self._task.gen.close()
+            self._task = None
+
+    def _give_up(self, task: "_Task", reason: str) -> None:
+        self._task = None
+        self.last_error = reason
+        self.peer.send(self.server, "error", task.t, {"reason": reason})
 
     # -- one round --------------------------------------------------------------------------------
-    def run_round(self, t: int, body: dict[str, Any]) -> dict[str, Any]:
+    def _round(self, t: int, body: dict[str, Any]) -> Generator[tuple[str, dict[str, Any]], Message | None, dict[str, Any]]:
         model = self._model()
-        self._have = {}
         train = from_wire(TrainConfig, body["train"])
         fed = from_wire(FedSGAConfig, body["fedsga"]) if body.get("fedsga") else None
         self._load(model, body["weights"])
+        have = {_block_index(n) for n in body["weights"]}
         use_prompts = fed is not None and fed.adapt and fed.prompts > 0
         if use_prompts and self.state.prompts is None:
             self.state.prompts = model.init_prompts(fed.prompts, self.gen).to(self.device)
@@ -107,20 +178,48 @@ class TorchClient:
 
         report: dict[str, Any] = {}
         full = bool(body.get("full"))
+        calibrate = bool(body.get("calibrate"))
+        K = model.num_splits
+        k_ref = reference_index(K)
         if full:
             k = 0
         elif body.get("split") is not None:
             k = int(body["split"])
-        else:  # FedSGA: observe, maybe calibrate, estimate r, pick the split (DESIGN §1.2-1.5)
+        else:  # FedSGA: observe, estimate r, pick the split (docs/method.md)
             assert fed is not None  # _check_round_start guarantees it
-            k, report = self._choose_split(t, model, body, fed, prompts)
+            k, report = self._choose_split(model, body, fed, prompts)
+            if calibrate:  # the probe compares the device's own trained blocks up to p_ref
+                k = max(k, k_ref)
         depth = model.num_blocks if full else model.depth_of(k)
-        self._fetch_missing(t, model, body, depth, full)
+        need = [j for j in range(depth) if j not in have]
+        if need or full:
+            reply = yield "fetch", {"blocks": need, "head": full}
+            _expect(reply, "weights")
+            self._load(model, reply.body["weights"])
 
-        loss_sum, steps, contrib = self._train(t, model, train, depth, k, full, prompts, fedsga_h1=fed is not None)
+        loss_sum, steps, contrib = 0.0, 0, None
+        gen = self._train(model, train, depth, k, full, prompts, fedsga_h1=fed is not None)
+        reply = None
+        while True:
+            try:
+                request = gen.send(reply)
+            except StopIteration as done:
+                loss_sum, steps, contrib = done.value
+                break
+            reply = yield request
+            _expect(reply, "gradient")
         if prompts is not None and fed is not None and contrib is not None:
+            alpha = descriptor_weights(contrib / max(steps, 1), fed.tau_m)
             self.state.m_prev = self.state.m_last
             self.state.m_last = descriptor(prompts.detach(), contrib / max(steps, 1), fed.tau_m)
+            report["descriptor_entropy"] = weight_entropy(alpha)
+        if calibrate and "r" in report:  # after local training, before aggregation (docs/method.md)
+            probe = self._probe(model, body, prompts, report["o"], report["r_prev"])
+            reply = yield "probe", probe
+            _expect(reply, "probe_result")
+            report.update(L1=float(reply.body["L1"]), Lref=float(reply.body["Lref"]), s=int(reply.body["s"]),
+                          probe_samples=len(probe["y"]))
+        report.pop("o", None)
         self.state.rounds += 1
         keys = [n for n in model.state_dict() if _block_index(n) < depth or (full and n.startswith("head."))]
         sd = model.state_dict()
@@ -144,21 +243,6 @@ class TorchClient:
         if weights:
             model.load_state_dict(from_numpy_state(weights, self.device), strict=False)
 
-    def _fetch_missing(self, t: int, model: SplitModel, body: dict[str, Any], depth: int, full: bool) -> None:
-        """Download this round's blocks that neither the round start nor an earlier fetch brought."""
-        have = self._have.setdefault(t, {_block_index(n) for n in body["weights"]})
-        need = [j for j in range(depth) if j not in have]
-        if need or (full and (1 << 30) not in have):
-            reply = self._call(t, "fetch", {"blocks": need, "head": full})
-            self._load(model, reply.body["weights"])
-            have.update(_block_index(n) for n in reply.body["weights"])
-
-    def _call(self, t: int, kind: str, body: dict[str, Any]) -> Message:
-        reply = self.peer.call(self.server, kind, t, body)
-        if reply.kind == "error":
-            raise RuntimeError(f"coordinator refused {kind}: {reply.body.get('reason')}")
-        return reply
-
     def _batches(self, batch_size: int, max_batches: int) -> list[np.ndarray]:
         order = self.data.indices[self.rng.permutation(len(self.data.indices))]
         out = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
@@ -175,7 +259,6 @@ class TorchClient:
 
     def _train(
         self,
-        t: int,
         model: SplitModel,
         cfg: TrainConfig,
         depth: int,
@@ -183,7 +266,8 @@ class TorchClient:
         full: bool,
         prompts: Tensor | None,
         fedsga_h1: bool = False,
-    ) -> tuple[float, int, Tensor | None]:
+    ) -> Generator[tuple[str, dict[str, Any]], Message | None, tuple[float, int, Tensor | None]]:
+        """Local epochs; each split-training batch yields one ``activation`` request."""
         model.train()
         params = [p for j in range(depth) for p in model.blocks[j].parameters()]
         if full:
@@ -200,53 +284,56 @@ class TorchClient:
         contrib = torch.zeros(prompts.shape[0], device=self.device) if prompts is not None else None
         d1 = model.depth_of(1)
         loss_sum, steps = 0.0, 0
-        for _ in range(cfg.local_epochs):
-            for idx in self._batches(cfg.batch_size, cfg.max_batches):
-                x, y = self._inputs(idx, cfg.augment)
-                opt.zero_grad(set_to_none=True)
-                if fedsga_h1 and not full:  # phi_s trains on pooled p_1 features (README: "phi_s")
-                    h1 = model.prefix(x, d1, prompts)
-                    z = model.run_blocks(h1, d1, depth)
-                else:
-                    z = model.prefix(x, depth, prompts)
-                if full:
-                    loss = F.cross_entropy(model.head(model.pool(z)), y)
-                    loss.backward()
-                    loss_value = float(loss.detach())
-                else:
-                    body: dict[str, Any] = {"z": to_numpy(z), "y": to_numpy(y), "split": k}
-                    if fedsga_h1:
-                        body["h1"] = to_numpy(model.interface_pool(h1.detach()))
-                    reply = self._call(t, "activation", body)
-                    z.backward(from_numpy(reply.body["dz"], self.device))
-                    loss_value = float(reply.body["loss"])
-                if anchor is not None:  # FedProx: grad of mu/2 ||w - w_global||^2
-                    for p, a in zip(params, anchor):
-                        if p.grad is not None:
-                            p.grad.add_(p.detach() - a, alpha=cfg.mu)
-                if contrib is not None and prompts is not None and prompts.grad is not None:
-                    contrib += prompt_contributions(prompts.grad, prompts.detach())
-                opt.step()
-                loss_sum += loss_value
-                steps += 1
-        if prompts is not None:
-            prompts.requires_grad_(False)
-            prompts.grad = None
+        try:
+            for _ in range(cfg.local_epochs):
+                for idx in self._batches(cfg.batch_size, cfg.max_batches):
+                    x, y = self._inputs(idx, cfg.augment)
+                    opt.zero_grad(set_to_none=True)
+                    if fedsga_h1 and not full:  # phi_s trains on pooled p_1 features (docs/method.md)
+                        h1 = model.prefix(x, d1, prompts)
+                        z = model.run_blocks(h1, d1, depth)
+                    else:
+                        z = model.prefix(x, depth, prompts)
+                    if full:
+                        loss = F.cross_entropy(model.head(model.pool(z)), y)
+                        loss.backward()
+                        loss_value = float(loss.detach())
+                    else:
+                        body: dict[str, Any] = {"z": to_numpy(z), "y": to_numpy(y), "split": k}
+                        if fedsga_h1:
+                            body["h1"] = to_numpy(model.interface_pool(h1.detach()))
+                        reply = yield "activation", body
+                        assert reply is not None
+                        dz = from_numpy(reply.body["dz"], self.device)
+                        if dz.shape != z.shape or not bool(torch.isfinite(dz).all()):
+                            raise _Refused(f"gradient of shape {tuple(dz.shape)} for an activation {tuple(z.shape)}, or not finite")
+                        z.backward(dz)
+                        loss_value = float(reply.body["loss"])
+                    if anchor is not None:  # FedProx: grad of mu/2 ||w - w_global||^2
+                        for p, a in zip(params, anchor):
+                            if p.grad is not None:
+                                p.grad.add_(p.detach() - a, alpha=cfg.mu)
+                    if contrib is not None and prompts is not None and prompts.grad is not None:
+                        contrib += prompt_contributions(prompts.grad, prompts.detach())
+                    opt.step()
+                    loss_sum += loss_value
+                    steps += 1
+        finally:
+            if prompts is not None:
+                prompts.requires_grad_(False)
+                prompts.grad = None
         return loss_sum, steps, contrib
 
     @torch.no_grad()
     def _choose_split(
-        self, t: int, model: SplitModel, body: dict[str, Any], fed: FedSGAConfig, prompts: Tensor | None
+        self, model: SplitModel, body: dict[str, Any], fed: FedSGAConfig, prompts: Tensor | None
     ) -> tuple[int, dict[str, Any]]:
+        """Observation at round start (the round's global blocks, eval mode) -> r -> split (Eq. 8)."""
         K = model.num_splits
         d1 = model.depth_of(1)
-        k_ref = math.ceil(K / 2)
-        calibrate = bool(body.get("calibrate"))
         idx = self._batches(body["train"]["batch_size"], 1)[0]
         x, y = self._inputs(idx, augment=False)
         model.eval()
-        if calibrate:  # one forward to p_ref yields both interfaces (Alg. 1)
-            self._fetch_missing(t, model, body, model.depth_of(k_ref), False)
         h1 = model.prefix(x, d1, prompts)
         hbar = model.interface_pool(h1)
         phi_s = ShallowHead(hbar.shape[1], int(body["proto_dim"]))
@@ -260,21 +347,27 @@ class TorchClient:
         )
         self.state.H_prev = H
         o = obs.as_tensor(adapt=fed.adapt)
-        report: dict[str, Any] = {"a": obs.a, "delta": obs.delta, "q": obs.q, "r_prev": self.state.r_prev}
-        estimator_state = body["estimator"]
-        if calibrate:
-            href = model.run_blocks(h1, d1, model.depth_of(k_ref))
-            probe = {"z1": to_numpy(h1), "zref": to_numpy(href), "y": to_numpy(y), "o": o.tolist(), "r_prev": self.state.r_prev}
-            res = self._call(t, "probe", probe).body
-            report.update(L1=res["L1"], Lref=res["Lref"], s=res["s"], probe_samples=len(idx))
-            estimator_state = res["estimator"]
         gamma = MonotoneEstimator(num_obs=len(o))
-        gamma.load_state_dict(from_numpy_state(estimator_state))
-        r = float(gamma(o.unsqueeze(0), torch.tensor([self.state.r_prev])))
+        gamma.load_state_dict(from_numpy_state(body["estimator"]))
+        r_prev = self.state.r_prev
+        r = float(gamma(o.unsqueeze(0), torch.tensor([r_prev])))
         k = split_index(r, K, fed.rho)
         self.state.r_prev = r
-        report.update(r=r)
+        report = {"a": obs.a, "delta": obs.delta, "q": obs.q, "r_prev": r_prev, "r": r, "k_policy": k, "o": o.tolist()}
         return k, report
+
+    def _probe(
+        self, model: SplitModel, body: dict[str, Any], prompts: Tensor | None, o: list[float], r_prev: float
+    ) -> dict[str, Any]:
+        """One batch through the device's own (locally trained) blocks to p_1 and on to p_ref."""
+        K = model.num_splits
+        d1, dref = model.depth_of(1), model.depth_of(reference_index(K))
+        idx = self._batches(body["train"]["batch_size"], 1)[0]
+        x, y = self._inputs(idx, augment=False)
+        with probe_mode(model):
+            h1 = model.prefix(x, d1, prompts)
+            href = model.run_blocks(h1, d1, dref)
+        return {"z1": to_numpy(h1), "zref": to_numpy(href), "y": to_numpy(y), "o": o, "r_prev": r_prev}
 
 
 def _check_round_start(body: dict[str, Any]) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["STRATEGIES", "FedSGAConfig", "TrainConfig", "RunConfig", "from_wire"]
+__all__ = ["SCHEDULES", "FedSGAConfig", "TrainConfig", "RunConfig", "from_wire"]
 
-STRATEGIES = ("static", "fedavg", "fedprox", "fedsga", "random", "resource")
+# How the in-process simulation interleaves its devices (docs/method.md, "Rounds").
+SCHEDULES = ("round_robin", "random", "sequential")
 
 
 @dataclass
@@ -19,7 +20,7 @@ class TrainConfig:
     lr: float = 0.1
     momentum: float = 0.0
     weight_decay: float = 5e-4
-    mu: float = 0.0  # FedProx proximal weight (0 = off)
+    mu: float = 0.0  # proximal weight the device applies (the strategy sets it: FedProx sends prox_mu)
     augment: bool | None = None  # random crop (pad 4) + horizontal flip; None = auto (not for digits)
     max_batches: int = 0  # cap on batches per local epoch (0 = all); for quick smoke runs
 
@@ -51,7 +52,8 @@ class RunConfig:
     clients: int = 20
     rounds: int = 100
     model: str = "resnet18_cifar"
-    width: float | None = None
+    width: float | None = None  # shorthand for model_args["width"] (ResNets)
+    model_args: dict[str, Any] = field(default_factory=dict)  # passed to the model factory as keywords
     img_size: int | None = None
     pretrained: str | None = None
     strategy: str = "static"
@@ -62,7 +64,10 @@ class RunConfig:
     eval_every: int = 1
     speed_sigma: float = 0.5  # `resource`: log-normal spread of client speed factors
     profile: str | None = None  # `resource`: a measured latency profile (fedsga-edge profile --json)
-    server_copies: str = "shared"  # "shared": one server copy, clients in turn; "per_client": averaged copies
+    server_copies: str = "shared"  # "shared": one server copy, batches interleaved; "per_client": averaged copies
+    schedule: str = "round_robin"  # simulation only: SCHEDULES
+    round_timeout: float = 0.0  # seconds a round may last before missing devices are dropped (0 = no deadline)
+    prox_mu: float = 0.01  # FedProx's proximal weight (the CLI's --mu)
     train: TrainConfig = field(default_factory=TrainConfig)
     fedsga: FedSGAConfig = field(default_factory=FedSGAConfig)
 

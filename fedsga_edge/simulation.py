@@ -2,6 +2,9 @@
 
 This is wiring, not core: it is the one place (with the CLI) that imports both roles. The roles
 exchange real encoded messages through the transport, so the bytes counted are the wire's bytes.
+Devices run concurrently under a deterministic scheduler (``RunConfig.schedule``): each turn
+advances one device by one request (one local batch), so the coordinator answers the devices'
+activations interleaved, as it would from real devices in arrival order.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedsga_edge.config import STRATEGIES, RunConfig
+from fedsga_edge.config import SCHEDULES, RunConfig
 from fedsga_edge.data import DatasetBundle, load_dataset, partition
 from fedsga_edge.models import CostTable, SplitModel, create_model
 from fedsga_edge.transport import LoopbackTransport, Peer
@@ -37,9 +40,17 @@ def resolve_device(name: str) -> torch.device:
 
 def validate_config(cfg: RunConfig) -> None:
     """Reject bad settings with a message that names the flag, before any work starts."""
+    from fedsga_edge.coordinator import list_strategies
+
     problems = []
-    if cfg.strategy not in STRATEGIES:
-        problems.append(f"--strategy must be one of {', '.join(STRATEGIES)} (got {cfg.strategy!r})")
+    if cfg.strategy not in list_strategies():
+        problems.append(f"--strategy must be one of {', '.join(list_strategies())} (got {cfg.strategy!r})")
+    if cfg.schedule not in SCHEDULES:
+        problems.append(f"--schedule must be one of {', '.join(s.replace('_', '-') for s in SCHEDULES)} (got {cfg.schedule!r})")
+    if cfg.round_timeout < 0:
+        problems.append("--round-timeout must be >= 0 (0 = no deadline)")
+    if cfg.prox_mu < 0:
+        problems.append("--mu must be >= 0")
     if cfg.clients < 1:
         problems.append("--clients must be >= 1")
     if cfg.rounds < 1:
@@ -51,8 +62,6 @@ def validate_config(cfg: RunConfig) -> None:
         problems.append("--batch-size must be >= 2 (BatchNorm needs two samples)")
     if not t.lr > 0:
         problems.append("--lr must be > 0")
-    if t.mu < 0:
-        problems.append("--mu must be >= 0")
     if cfg.partition not in ("iid", "dirichlet", "domain"):
         problems.append(f"--partition must be iid, dirichlet or domain (got {cfg.partition!r})")
     if cfg.partition != "iid" and not cfg.alpha > 0:
@@ -99,18 +108,16 @@ class Simulation:
         self.client_ids = [f"client-{i:03d}" for i in range(cfg.clients)]
         sizes = {cid: len(p) for cid, p in zip(self.client_ids, self.parts)}
 
-        from fedsga_edge.coordinator import Coordinator, make_assigner
+        from fedsga_edge.coordinator import Coordinator, create_strategy
         from fedsga_edge.device.client import ClientData, TorchClient
 
         train_flops = {k: self.costs.train(k) for k in range(0, K + 1)}
-        assigner, self.assignment_info = make_assigner(
-            cfg.strategy, K, self.client_ids, train_flops, split=cfg.split, seed=cfg.seed,
-            sigma=cfg.speed_sigma, profile=cfg.profile, estimator=cfg.fedsga.estimator,
-        )
-        peer = Peer(self.transport, COORDINATOR, run_id)
-        self.coordinator = Coordinator(self.model, cfg, peer, sizes, b.num_classes, assigner, device=self.device)
-        self.coordinator.costs = self.costs
-        peer.register(self.coordinator.handle)
+        self.strategy = create_strategy(cfg, K, self.client_ids, train_flops)
+        self.assignment_info = self.strategy.info()
+        self.peer = Peer(self.transport, COORDINATOR, run_id)
+        self.coordinator = Coordinator(self.model, cfg, sizes, b.num_classes, self.strategy, self.costs,
+                                       device=self.device)
+        self.peer.register(self.coordinator.receive)
         self.clients = []
         for cid, idx in zip(self.client_ids, self.parts):
             cpeer = Peer(self.transport, cid, run_id)
@@ -120,13 +127,48 @@ class Simulation:
             )
             cpeer.register(client.handle)
             self.clients.append(client)
+        self.schedule_rng = np.random.default_rng([cfg.seed, 13])
 
     def _make_model(self) -> SplitModel:
         cfg = self.cfg
-        kwargs: dict[str, Any] = {"num_classes": self.bundle.num_classes, "img_size": cfg.img_size or self.bundle.image_size}
-        if cfg.model.startswith("resnet"):
-            kwargs["width"] = cfg.width
+        kwargs: dict[str, Any] = {"num_classes": self.bundle.num_classes, "img_size": cfg.img_size or self.bundle.image_size,
+                                  "width": cfg.width, **cfg.model_args}
         return create_model(cfg.model, pretrained=cfg.pretrained, **kwargs)
+
+    def run_round(self, t: int) -> dict[str, Any]:
+        """Start every device at once, step them under the schedule, close the round, aggregate."""
+        co = self.coordinator
+        for cid, body in co.begin_round(t).items():
+            try:
+                self.peer.send(cid, "round_start", t, body)
+            except Exception as exc:  # an unreachable device must not stop the round
+                co.fail(cid, f"round_start not delivered: {type(exc).__name__}: {exc}")
+        active = [c for c in self.clients if c.busy]
+        schedule = self.cfg.schedule
+        while active and not co.tick():
+            if schedule == "sequential":
+                client = active[0]
+            elif schedule == "random":
+                client = active[int(self.schedule_rng.integers(len(active)))]
+            else:  # round-robin: one request per device in turn
+                client = active.pop(0)
+                active.append(client)
+            if not self._step(client):
+                active.remove(client)
+        for client in active:  # the deadline passed: what they still hold is dropped
+            client.abort()
+        return co.end_round()
+
+    def _step(self, client: Any) -> bool:
+        try:
+            more = client.step()
+        except Exception as exc:  # a broken device must not stop the round
+            client.abort()
+            self.coordinator.fail(client.cid, f"{type(exc).__name__}: {exc}")
+            return False
+        if not more and client.last_error:
+            self.coordinator.fail(client.cid, client.last_error)
+        return more
 
     def rounds(self) -> Iterator[dict[str, Any]]:
         cfg, co, b = self.cfg, self.coordinator, self.bundle
@@ -135,14 +177,17 @@ class Simulation:
             up0 = sum(stats.bytes_sent(src=c) for c in self.client_ids)
             down0 = stats.bytes_sent(src=COORDINATOR)
             started = time.perf_counter()
-            rec = co.run_round(t)
+            rec = self.run_round(t)
             rec["bytes_up"] = sum(stats.bytes_sent(src=c) for c in self.client_ids) - up0
             rec["bytes_down"] = stats.bytes_sent(src=COORDINATOR) - down0
-            ks = list(rec["splits"].values())
-            rec["client_flops_per_sample"] = float(np.mean([self.costs.train(k) for k in ks])) if ks else 0.0
-            rec["client_params"] = float(np.mean([self.costs.params[k] for k in ks])) if ks else 0.0
+            ks = rec["splits"]
+            weights = {c: co.clients[c] for c in ks}  # client FLOPs per sample, weighted by |D_i|
+            total = sum(weights.values())
+            rec["client_flops_per_sample"] = (sum(weights[c] * self.costs.train(k) for c, k in ks.items()) / total
+                                              if total else 0.0)
+            rec["client_params"] = float(np.mean([self.costs.params[k] for k in ks.values()])) if ks else 0.0
             if t % cfg.eval_every == 0 or t == cfg.rounds:
-                rec["test_acc"], rec["test_loss"] = co.evaluate(b.test, b.mean, b.std)
+                rec.update(co.evaluate(b.test, b.mean, b.std))
             rec["wall_s"] = time.perf_counter() - started
             yield rec
 

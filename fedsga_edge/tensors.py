@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["to_numpy_state", "from_numpy_state", "to_numpy", "from_numpy", "image_batch", "augment_batch"]
+__all__ = ["to_numpy_state", "from_numpy_state", "to_numpy", "from_numpy", "image_batch", "augment_batch", "probe_mode"]
 
 
 def to_numpy(t: Tensor) -> np.ndarray:
@@ -51,3 +52,26 @@ def augment_batch(x: Tensor, generator: torch.Generator, pad: int = 4) -> Tensor
         crop = padded[i, :, dy[i] : dy[i] + h, dx[i] : dx[i] + w]
         out[i] = crop.flip(-1) if flip[i] else crop
     return out
+
+
+@contextmanager
+def probe_mode(*modules: torch.nn.Module) -> Iterator[None]:
+    """Forward passes that leave no trace: batch-statistics BatchNorm, buffers restored, no grad.
+
+    Calibration probes (docs/method.md, "Calibration") compare two paths on one batch. Eval-mode
+    BatchNorm would normalise with running statistics that lag far behind weights trained this
+    round (cross-entropy up to ~110 in early rounds); batch statistics are what the layers were
+    trained with. Train mode updates the running statistics, so they are saved and put back.
+    """
+    saved = [(m, m.training, {k: v.clone() for k, v in m.named_buffers()}) for m in modules]
+    try:
+        for m in modules:
+            m.train()
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training, buffers in saved:
+            m.train(training)
+            own = dict(m.named_buffers())
+            for k, v in buffers.items():
+                own[k].copy_(v)

@@ -75,12 +75,43 @@ def test_paper_preset_dry_run_plans_every_run(bench, tmp_path, capsys):
     assert "per-run config" in capsys.readouterr().out
 
 
+def test_domain_preset_dry_run_plans_office31_domain_skew(bench, tmp_path, capsys):
+    plan = bench.main(["--preset", "domain", "--dry-run", "--out", str(tmp_path)])
+    scale = plan["scale"]
+    office = bench.REPO.parent / "shared" / "data" / "office31" / "office31_32.npz"
+    assert scale["data"] == f"npz:{office}"
+    assert (scale["clients"], scale["train_subset"], scale["local_epochs"], scale["augment"]) == (9, 0, 1, True)
+    assert scale["partitions"] == ["domain0.5"] and scale["seeds"] == [0, 1]
+    runs = plan["plan"]
+    assert {r["method"] for r in runs} == {"fedsga", "static", "static-p1", "random", "fedavg", "fedsga-no-harmonizer"}
+    assert len(runs) == 6 * 2 and all(r["dir"].split("/")[1] == "domain0.5" for r in runs)
+    out = capsys.readouterr().out
+    assert "partition=domain(0.5)" in out and '"partition": "domain", "alpha": 0.5' in out
+    assert "static-p1/domain0.5/seed0" in out and "strategy=static split=1 " in out
+    assert not any(tmp_path.iterdir())
+
+    mine = str(tmp_path / "mine.npz")
+    other = bench.main(["--preset", "domain", "--dry-run", "--data", mine, "--out", str(tmp_path)])
+    assert other["scale"]["data"] == f"npz:{tmp_path / 'mine.npz'}"
+
+
+def test_static_methods_pin_their_split(bench):
+    K, ref = bench.num_splits("resnet18_cifar", 0.25), bench.reference_split("resnet18_cifar", 0.25)
+    assert (K, ref) == (3, 2)
+    splits = {m: bench.method_split(m, ref, K) for m in ("static", "static-p1", "static-pK", "fedsga")}
+    assert splits == {"static": 2, "static-p1": 1, "static-pK": 3, "fedsga": 2}
+    assert all(m in bench.METHODS and m in bench.LABELS for m in bench.STATIC_AT)
+
+
 def test_partition_names(bench):
     assert bench.parse_partition("iid") == ("iid", 0.0)
     assert bench.parse_partition("dir0.1") == ("dirichlet", 0.1)
     assert bench.parse_partition("dirichlet0.5") == ("dirichlet", 0.5)
-    with pytest.raises(SystemExit):
-        bench.parse_partition("shards")
+    assert bench.parse_partition("domain0.5") == ("domain", 0.5)
+    assert bench.partition_label("domain0.5") == "Domain + Dirichlet(0.5)"
+    for bad in ("shards", "domain", "domain0", "dirx"):
+        with pytest.raises(SystemExit):
+            bench.parse_partition(bad)
 
 
 def test_diagnostics_without_estimator_and_with_calibration(bench):

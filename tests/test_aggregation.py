@@ -7,7 +7,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedsga_edge.method.aggregation import Contribution, aggregate_blocks, weighted_average, weighted_average_fast
+from fedsga_edge.method.aggregation import (
+    Contribution,
+    DeviceUpdate,
+    aggregate_blocks,
+    aggregate_round,
+    round_contributions,
+    split_units,
+    unit_of,
+    weighted_average,
+    weighted_average_fast,
+)
 
 
 def _s(w: float, rm: float = 0.0, n: int = 0) -> dict[str, torch.Tensor]:
@@ -67,3 +77,103 @@ def test_reference_and_fast_agree(n: int, weights: list[float], seed: int) -> No
     for k in ref:
         assert ref[k].dtype == fast[k].dtype
         torch.testing.assert_close(ref[k], fast[k], rtol=1e-6, atol=1e-6)
+
+
+# --- one round's updates -> contributions (what the coordinator does after each round) -----------
+# Four blocks + head: units 0..3 are blocks, unit 4 the head. Every unit holds a float weight and a
+# BatchNorm counter, so a state missing either is partial.
+
+
+def _u(w: float, n: int = 0) -> dict[str, torch.Tensor]:
+    return {"w": torch.tensor([w]), "bn.num_batches_tracked": torch.tensor(n)}
+
+
+GLOBAL = {j: _u(0.0) for j in range(5)}
+SERVER = {j: _u(10.0 + 2 * j, 50) for j in range(5)}  # w: 10, 12, 14, 16, 18
+
+
+def _mixed_round() -> list[DeviceUpdate]:
+    return [
+        # A: depth 1 (stem only), 100 samples
+        DeviceUpdate("A", depth=1, num_samples=100, states={0: _u(1.0, 7)}),
+        # B: depth 3 of 4 blocks, 300 samples
+        DeviceUpdate("B", depth=3, num_samples=300, states={0: _u(2.0, 9), 1: _u(4.0, 9), 2: _u(6.0, 9)}),
+        # C: depth 1, 100 samples, sent a *partial* unit 0 (BN counter missing): must be dropped
+        DeviceUpdate("C", depth=1, num_samples=100, states={0: {"w": torch.tensor([1000.0])}}),
+    ]
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_round_with_mixed_depths_hand_computed(fast: bool) -> None:
+    new = aggregate_round(GLOBAL, _mixed_round(), SERVER, fast=fast)
+    w = {j: new[j]["w"].item() for j in new}
+    # unit 0: A (100) and B (300); C's partial state is dropped  -> (100*1 + 300*2) / 400 = 1.75
+    #   (uniform device weights: 1.5; C accepted: a key mismatch or (1 + 600 + 100000) / 500)
+    assert w[0] == pytest.approx(1.75)
+    # unit 1: B (300) + server copy carrying A's and C's data (100 + 100 = 200)
+    #   -> (300*4 + 200*12) / 500 = 7.2   (server weighted by device count 2: (1200 + 24) / 302 = 4.05)
+    assert w[1] == pytest.approx(7.2)
+    # unit 2: (300*6 + 200*14) / 500 = 9.2
+    assert w[2] == pytest.approx(9.2)
+    # units 3, 4: only the server's copy (A, B, C all passed through it) -> its own value
+    assert w[3] == pytest.approx(16.0) and w[4] == pytest.approx(18.0)
+    # counters take the maximum of the copies averaged
+    assert new[0]["bn.num_batches_tracked"].item() == 9
+    assert new[1]["bn.num_batches_tracked"].item() == 50
+
+
+def test_round_contributions_weights() -> None:
+    contribs = round_contributions(GLOBAL, _mixed_round(), SERVER)
+    devices, server = contribs[:3], contribs[3:]
+    assert [sorted(c.states) for c in devices] == [[0], [0, 1, 2], []]  # C's partial unit 0 is gone
+    assert [c.weight for c in devices] == [100.0, 300.0, 100.0]
+    # one server contribution per unit it trained, weighted by the data that went through it
+    assert [(sorted(c.states), c.weight) for c in server] == [([1], 200.0), ([2], 200.0), ([3], 500.0), ([4], 500.0)]
+
+
+def test_partial_unit_of_a_local_block_keeps_the_global_value() -> None:
+    # Unit 1 was run on the device (depth 2) but arrived partial: nobody else trained it this
+    # round, and the server's copy of it saw none of this data, so the global value stays.
+    g = {0: _u(1.0), 1: _u(2.0), 2: _u(3.0)}  # two blocks + head
+    upd = DeviceUpdate("A", depth=2, num_samples=40, states={0: _u(5.0), 1: {"w": torch.tensor([9.0])}})
+    new = aggregate_round(g, [upd], {j: _u(100.0 + j) for j in g})
+    assert [new[j]["w"].item() for j in g] == [5.0, 2.0, 102.0]
+    assert aggregate_round(g, [], None) == {j: dict(v) for j, v in g.items()}  # no updates: unchanged
+
+
+def test_wrong_shape_counts_as_partial() -> None:
+    g = {0: _u(1.0), 1: _u(2.0)}
+    bad = {"w": torch.tensor([7.0, 7.0]), "bn.num_batches_tracked": torch.tensor(1)}
+    new = aggregate_round(g, [DeviceUpdate("A", 1, 10, {0: bad})], {1: _u(3.0)})
+    assert new[0]["w"].item() == 1.0 and new[1]["w"].item() == 3.0
+
+
+@pytest.mark.parametrize("head_depth", [2, 3])  # today's full device reports depth L and sends the head
+def test_fedavg_devices_send_nothing_through_the_server(head_depth: int) -> None:
+    g = {0: _u(0.0), 1: _u(0.0), 2: _u(0.0)}  # two blocks + head
+    a = DeviceUpdate("A", depth=head_depth, num_samples=10, states={0: _u(1.0), 1: _u(2.0), 2: _u(3.0)})
+    b = DeviceUpdate("B", depth=3, num_samples=30, states={0: _u(5.0), 1: _u(6.0), 2: _u(7.0)})
+    assert len(round_contributions(g, [a, b], None)) == 2  # no server contribution at all
+    new = aggregate_round(g, [a, b], None)
+    assert [new[j]["w"].item() for j in g] == pytest.approx([4.0, 5.0, 6.0])  # (10 x + 30 y) / 40
+
+
+def test_round_contributions_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="no server state"):
+        round_contributions(GLOBAL, [DeviceUpdate("A", 1, 5, {0: _u(1.0)})], None)
+    with pytest.raises(ValueError, match="exceeds"):
+        round_contributions(GLOBAL, [DeviceUpdate("A", 6, 5, {})], SERVER)
+    with pytest.raises(ValueError, match="units 0..L"):
+        round_contributions({0: _u(0.0), 2: _u(0.0)}, [], None)
+    with pytest.raises(ValueError, match=">= 0"):
+        DeviceUpdate("A", 1, -5, {})
+
+
+def test_units_of_a_flat_state_dict() -> None:
+    state = {"blocks.0.conv.weight": torch.zeros(1), "blocks.3.bn.running_mean": torch.zeros(1), "head.weight": torch.zeros(1)}
+    assert [unit_of(k, 4) for k in state] == [0, 3, 4]
+    assert {j: sorted(s) for j, s in split_units(state, 4).items()} == {
+        0: ["blocks.0.conv.weight"],
+        3: ["blocks.3.bn.running_mean"],
+        4: ["head.weight"],
+    }

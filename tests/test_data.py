@@ -340,8 +340,83 @@ def test_npz_errors_name_problem_and_layout(tmp_path: Path, arrays: dict[str, np
     assert "uint8 NHWC arrays x_train and x_test" in str(info.value)
 
 
+def _domain_arrays() -> dict[str, np.ndarray]:
+    """36 train / 9 test images in 3 domains of 3 classes, domain d coloured COLOURS[d]."""
+    d_train, d_test = np.repeat(np.arange(3), 12), np.repeat(np.arange(3), 3)
+    return {
+        "x_train": np.array(COLOURS, dtype=np.uint8)[d_train][:, None, None, :].repeat(4, 1).repeat(4, 2),
+        "y_train": np.arange(36) % 3,
+        "x_test": np.array(COLOURS, dtype=np.uint8)[d_test][:, None, None, :].repeat(4, 1).repeat(4, 2),
+        "y_test": np.arange(9) % 3,
+        "d_train": d_train,
+        "d_test": d_test,
+        "domains": np.array(["amazon", "dslr", "webcam"]),
+    }
+
+
+def test_npz_domains_load_and_drive_the_domain_partition(tmp_path: Path) -> None:
+    arrays = _domain_arrays()
+    np.savez(tmp_path / "office.npz", **arrays)
+    bundle = load_dataset(f"npz:{tmp_path / 'office.npz'}")
+    assert bundle.domain_names == ["amazon", "dslr", "webcam"]
+    assert np.array_equal(bundle.train.domains, arrays["d_train"]) and bundle.train.domains.dtype == np.int64
+    assert np.array_equal(bundle.test.domains, arrays["d_test"])
+    assert _nearest_colour(bundle.train.get_batch(np.arange(36))) == arrays["d_train"].tolist()
+    clients = partition(bundle.train.labels, 6, "domain", domains=bundle.train.domains, alpha=0.5, min_samples=2)
+    served = [set(bundle.train.domains[c].tolist()) for c in clients]
+    assert all(len(s) == 1 for s in served) and sorted(s.pop() for s in served) == [0, 0, 1, 1, 2, 2]
+    assert sorted(np.concatenate(clients).tolist()) == list(range(36))
+
+    # without names the ids still load, named by their number; without ids there is no domain info
+    del arrays["domains"]
+    np.savez(tmp_path / "unnamed.npz", **arrays)
+    assert load_dataset(f"npz:{tmp_path / 'unnamed.npz'}").domain_names == ["0", "1", "2"]
+    np.savez(tmp_path / "plain.npz", **{k: v for k, v in arrays.items() if not k.startswith("d_")})
+    plain = load_dataset(f"npz:{tmp_path / 'plain.npz'}")
+    assert plain.domain_names is None and plain.train.domains is None and plain.test.domains is None
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"d_train": np.zeros(35, np.int64)}, r"d_train is int64 \(35,\), not integers of shape \(36,\)"),
+        ({"d_train": np.zeros(36)}, r"d_train is float64 \(36,\), not integers"),
+        ({"d_train": np.full(36, -1)}, "d_train holds negative domain ids"),
+        ({"d_train": np.full(36, 3)}, "d_train holds domain id 3, out of range for 3 domains"),
+        ({"d_test": np.full(9, 5)}, "d_test holds domain id 5, out of range for 3 domains"),
+        ({"domains": np.array([1, 2, 3], np.int64)}, "domains is int64 .*not a non-empty 1-D array of str"),
+    ],
+    ids=["short", "float", "negative", "out-of-range", "test-out-of-range", "names-not-str"],
+)
+def test_npz_bad_domains_name_the_key(tmp_path: Path, change: dict[str, np.ndarray], problem: str) -> None:
+    np.savez(tmp_path / "bad.npz", **(_domain_arrays() | change))
+    with pytest.raises(DatasetError, match=problem) as info:
+        load_dataset(f"npz:{tmp_path / 'bad.npz'}")
+    assert "d_train and d_test" in str(info.value)  # the layout text names the optional keys
+
+
+def test_npz_domain_names_without_ids_are_refused(tmp_path: Path) -> None:
+    arrays = {k: v for k, v in _domain_arrays().items() if k != "d_train"}
+    np.savez(tmp_path / "bad.npz", **arrays)
+    with pytest.raises(DatasetError, match="without d_train"):
+        load_dataset(f"npz:{tmp_path / 'bad.npz'}")
+
+
 # shared/ lies beside the checkout (developers and CI alike).
 CIFAR_PACK = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10" / "jpegpack.npz"
+OFFICE31 = Path(__file__).resolve().parents[2] / "shared" / "data" / "office31" / "office31_32.npz"
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not OFFICE31.exists(), reason="real Office-31 npz not present")
+def test_real_office31_through_npz() -> None:
+    bundle = load_dataset(f"npz:{OFFICE31}")
+    assert (len(bundle.train), len(bundle.test), bundle.num_classes, bundle.image_size) == (3290, 820, 31, 32)
+    assert bundle.domain_names == ["amazon", "dslr", "webcam"]
+    assert np.bincount(bundle.train.domains).tolist() == [2254, 399, 637]  # per the pack's README
+    assert np.bincount(bundle.test.domains).tolist() == [563, 99, 158]
+    clients = partition(bundle.train.labels, 9, "domain", domains=bundle.train.domains, alpha=0.5)
+    assert [set(bundle.train.domains[c].tolist()) for c in clients] == [{0}, {1}, {2}] * 3
 
 
 @pytest.mark.integration

@@ -57,8 +57,11 @@ def art():
     return must_show_artifacts()
 
 
+SEED = 0  # the export's --seed (MUST_SHOW_ARGS leaves the default)
+
+
 def _model():
-    torch.manual_seed(0)  # the export's seed: same random weights
+    torch.manual_seed(SEED)  # the export's seed: same random weights
     return create_model("resnet18_cifar", width=0.25).eval()
 
 
@@ -113,17 +116,58 @@ def test_files_are_single_and_carry_metadata(art) -> None:
     assert {f.name for f in art.iterdir()} == listed  # no external-data side files, no leftovers
 
 
+def _eval_images(m: dict) -> np.ndarray:
+    """The export's int8 evaluation inputs: the first 96 digits test images, normalised as recorded."""
+    from fedsga_edge.data import load_dataset
+    from fedsga_edge.export.quantize import normalize
+
+    norm = m["input"]["normalization"]
+    bundle = load_dataset("digits", image_size=m["model"]["img_size"])
+    return normalize(bundle.test.get_batch(np.arange(96)), norm["mean"], norm["std"])
+
+
+# Bounds below come from exports at seeds 0-4 (onnxruntime 1.32, 64 calibration images): int8 file /
+# fp32 file 0.621, 0.441, 0.328 for k = 1, 2, 3 (the same at every seed), fp16 0.739, 0.625, 0.551;
+# per-image identity 0.958-1.0; mean cosine of batch-centred activations 0.853-0.989. The speed-up
+# ranged 0.75-1.6 on this shared 2-core machine, so no speed claim is tested, only its bookkeeping.
+INT8_SIZE = {1: 0.66, 2: 0.48, 3: 0.36}
+FP16_SIZE = {1: 0.78, 2: 0.66, 3: 0.59}
+
+
 def test_int8_and_fp16_variants(art) -> None:
     m = read_manifest(art)
+    model = _model()
+    x = _eval_images(m)
+    prompts = model.init_prompts(4, generator=torch.Generator().manual_seed(SEED)).numpy()  # the export's
     for p in m["prefixes"]:
         q = p["int8"]
         # int8 weights; in the smallest files the graph itself (QDQ nodes, names) weighs as much
-        assert q["bytes"] < (0.4 if p["split"] == 3 else 0.7) * p["bytes"]
+        assert q["bytes"] < INT8_SIZE[p["split"]] * p["bytes"]
         assert q["rel_mean_dev"] < 0.1
         assert q["calibration"] == {"data": "digits", "samples": 64}
-        assert 0.0 <= q["agreement"] <= 1.0 and q["eval_samples"] == 96
         assert "accuracy_note" in q and "accuracy_fp32" not in q  # random weights: agreement, not accuracy
-        assert q["speedup"] > 0
+        assert q["latency_ms_fp32"] > 0 and q["latency_ms_int8"] > 0
+        assert q["speedup"] == pytest.approx(q["latency_ms_fp32"] / q["latency_ms_int8"])
+
+        z32 = ort.InferenceSession(str(art / p["file"])).run(None, {"x": x, "prompts": prompts})[0]
+        z8 = ort.InferenceSession(str(art / q["file"])).run(None, {"x": x, "prompts": prompts})[0]
+        # The recorded agreement is what these inputs give (fp32 / int8 prefix -> torch suffix + head).
+        with torch.no_grad():
+            p32, p8 = (model.head(model.suffix(torch.from_numpy(z), p["depth"])).argmax(1) for z in (z32, z8))
+        assert q["eval_samples"] == 96 and q["agreement"] == pytest.approx(float((p32 == p8).float().mean()))
+        assert q["agreement"] >= 0.95
+        # At random weights the head predicts almost one class for every image, so agreement alone says
+        # little. What int8 must keep is what tells images apart: centred on the fp32 batch mean, each
+        # int8 activation's nearest fp32 activation is its own image's, and the directions agree.
+        a = z32.reshape(len(x), -1).astype(np.float64)
+        b = z8.reshape(len(x), -1).astype(np.float64)
+        centre = a.mean(0)
+        a, b = a - centre, b - centre
+        nearest = ((b[:, None, :] - a[None, :, :]) ** 2).sum(-1).argmin(1)
+        assert np.mean(nearest == np.arange(len(x))) >= 0.9
+        cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+        assert cos.mean() >= 0.8
+
         proto = onnx.load(str(art / q["file"]))
         ops = {n.op_type for n in proto.graph.node}
         assert {"QuantizeLinear", "DequantizeLinear"} <= ops  # QDQ format
@@ -131,7 +175,7 @@ def test_int8_and_fp16_variants(art) -> None:
         zero_point = next(t for t in proto.graph.initializer if t.name == acts[0].input[2])
         assert zero_point.data_type == onnx.TensorProto.UINT8  # u8 activations
         h = p["fp16"]
-        assert h["bytes"] < (0.6 if p["split"] == 3 else 1.0) * p["bytes"] and h["validation"]["checks"][-1]["ok"]
+        assert h["bytes"] < FP16_SIZE[p["split"]] * p["bytes"] and h["validation"]["checks"][-1]["ok"]
 
 
 def test_export_log_has_check_lines_and_summary(art) -> None:

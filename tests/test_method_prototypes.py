@@ -1,6 +1,7 @@
 import io
 import math
 
+import pytest
 import torch
 
 from fedsga_edge.method import Prototypes
@@ -45,3 +46,28 @@ def test_prototypes_state_dict_round_trip_and_copy():
     assert torch.equal(q.tensor(), p.tensor()) and torch.equal(q.initialized, p.initialized)
     p.update(torch.tensor([[1.0, -1.0]]), torch.tensor([2]))
     assert not torch.equal(held, p.tensor())  # tensor() handed out a copy
+
+
+def test_ema_runs_over_directions_so_mu_keeps_its_weight():
+    # Harmonized class means have norm ~14. Mixed raw into a unit prototype, 0.1 * 14 e2 outweighs
+    # 0.9 * e1 and mu = 0.9 acted like ~0.4; the mean's direction is what enters the EMA.
+    p = Prototypes(num_classes=1, dim=2, mu=0.9)
+    e1, e2 = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+    p.update(e1.unsqueeze(0), torch.tensor([0]))
+    p.update(torch.stack([14.0 * e2, 14.0 * e2]), torch.tensor([0, 0]))
+    c = p.tensor()[0]
+    assert c @ e1 > c @ e2
+    expected = torch.tensor([0.9, 0.1])  # mu * e1 + (1 - mu) * e2, then normalised
+    assert torch.allclose(c, expected / expected.norm())
+    assert c.norm().item() == pytest.approx(1.0)
+
+
+def test_embedding_scale_does_not_change_the_prototypes():
+    torch.manual_seed(1)
+    Z, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
+    a, b = Prototypes(3, 5), Prototypes(3, 5)
+    a.update(torch.randn(9, 5), torch.arange(9) % 3)
+    b.load_state_dict(a.state_dict())
+    a.update(Z, y)
+    b.update(14.0 * Z, y)
+    assert torch.allclose(a.tensor(), b.tensor(), atol=1e-6)

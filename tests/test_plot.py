@@ -5,7 +5,7 @@ import json
 from typer.testing import CliRunner
 
 from fedsga_edge.cli.main import app
-from fedsga_edge.cli.plot_cmd import split_shares
+from fedsga_edge.report.data import split_shares
 
 
 def _run(tmp_path, name, splits_per_round):

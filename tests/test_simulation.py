@@ -53,7 +53,7 @@ def test_static_run_writes_config_metrics_and_summary(tmp_path, digits) -> None:
 
 
 def test_vit_fedsga_round_with_prompt_tokens(digits) -> None:
-    cfg = tiny("fedsga", model="vit_tiny_c32", clients=2, rounds=1,
+    cfg = tiny("fedsga", model="vit_tiny_c32", width=None, clients=2, rounds=1,
                train=TrainConfig(local_epochs=1, batch_size=16, max_batches=1))
     rec = next(Simulation(cfg, digits).rounds())
     assert rec["failures"] == {} and rec.get("remote_errors") is None
@@ -128,7 +128,8 @@ def test_coordinator_survives_malformed_messages(digits) -> None:
     assert rogue.call("coordinator", "activation", 1, bad | {"split": 9}).kind == "error"
     assert rogue.call("coordinator", "hello", 1, {}).kind == "error"
     assert rogue.call("coordinator", "fetch", 1, {"blocks": [[1]]}).kind == "error"
-    assert rogue.call("coordinator", "probe", 1, {"z1": np.zeros(2, np.float32)}).kind == "error"
+    probe = {"z1": np.zeros(2, np.float32), "zref": np.zeros(2, np.float32), "y": np.zeros(2, np.int64), "o": [0.0], "r_prev": 0.0}
+    assert rogue.call("coordinator", "probe", 1, probe).kind == "error"
     rec = next(sim.rounds())  # and the round still runs normally
     assert rec["failures"] == {} and rec["test_acc"] > 0
 
@@ -217,15 +218,13 @@ def test_per_client_server_copies_average_the_server_side(digits) -> None:
     sim = Simulation(tiny(clients=2, rounds=1, server_copies="per_client", fedsga=FedSGAConfig()), digits)
     co = sim.coordinator
     seen = []
-    call = co.peer.call
+    on_update = co._on_update
 
-    def spy(dst, kind, rnd, body):
-        reply = call(dst, kind, rnd, body)
-        if kind == "round_start":
-            seen.append((float(reply.body["num_samples"]), co.model.blocks[4].layer[0].conv1.weight.detach().clone()))
-        return reply
+    def spy(msg):
+        seen.append((float(co.clients[msg.sender]), co._copies[msg.sender].model.blocks[4].layer[0].conv1.weight.detach().clone()))
+        return on_update(msg)
 
-    co.peer.call = spy
+    co._on_update = spy
     next(sim.rounds())
     (n1, w1), (n2, w2) = seen
     # blocks[4] runs only on the server at split 2, so the global value is exactly the weighted mean.

@@ -28,6 +28,7 @@ def simulate(
     weight_decay: float = typer.Option(5e-4, help="SGD weight decay (not stated in the paper: 5e-4)."),
     model: str = typer.Option("resnet18_cifar", help="resnet18 | resnet18_cifar | vit_b16 | vit_tiny_c32"),
     width: Optional[float] = typer.Option(None, help="ResNet width multiplier (1.0 standard; 0.25 for CPU runs)."),
+    model_arg: list[str] = typer.Option([], "--model-arg", help="Extra model option KEY=VALUE (repeatable), passed to the model factory."),
     img_size: Optional[int] = typer.Option(None, help="Input size (default: the dataset's)."),
     pretrained: Optional[Path] = typer.Option(None, help="Local weights file (torchvision / timm / fedsga-edge)."),
     strategy: str = typer.Option("static", help=STRATEGY_HELP),
@@ -56,6 +57,8 @@ def simulate(
     server_copies: str = typer.Option(
         "shared", help="shared: one server copy trained on the clients in turn (SplitFed-v2 style); "
         "per-client: each client trains its own copy, averaged every round (SplitFed-v1 style)."),
+    schedule: str = typer.Option("round-robin", help="How devices interleave: round-robin (one local step each in turn) | random (seeded) | sequential (one device after another)."),
+    round_timeout: float = typer.Option(0.0, help="Seconds a round may last; devices still training then are left out of it (0 = no deadline)."),
     threads: int = typer.Option(0, help="torch intra-op threads (0 = torch's default). Use 1 when other jobs share the cores."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ) -> None:
@@ -74,9 +77,9 @@ def simulate(
         pretrained=str(pretrained) if pretrained else None, strategy=strategy, split=split, seed=seed,
         device=device, train_subset=train_subset, eval_every=eval_every, speed_sigma=speed_sigma,
         profile=str(profile) if profile else None, server_copies=server_copies.replace("-", "_"),
+        schedule=schedule.replace("-", "_"), round_timeout=round_timeout, prox_mu=mu, model_args=_model_args(model_arg),
         train=TrainConfig(local_epochs=local_epochs, batch_size=batch_size, lr=lr, momentum=momentum,
-                          weight_decay=weight_decay, mu=mu if strategy == "fedprox" else 0.0,
-                          augment=augment, max_batches=max_batches),
+                          weight_decay=weight_decay, augment=augment, max_batches=max_batches),
         fedsga=FedSGAConfig(rho=rho, beta=beta, lambda_align=lambda_align, tau_a=tau_a, tau_m=tau_m,
                             prompts=prompts, mu_proto=mu_proto, cal_every=cal_every, adapt=not no_adapt,
                             estimator=not no_estimator, harmonizer=not no_harmonizer),
@@ -116,3 +119,19 @@ def simulate(
         f"client_flops/sample={summary['client_flops_per_sample'] / 1e6:.1f}M "
         f"bytes={summary['bytes_total'] / 1e6:.1f}MB wall={summary['wall_s']:.1f}s -> {out}"
     )
+
+
+def _model_args(items: list[str]) -> dict[str, object]:
+    """``KEY=VALUE`` pairs; values parse as JSON when they can (numbers, booleans), else stay strings."""
+    import json
+
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"--model-arg {item!r} is not KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out

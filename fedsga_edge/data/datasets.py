@@ -12,6 +12,7 @@ because measuring them would decode every file of a large folder dataset.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -303,10 +304,16 @@ def _load_domainnet(root: Path, option: str, image_size: int | None) -> DatasetB
 
 
 def _load_npz(path: Path, image_size: int | None) -> DatasetBundle:
-    """A plain array file, e.g. from ../shared/data/cifar10/materialize.py; read without unpickling."""
+    """A plain array file, e.g. from ../shared/data/cifar10/materialize.py; read without unpickling.
+
+    Optional ``d_train`` / ``d_test`` carry domain ids (e.g. ../shared/data/office31) so that
+    ``--partition domain`` works on an npz as it does on DomainNet; ``domains`` names the ids.
+    """
     layout = (
         "a .npz holding uint8 NHWC arrays x_train and x_test (3 channels), integer label arrays y_train "
-        "and y_test, and optionally classes (an array of str)"
+        "and y_test, and optionally classes (an array of str) and, for a domain partition, non-negative "
+        "integer domain id arrays d_train and d_test (one per sample) with domains (an array of str, "
+        "the name of each id)"
     )
 
     def fail(problem: str) -> DatasetError:
@@ -336,9 +343,48 @@ def _load_npz(path: Path, image_size: int | None) -> DatasetBundle:
     classes = [str(name) for name in arrays["classes"]] if "classes" in arrays else [str(c) for c in range(top + 1)]
     if top >= len(classes):
         raise fail(f"label {top} is out of range for {len(classes)} classes")
+    domain_ids, domain_names = _npz_domains(arrays, fail)
     try:
-        train = ArrayImageSet(arrays["x_train"], arrays["y_train"], image_size=image_size)
-        test = ArrayImageSet(arrays["x_test"], arrays["y_test"], image_size=train.image_size)
+        train = ArrayImageSet(arrays["x_train"], arrays["y_train"], domain_ids["train"], image_size=image_size)
+        test = ArrayImageSet(arrays["x_test"], arrays["y_test"], domain_ids["test"], image_size=train.image_size)
     except DatasetError as exc:
         raise fail(str(exc)) from exc
-    return _array_bundle(path.stem, train, test, classes, None)
+    bundle = _array_bundle(path.stem, train, test, classes, None)
+    bundle.domain_names = domain_names
+    return bundle
+
+
+def _npz_domains(
+    arrays: dict[str, np.ndarray], fail: Callable[[str], DatasetError]
+) -> tuple[dict[str, np.ndarray | None], list[str] | None]:
+    """Checks the optional d_train / d_test / domains arrays; ids are per split, names shared.
+
+    Checked here rather than left to ArrayImageSet so that a bad file fails at load time with the
+    key's name, not later inside partition() as an out-of-range domain or a shape mismatch.
+    """
+    names: list[str] | None = None
+    if "domains" in arrays:
+        raw = arrays["domains"]
+        if raw.ndim != 1 or not len(raw) or raw.dtype.kind not in "US":
+            raise fail(f"domains is {raw.dtype} {raw.shape}, not a non-empty 1-D array of str")
+        names = [name.decode() if isinstance(name, bytes) else str(name) for name in raw.tolist()]
+    ids: dict[str, np.ndarray | None] = {}
+    for split in ("train", "test"):
+        key = f"d_{split}"
+        if key not in arrays:
+            ids[split] = None
+            continue
+        values, count = arrays[key], len(arrays[f"y_{split}"])
+        if values.shape != (count,) or (values.size and not np.issubdtype(values.dtype, np.integer)):
+            raise fail(f"{key} is {values.dtype} {values.shape}, not integers of shape ({count},)")
+        if values.size and values.min() < 0:
+            raise fail(f"{key} holds negative domain ids (min {int(values.min())})")
+        if names is not None and values.size and values.max() >= len(names):
+            raise fail(f"{key} holds domain id {int(values.max())}, out of range for {len(names)} domains")
+        ids[split] = values.astype(np.int64)
+    if ids["train"] is None and (ids["test"] is not None or names is not None):
+        raise fail("d_test or domains is given without d_train")
+    if names is None and ids["train"] is not None:
+        top = max(int(v.max(initial=-1)) for v in ids.values() if v is not None)
+        names = [str(d) for d in range(top + 1)]
+    return ids, names

@@ -1,6 +1,6 @@
 """FedSGA's pure method components (DESIGN §1): no models, roles, transports or CLI here."""
 
-from .adaptation import descriptor, prompt_contributions
+from .adaptation import descriptor, descriptor_weights, prompt_contributions, weight_entropy
 from .estimator import CalibrationBuffer, MonotoneEstimator, fit
 from .harmonizer import Harmonizer, alignment_loss, server_loss
 from .observation import Observation, ShallowHead, alignment, drift, phi_s_loss, prompt_variation
@@ -18,6 +18,7 @@ __all__ = [
     "alignment",
     "alignment_loss",
     "descriptor",
+    "descriptor_weights",
     "drift",
     "fit",
     "phi_s_loss",
@@ -27,4 +28,5 @@ __all__ = [
     "server_loss",
     "split_index",
     "sufficiency_label",
+    "weight_entropy",
 ]

@@ -8,16 +8,31 @@ maximum, since averaging a count has no meaning.
 
 ``weighted_average`` is the plain reference; ``weighted_average_fast`` flattens all floating
 tensors into one matrix and does one matrix-vector product. Tests check they agree.
+
+``round_contributions`` / ``aggregate_round`` turn one round's device updates (plus the server's
+copy) into that rule, so the coordinator's aggregation can be tested without a coordinator. Units:
+blocks 0..L-1 are units 0..L-1 and the classifier head is unit L (``unit_of``, ``split_units``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-__all__ = ["weighted_average", "weighted_average_fast", "Contribution", "aggregate_blocks"]
+__all__ = [
+    "Contribution",
+    "DeviceUpdate",
+    "aggregate_blocks",
+    "aggregate_round",
+    "round_contributions",
+    "split_units",
+    "unit_of",
+    "weighted_average",
+    "weighted_average_fast",
+]
 
 State = Mapping[str, Tensor]
 
@@ -92,3 +107,88 @@ def aggregate_blocks(
         parts = [(c.states[j], c.weight) for c in contributions if j in c.states and c.weight > 0]
         out[j] = average([p for p, _ in parts], [w for _, w in parts]) if parts else dict(old)
     return out
+
+
+def unit_of(name: str, num_blocks: int) -> int:
+    """Aggregation unit of a state-dict key: ``blocks.j.*`` is unit j, everything else the head (L)."""
+    return int(name.split(".", 2)[1]) if name.startswith("blocks.") else num_blocks
+
+
+def split_units(state: Mapping[str, Tensor], num_blocks: int) -> dict[int, dict[str, Tensor]]:
+    """A flat state dict grouped by unit (only the units that have keys); inverse of merging them."""
+    units: dict[int, dict[str, Tensor]] = {}
+    for name, value in state.items():
+        units.setdefault(unit_of(name, num_blocks), {})[name] = value
+    return units
+
+
+@dataclass(frozen=True)
+class DeviceUpdate:
+    """What aggregation needs from one device's round: who, how deep, how much data, which states.
+
+    ``depth`` is the number of leading units the device ran locally: blocks 0..depth-1 on the
+    device, blocks depth..L-1 and the head (unit L) on the server. A whole-model (FedAvg) device
+    has depth L+1, or depth L with the head's state sent (what device/client.py reports today):
+    either way none of its data passes through the server's copy. ``states`` maps unit -> state.
+    """
+
+    device_id: str
+    depth: int
+    num_samples: int
+    states: Mapping[int, State] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.depth < 0 or self.num_samples < 0:
+            raise ValueError(f"device {self.device_id}: depth and num_samples must be >= 0, got {self.depth}, {self.num_samples}")
+
+
+def _complete(state: State, ref: State) -> bool:
+    """A device's unit state counts only if it holds exactly the unit's keys with the global shapes."""
+    return set(state) == set(ref) and all(tuple(state[k].shape) == tuple(ref[k].shape) for k in ref)
+
+
+def round_contributions(
+    global_units: Mapping[int, State],
+    updates: Sequence[DeviceUpdate],
+    server_units: Mapping[int, State] | None = None,
+) -> list[Contribution]:
+    """DESIGN §1.8 as contributions: one per device (its complete units, weight |D_i|), then the server.
+
+    The server's copy of unit j is weighted by the summed |D_i| of the devices with depth <= j that
+    did not send a complete state of unit j themselves, i.e. whose data went through the server's
+    copy (coordinator/server.py ``_aggregate``). A partial unit state is dropped: averaging it key
+    by key would mix a half-trained unit into the global one. Its data then counts nowhere for
+    that unit (for j < depth it never passed through the server). Units outside ``global_units``
+    are ignored. ``server_units=None`` means the server trained nothing this round; if some
+    device's data did pass through a server copy that is absent, that is a wiring error (raised).
+    """
+    if not global_units or set(global_units) != set(range(len(global_units))):
+        raise ValueError(f"global_units must be units 0..L (blocks, then the head), got {sorted(global_units)}")
+    head = len(global_units) - 1
+    contributions: list[Contribution] = []
+    server_weight = {j: 0.0 for j in global_units}
+    for u in updates:
+        if u.depth > head + 1:
+            raise ValueError(f"device {u.device_id}: depth {u.depth} exceeds {head + 1} units")
+        complete = {j: s for j, s in u.states.items() if j in global_units and _complete(s, global_units[j])}
+        contributions.append(Contribution(complete, u.num_samples))
+        for j in global_units:
+            if j >= u.depth and j not in complete:
+                server_weight[j] += u.num_samples
+    for j, w in server_weight.items():
+        if w <= 0:
+            continue
+        if server_units is None or j not in server_units:
+            raise ValueError(f"unit {j}: {w:g} samples passed through the server's copy, but no server state was given")
+        contributions.append(Contribution({j: server_units[j]}, w))
+    return contributions
+
+
+def aggregate_round(
+    global_units: Mapping[int, State],
+    updates: Sequence[DeviceUpdate],
+    server_units: Mapping[int, State] | None = None,
+    fast: bool = True,
+) -> dict[int, dict[str, Tensor]]:
+    """New global value of every unit after one round; units nobody trained keep ``global_units``."""
+    return aggregate_blocks(global_units, round_contributions(global_units, updates, server_units), fast=fast)

@@ -4,6 +4,12 @@ C_y <- mu * C_y + (1 - mu) * mean(Z of class y), then C_y <- C_y / ||C_y||_2. Th
 runs over every harmonized embedding of class y seen by the server in round t, across all
 participating clients. ``accumulate`` + ``commit`` implement exactly that without storing the
 embeddings (per-class running sums); ``update`` is the one-batch shorthand.
+
+Our interpretation (the paper is silent on scales): the EMA runs over *directions*. The class
+mean is L2-normalised before it is mixed in, i.e. C_y <- normalise(mu * C_y + (1 - mu) *
+normalise(mean)). Mixing the unit-norm C_y with the raw mean (norm ~14 for harmonized embeddings)
+would let the mean dominate, so mu = 0.9 behaved like mu ~ 0.4; normalising first makes mu the
+weight of the old direction, whatever the embedding's scale.
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ class Prototypes(nn.Module):
     def commit(self) -> None:
         """EMA step with the accumulated means of the classes seen since the last commit; reset."""
         seen = self._count > 0
-        mean = self._sum[seen] / self._count[seen].unsqueeze(1)
+        # Directions only (module docstring): a unit-norm mean, so mu weighs old vs new as stated.
+        mean = F.normalize(self._sum[seen] / self._count[seen].unsqueeze(1), dim=1)
         old = self.protos[seen]
         ema = self.mu * old + (1 - self.mu) * mean
         blended = torch.where(self.initialized[seen].unsqueeze(1), ema, mean)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,14 @@ def create_model(name: str, *, pretrained: str | Path | None = None, **kwargs: A
     """
     if name not in _REGISTRY:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(list_models())}")
-    model = _REGISTRY[name](**{k: v for k, v in kwargs.items() if v is not None})
+    fn = _REGISTRY[name]
+    options = {k: v for k, v in kwargs.items() if v is not None}
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(options) - set(params))
+        if unknown:
+            raise ValueError(f"model {name!r} does not take {', '.join(unknown)}; its options: {', '.join(params)}")
+    model = fn(**options)
     model.arch = name
     if pretrained is not None:
         load_weights(model, pretrained)

@@ -50,6 +50,8 @@ REQUIRED_FIELDS: dict[str, dict[str, str]] = {
     "update": {"weights": "dict", "num_samples": "int"},
     "weights": {"weights": "dict"},
     "fetch": {"blocks": "list"},
+    "probe": {"z1": "array", "zref": "array", "y": "array", "o": "list", "r_prev": "float"},
+    "probe_result": {"L1": "float", "Lref": "float", "s": "int"},
     "error": {"reason": "str"},
 }
 

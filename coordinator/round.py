@@ -1,0 +1,101 @@
+"""The round as a state machine with no I/O (after h11): who is in it, what each has sent, when it ends.
+
+Drivers (the simulation's scheduler, a network transport) feed it events; it never waits. The
+allowed transitions sit in one table, so an illegal event is a lookup miss turned into an error
+that names the device and the phase.
+
+    phase      event        -> phase
+    idle       begin           training
+    training   request         training      (activation, probe, fetch from a device still training)
+    training   update          training      (closed once every device has sent or failed)
+    training   fail            training
+    training   expire          closed        (deadline passed: missing devices become failures)
+    training   close           closed
+    closed     begin           training
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RoundState", "RoundError"]
+
+_TRANSITIONS: dict[tuple[str, str], str] = {
+    ("idle", "begin"): "training",
+    ("closed", "begin"): "training",
+    ("training", "request"): "training",
+    ("training", "update"): "training",
+    ("training", "fail"): "training",
+    ("training", "expire"): "closed",
+    ("training", "close"): "closed",
+}
+
+
+class RoundError(ValueError):
+    """An event that the round's phase or membership does not allow (the sender's fault)."""
+
+
+@dataclass
+class RoundState:
+    t: int = 0
+    phase: str = "idle"
+    assigned: dict[str, int | None] = field(default_factory=dict)  # device -> split (None: it chooses)
+    calibrate: bool = False
+    deadline: float | None = None
+    updates: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+
+    def _move(self, event: str) -> None:
+        nxt = _TRANSITIONS.get((self.phase, event))
+        if nxt is None:
+            raise RoundError(f"{event!r} is not allowed while the round is {self.phase}")
+        self.phase = nxt
+
+    def begin(self, t: int, assigned: dict[str, int | None], calibrate: bool, deadline: float | None) -> None:
+        self._move("begin")
+        self.t, self.assigned, self.calibrate, self.deadline = t, dict(assigned), calibrate, deadline
+        self.updates, self.failures = {}, {}
+
+    def check_request(self, device: str, round: int) -> None:
+        """A request is allowed from a device of this round that has not finished it."""
+        if self.phase != "training":
+            raise RoundError(f"no round is running (round {self.t} is {self.phase})")
+        if round != self.t:
+            raise RoundError(f"message for round {round}, but round {self.t} is running")
+        if device not in self.assigned:
+            raise RoundError(f"{device!r} is not a device of round {self.t}")
+        if device in self.updates:
+            raise RoundError(f"{device!r} already sent its update for round {self.t}")
+        if device in self.failures:
+            raise RoundError(f"{device!r} was dropped from round {self.t}: {self.failures[device]}")
+        self._move("request")
+
+    def accept_update(self, device: str, body: dict[str, Any]) -> None:
+        self._move("update")
+        self.updates[device] = body
+
+    def fail(self, device: str, reason: str) -> None:
+        if self.phase == "training" and device in self.assigned and device not in self.updates:
+            self._move("fail")
+            self.failures.setdefault(device, reason)
+
+    @property
+    def waiting(self) -> list[str]:
+        return [d for d in self.assigned if d not in self.updates and d not in self.failures]
+
+    @property
+    def complete(self) -> bool:
+        return self.phase == "training" and not self.waiting
+
+    def expire(self, now: float) -> bool:
+        """Close the round if its deadline has passed; True when it did."""
+        if self.phase != "training" or self.deadline is None or now < self.deadline:
+            return False
+        for d in self.waiting:
+            self.failures[d] = "missed the round deadline"
+        self._move("expire")
+        return True
+
+    def close(self) -> None:
+        self._move("close")

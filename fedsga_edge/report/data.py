@@ -1,0 +1,430 @@
+"""What each plot shows, computed from loaded runs and profiles: plain dicts and lists, no plotting.
+
+Every function tolerates runs that lack the keys it reads (older runs, other strategies): they are
+left out, and a function with nothing to show returns an empty list or None.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from .runs import SETTING_KEYS, Run
+
+__all__ = [
+    "METHOD_ORDER",
+    "acc_by_split",
+    "accuracy_curves",
+    "brier",
+    "bytes_curves",
+    "descriptor_entropy",
+    "estimator_losses",
+    "group_runs",
+    "latency_curves",
+    "reliability",
+    "round_acc",
+    "split_matrix",
+    "split_shares",
+    "summary_rows",
+    "tradeoff_points",
+]
+
+METHOD_ORDER = ["fedavg", "fedprox", "static", "random", "resource", "fedsga",
+                "fedsga-no-adapt", "fedsga-no-estimator", "fedsga-no-harmonizer"]
+
+
+def _order(method: str) -> tuple[int, str]:
+    return (METHOD_ORDER.index(method), "") if method in METHOD_ORDER else (len(METHOD_ORDER), method)
+
+
+def _part_order(partition: str) -> tuple[int, str]:
+    return (0 if partition == "iid" else 1, partition)
+
+
+def _num(x: Any) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+# -- grouping -----------------------------------------------------------------------------------
+def group_runs(runs: list[Run], by_run: bool = False) -> list[dict[str, Any]]:
+    """Runs grouped by (method, partition) and, where the runs given differ in it, their setting.
+
+    ``by_run``: every run is its own group, labelled by its name (``fedsga-edge plot``).
+    Returns [{"label", "method", "partition", "runs": [Run, ...]}] in a stable method order.
+    """
+    if by_run:
+        return [{"label": r.name, "method": r.method, "partition": r.partition, "runs": [r]} for r in runs]
+    differ = [k for k in SETTING_KEYS if len({repr(r.config.get(k)) for r in runs}) > 1]
+    groups: dict[tuple, dict[str, Any]] = {}
+    for r in runs:
+        setting = tuple((k, r.config.get(k)) for k in differ)
+        key = (r.method, r.partition, setting)
+        if key not in groups:
+            label = " · ".join([r.method] + ([r.partition] if r.partition else [])
+                               + [f"{k}={v}" for k, v in setting])
+            groups[key] = {"label": label, "method": r.method, "partition": r.partition, "runs": []}
+        groups[key]["runs"].append(r)
+    out = sorted(groups.values(), key=lambda g: (_order(g["method"]), _part_order(g["partition"]), g["label"]))
+    for g in out:
+        g["runs"].sort(key=lambda r: (r.seed if r.seed is not None else -1, r.name))
+    return out
+
+
+def _seed_label(r: Run) -> str:
+    return f"seed {r.seed}" if r.seed is not None else r.name
+
+
+def _aggregate(series: list[dict[int, float]]) -> dict[str, list[float]]:
+    """Mean / std / min / max over runs at each round any run has a value for."""
+    rounds = sorted({t for s in series for t in s})
+    out: dict[str, list] = {"rounds": rounds, "mean": [], "std": [], "min": [], "max": [], "n": []}
+    for t in rounds:
+        vals = np.array([s[t] for s in series if t in s], dtype=float)
+        out["mean"].append(float(vals.mean()))
+        out["std"].append(float(vals.std(ddof=1)) if len(vals) > 1 else 0.0)
+        out["min"].append(float(vals.min()))
+        out["max"].append(float(vals.max()))
+        out["n"].append(int(len(vals)))
+    return out
+
+
+# -- accuracy -------------------------------------------------------------------------------------
+def round_acc(row: dict[str, Any]) -> tuple[float | None, bool]:
+    """A round's test accuracy: ``test_acc`` (full test set), else the benchmark's ``test_acc_subset``."""
+    acc = _num(row.get("test_acc"))
+    if acc is not None:
+        return acc, False
+    acc = _num(row.get("test_acc_subset"))
+    return acc, acc is not None
+
+
+def accuracy_curves(runs: list[Run], by_run: bool = False) -> list[dict[str, Any]]:
+    """Test accuracy per round: per group the mean, std, min and max over its seeds, and each seed's line.
+
+    Returns [{"label", "method", "partition", "rounds", "mean", "std", "min", "max", "n",
+    "seeds": [{"label", "rounds", "acc"}], "subset": bool}]; groups with no accuracy are left out.
+    ``subset`` is True when some points are the benchmark's test-subset evaluations.
+    """
+    curves = []
+    for g in group_runs(runs, by_run):
+        seeds, series, subset = [], [], False
+        for r in g["runs"]:
+            pts: dict[int, float] = {}
+            for row in r.rows:
+                acc, sub = round_acc(row)
+                if acc is not None and "round" in row:
+                    pts[int(row["round"])] = acc
+                    subset |= sub
+            if pts:
+                series.append(pts)
+                seeds.append({"label": _seed_label(r), "rounds": sorted(pts), "acc": [pts[t] for t in sorted(pts)]})
+        if series:
+            curves.append({"label": g["label"], "method": g["method"], "partition": g["partition"],
+                           **_aggregate(series), "seeds": seeds, "subset": subset})
+    return curves
+
+
+# -- split depths ---------------------------------------------------------------------------------
+def split_shares(rows: list[dict[str, Any]]) -> tuple[list[int], dict[int, list[float]]]:
+    """Per round, the share of clients at each split index (0 = whole model on the device)."""
+    rows = [r for r in rows if isinstance(r.get("splits"), dict) and "round" in r]
+    ks = sorted({int(k) for r in rows for k in r["splits"].values() if k is not None})
+    rounds = [int(r["round"]) for r in rows]
+    shares: dict[int, list[float]] = {k: [] for k in ks}
+    for r in rows:
+        counts = Counter(int(k) for k in r["splits"].values() if k is not None)
+        total = max(sum(counts.values()), 1)
+        for k in ks:
+            shares[k].append(counts.get(k, 0) / total)
+    return rounds, shares
+
+
+def split_matrix(run: Run) -> dict[str, Any] | None:
+    """Split index per client (rows) and round (columns); NaN where a client sent no update.
+
+    Returns {"label", "clients", "rounds", "k": [[...]], "ks", "shares"} or None without "splits".
+    """
+    rows = [r for r in run.rows if isinstance(r.get("splits"), dict) and "round" in r]
+    if not rows:
+        return None
+    clients = sorted({c for r in rows for c in r["splits"]})
+    rounds = [int(r["round"]) for r in rows]
+    mat = np.full((len(clients), len(rounds)), np.nan)
+    for j, r in enumerate(rows):
+        for i, c in enumerate(clients):
+            k = r["splits"].get(c)
+            if k is not None:
+                mat[i, j] = int(k)
+    ks = sorted({int(v) for v in mat[~np.isnan(mat)]})
+    return {"label": run.name, "clients": clients, "rounds": rounds, "k": mat.tolist(), "ks": ks,
+            "shares": split_shares(rows)}
+
+
+# -- estimator --------------------------------------------------------------------------------------
+def brier(r: list[float], s: list[float]) -> float:
+    return float(np.mean((np.asarray(r, dtype=float) - np.asarray(s, dtype=float)) ** 2))
+
+
+def _pairs(run: Run) -> list[tuple[int, str, float, int]]:
+    """(round, client, r, s) for every client record holding both: the estimate that client's split
+    came from that round and the calibration label measured in the same round."""
+    out = []
+    for row in run.rows:
+        clients = row.get("clients")
+        if not isinstance(clients, dict):
+            continue
+        for cid, c in clients.items():
+            if not isinstance(c, dict):
+                continue
+            r, s = _num(c.get("r")), _num(c.get("s"))
+            if r is not None and s is not None:
+                out.append((int(row.get("round", 0)), cid, r, int(s)))
+    return out
+
+
+def reliability(runs: list[Run], bins: int = 10) -> list[dict[str, Any]]:
+    """Predicted r against calibration label s, per group: Brier score and equal-width bins on [0, 1].
+
+    Returns [{"label", "method", "r", "s", "brier", "bins": [{"lo", "hi", "mean_r", "freq", "n"}]}];
+    groups without a single (r, s) pair are left out.
+    """
+    out = []
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    for g in group_runs(runs):
+        pairs = [p for run in g["runs"] for p in _pairs(run)]
+        if not pairs:
+            continue
+        r = np.array([p[2] for p in pairs])
+        s = np.array([p[3] for p in pairs], dtype=float)
+        idx = np.clip(np.digitize(r, edges[1:-1], right=False), 0, bins - 1)
+        table = []
+        for b in range(bins):
+            m = idx == b
+            if m.any():
+                table.append({"lo": float(edges[b]), "hi": float(edges[b + 1]), "mean_r": float(r[m].mean()),
+                              "freq": float(s[m].mean()), "n": int(m.sum())})
+        out.append({"label": g["label"], "method": g["method"], "r": r.tolist(), "s": s.tolist(),
+                    "brier": brier(r, s), "bins": table})
+    return out
+
+
+def estimator_losses(runs: list[Run]) -> list[dict[str, Any]]:
+    """Probe losses at p_1 and p_ref on calibration rounds, per group (mean over clients and seeds).
+
+    Returns [{"label", "method", "rounds", "L1", "Lref", "ratio", "ratio_min", "ratio_max", "beta",
+    "points": [(round, L1/Lref), ...]}]; ``beta`` is the labelling margin (s = 1 iff L1 <= (1+beta) Lref).
+    """
+    out = []
+    for g in group_runs(runs):
+        per_round: dict[int, list[tuple[float, float]]] = {}
+        for run in g["runs"]:
+            for row in run.rows:
+                for c in (row.get("clients") or {}).values():
+                    if not isinstance(c, dict):
+                        continue
+                    l1, lref = _num(c.get("L1")), _num(c.get("Lref"))
+                    if l1 is not None and lref is not None and lref > 0:
+                        per_round.setdefault(int(row.get("round", 0)), []).append((l1, lref))
+        if not per_round:
+            continue
+        rounds = sorted(per_round)
+        ratios = {t: [a / b for a, b in per_round[t]] for t in rounds}
+        betas = {_num((r.config.get("fedsga") or {}).get("beta")) for r in g["runs"]} - {None}
+        out.append({
+            "label": g["label"], "method": g["method"], "rounds": rounds,
+            "L1": [float(np.mean([a for a, _ in per_round[t]])) for t in rounds],
+            "Lref": [float(np.mean([b for _, b in per_round[t]])) for t in rounds],
+            "ratio": [float(np.mean(ratios[t])) for t in rounds],
+            "ratio_min": [float(np.min(ratios[t])) for t in rounds],
+            "ratio_max": [float(np.max(ratios[t])) for t in rounds],
+            "beta": betas.pop() if len(betas) == 1 else None,
+            "points": [(t, x) for t in rounds for x in ratios[t]],
+        })
+    return out
+
+
+# -- cost -----------------------------------------------------------------------------------------------
+def _final_acc(run: Run) -> float | None:
+    if run.summary and _num(run.summary.get("final_acc")) is not None:
+        return _num(run.summary["final_acc"])
+    for row in reversed(run.rows):  # a run without summary.json (still running, or killed)
+        acc, _ = round_acc(row)
+        if acc is not None:
+            return acc
+    return None
+
+
+def _client_flops(run: Run) -> float | None:
+    if run.summary and _num(run.summary.get("client_flops_per_sample")) is not None:
+        return _num(run.summary["client_flops_per_sample"])
+    vals = [_num(r.get("client_flops_per_sample")) for r in run.rows]
+    vals = [v for v in vals if v is not None]
+    return float(np.mean(vals)) if vals else None
+
+
+def tradeoff_points(runs: list[Run]) -> list[dict[str, Any]]:
+    """Final accuracy against mean client FLOPs per training sample, one point per group.
+
+    From summary.json (``final_acc``, ``client_flops_per_sample``), else from metrics.jsonl.
+    Returns [{"label", "method", "partition", "flops_mean", "flops_std", "acc_mean", "acc_std", "n", "seeds"}].
+    """
+    out = []
+    for g in group_runs(runs):
+        pts = [(f, a, _seed_label(r)) for r in g["runs"]
+               if (f := _client_flops(r)) is not None and (a := _final_acc(r)) is not None]
+        if not pts:
+            continue
+        f = np.array([p[0] for p in pts])
+        a = np.array([p[1] for p in pts])
+        out.append({"label": g["label"], "method": g["method"], "partition": g["partition"],
+                    "flops_mean": float(f.mean()), "flops_std": float(f.std(ddof=1)) if len(f) > 1 else 0.0,
+                    "acc_mean": float(a.mean()), "acc_std": float(a.std(ddof=1)) if len(a) > 1 else 0.0,
+                    "n": len(pts), "seeds": [{"label": p[2], "flops": p[0], "acc": p[1]} for p in pts]})
+    return out
+
+
+def bytes_curves(runs: list[Run]) -> list[dict[str, Any]]:
+    """Bytes up (clients to server) and down per round, per group: mean/min/max over seeds.
+
+    Returns [{"label", "method", "partition", "up": {rounds, mean, ...}, "down": {...}}].
+    """
+    out = []
+    for g in group_runs(runs):
+        entry: dict[str, Any] = {"label": g["label"], "method": g["method"], "partition": g["partition"]}
+        for key, name in (("bytes_up", "up"), ("bytes_down", "down")):
+            series = []
+            for r in g["runs"]:
+                pts = {int(row["round"]): v for row in r.rows
+                       if "round" in row and (v := _num(row.get(key))) is not None}
+                if pts:
+                    series.append(pts)
+            if series:
+                entry[name] = _aggregate(series)
+        if "up" in entry or "down" in entry:
+            out.append(entry)
+    return out
+
+
+# -- optional keys (newer runs) -----------------------------------------------------------------------
+def acc_by_split(runs: list[Run]) -> list[dict[str, Any]]:
+    """Test accuracy with each depth's embedding in the last round that has ``test_acc_by_split``.
+
+    Returns [{"label", "method", "ks", "mean", "std", "n"}], empty when no run has the key.
+    """
+    out = []
+    for g in group_runs(runs):
+        per_k: dict[int, list[float]] = {}
+        for r in g["runs"]:
+            row = next((row for row in reversed(r.rows) if isinstance(row.get("test_acc_by_split"), dict)), None)
+            if row is None:
+                continue
+            for k, acc in row["test_acc_by_split"].items():
+                if _num(acc) is not None:
+                    try:
+                        per_k.setdefault(int(k), []).append(float(acc))
+                    except ValueError:
+                        continue
+        if per_k:
+            ks = sorted(per_k)
+            out.append({"label": g["label"], "method": g["method"], "ks": ks,
+                        "mean": [float(np.mean(per_k[k])) for k in ks],
+                        "std": [float(np.std(per_k[k], ddof=1)) if len(per_k[k]) > 1 else 0.0 for k in ks],
+                        "n": [len(per_k[k]) for k in ks]})
+    return out
+
+
+def descriptor_entropy(runs: list[Run]) -> list[dict[str, Any]]:
+    """Mean per-client ``descriptor_entropy`` per round, per group (mean/min/max over seeds)."""
+    out = []
+    for g in group_runs(runs):
+        series = []
+        for r in g["runs"]:
+            pts = {}
+            for row in r.rows:
+                vals = [_num(c.get("descriptor_entropy")) for c in (row.get("clients") or {}).values()
+                        if isinstance(c, dict)]
+                vals = [v for v in vals if v is not None]
+                if vals and "round" in row:
+                    pts[int(row["round"])] = float(np.mean(vals))
+            if pts:
+                series.append(pts)
+        if series:
+            out.append({"label": g["label"], "method": g["method"], "partition": g["partition"], **_aggregate(series)})
+    return out
+
+
+# -- devices ------------------------------------------------------------------------------------------
+def latency_curves(profiles: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Latency p50 and p90 against split index: one curve per device, runtime, variant and batch size.
+
+    ``profiles``: (name, ``fedsga-edge profile --json`` report). Returns [{"label", "device",
+    "runtime", "variant", "batch", "splits", "p50", "p90", "source"}] sorted by batch then label.
+    """
+    curves: dict[tuple, dict[str, Any]] = {}
+    for name, prof in profiles:
+        dev = prof.get("device") or {}
+        device = str(dev.get("cpu") or dev.get("machine") or name)
+        runtime = str(dev.get("runtime") or "?")
+        for row in prof.get("results") or []:
+            lat = row.get("latency_ms") or {}
+            p50, p90 = _num(lat.get("p50")), _num(lat.get("p90"))
+            if p50 is None or row.get("split") is None:
+                continue
+            variant, batch = str(row.get("variant", "fp32")), int(row.get("batch", 1))
+            key = (device, runtime, variant, batch, name)
+            label = f"{device} · {runtime}" + ("" if variant == "fp32" else f" · {variant}")
+            c = curves.setdefault(key, {"label": label,
+                                        "device": device, "runtime": runtime, "variant": variant, "batch": batch,
+                                        "source": name, "pts": {}})
+            c["pts"][int(row["split"])] = (p50, p90 if p90 is not None else p50)
+    out = []
+    for c in curves.values():
+        splits = sorted(c["pts"])
+        c["splits"] = splits
+        c["p50"] = [c["pts"][k][0] for k in splits]
+        c["p90"] = [c["pts"][k][1] for k in splits]
+        del c["pts"]
+        out.append(c)
+    labels = Counter((c["label"], c["batch"]) for c in out)  # same device+runtime in two files: name the file
+    for c in out:
+        if labels[(c["label"], c["batch"])] > 1:
+            c["label"] += f" ({c['source']})"
+    return sorted(out, key=lambda c: (c["batch"], c["label"]))
+
+
+# -- table ------------------------------------------------------------------------------------------------
+def summary_rows(runs: list[Run]) -> list[dict[str, Any]]:
+    """One row per run: method, partition, seed, final accuracy, client FLOPs/sample, bytes, wall time, splits."""
+    rows = []
+    for g in group_runs(runs):
+        for r in g["runs"]:
+            s = r.summary or {}
+            up = _num(s.get("bytes_up"))
+            down = _num(s.get("bytes_down"))
+            if up is None:
+                vals = [_num(row.get("bytes_up")) for row in r.rows]
+                up = float(sum(v for v in vals if v is not None)) if any(v is not None for v in vals) else None
+            if down is None:
+                vals = [_num(row.get("bytes_down")) for row in r.rows]
+                down = float(sum(v for v in vals if v is not None)) if any(v is not None for v in vals) else None
+            wall = _num(s.get("wall_s"))
+            if wall is None:
+                vals = [_num(row.get("round_s")) for row in r.rows]
+                wall = float(sum(v for v in vals if v is not None)) if any(v is not None for v in vals) else None
+            hist = s.get("split_histogram")
+            if not isinstance(hist, dict):
+                hist = dict(sorted(Counter(str(k) for row in r.rows
+                                           for k in (row.get("splits") or {}).values()).items()))
+            rows.append({
+                "run": r.name, "method": r.method, "partition": r.partition, "seed": r.seed,
+                "rounds": len(r.rows), "final_acc": _final_acc(r), "client_flops_per_sample": _client_flops(r),
+                "bytes_up": up, "bytes_down": down, "wall_s": wall, "split_histogram": hist,
+                "complete": r.summary is not None,
+            })
+    return rows
