@@ -295,11 +295,9 @@ def run_one(cfg: Any, out: Path, bundle: Any, p: Preset, eval_set: Any, bar: Any
 
 
 def subset_eval(sim: Any, eval_set: Any, bundle: Any) -> tuple[float, float]:
-    """(accuracy, loss) on the eval subset; Coordinator.evaluate returns a dict now (a tuple before)."""
+    """(accuracy, loss) on the eval subset, at the same depth embedding as the headline figure."""
     result = sim.coordinator.evaluate(eval_set, bundle.mean, bundle.std)
-    if isinstance(result, dict):
-        return result["test_acc"], result["test_loss"]
-    return result
+    return result["test_acc"], result["test_loss"]
 
 
 def train_client_flops(sim: Any, records: list[dict[str, Any]]) -> int:

@@ -37,7 +37,7 @@ from fedsga_edge.method import (
     reference_index,
     sufficiency_label,
 )
-from fedsga_edge.method.aggregation import Contribution, aggregate_blocks
+from fedsga_edge.method.aggregation import DeviceUpdate, aggregate_round, group_by_unit, unit_of
 from fedsga_edge.models import CostTable, SplitModel
 from fedsga_edge.tensors import from_numpy, image_batch, probe_mode, to_numpy, to_numpy_state
 from fedsga_edge.wire import Message
@@ -388,7 +388,7 @@ class Coordinator:
             raise ValueError(f"depth {body.get('depth')!r} does not match split {k} (expected {depth})")
         if full:
             depth = L + 1  # the head (unit L) too
-        expected = {n for n in self._snapshot if split_units(n, L) < depth}
+        expected = {n for n in self._snapshot if unit_of(n, L) < depth}
         weights = body["weights"]
         if set(weights) != expected:
             extra, missing = sorted(set(weights) - expected)[:3], sorted(expected - set(weights))[:3]
@@ -413,7 +413,7 @@ class Coordinator:
         side = self._copies.pop(device)
         w = self.strategy.weight(self.clients[device])
         L = self.model.num_blocks
-        trained = [(n, v) for n, v in side.model.state_dict().items() if split_units(n, L) >= depth]
+        trained = [(n, v) for n, v in side.model.state_dict().items() if unit_of(n, L) >= depth]
         trained += [("head:" + n, v) for n, v in side.head.state_dict().items()]
         for n, v in trained:
             self._copy_sums[n] = self._copy_sums.get(n, 0) + w * v.double()
@@ -434,26 +434,15 @@ class Coordinator:
 
     # -- aggregation ------------------------------------------------------------------------------
     def _aggregate(self, updates: dict[str, dict[str, Any]]) -> None:
-        """docs/method.md, "Aggregation": per block, devices' copies and the server's, weighted by data."""
+        """docs/method.md, "Aggregation": per unit, devices' copies and the server's, weighted by data."""
         L = self.model.num_blocks
-        server_state = self.model.state_dict()
-        units: dict[int, dict[str, Tensor]] = {j: {} for j in range(L + 1)}
-        for name, v in server_state.items():
-            units[split_units(name, L)][name] = v
-        contributions = []
-        server_weight = dict.fromkeys(range(L + 1), 0.0)
-        for cid, u in updates.items():
-            depth, n = int(u["depth"]), self.strategy.weight(self.clients[cid])
-            states: dict[int, dict[str, Tensor]] = {}
-            for name, arr in u["weights"].items():
-                states.setdefault(split_units(name, L), {})[name] = from_numpy(arr, self.device)
-            contributions.append(Contribution(states, n))
-            for j in range(depth, L + 1):
-                server_weight[j] += n
-        contributions += [Contribution({j: units[j]}, w) for j, w in server_weight.items() if w > 0]
-        snapshot_units = {j: {n: self._snapshot[n] for n in units[j]} for j in units}
-        new = aggregate_blocks(snapshot_units, contributions)
-        self.model.load_state_dict({n: v for j in new for n, v in new[j].items()})
+        device_updates = [
+            DeviceUpdate(cid, int(u["depth"]), self.strategy.weight(self.clients[cid]),
+                         group_by_unit({n: from_numpy(a, self.device) for n, a in u["weights"].items()}, L))
+            for cid, u in updates.items()
+        ]
+        new = aggregate_round(group_by_unit(self._snapshot, L), device_updates, group_by_unit(self.model.state_dict(), L))
+        self.model.load_state_dict({n: v for unit in new.values() for n, v in unit.items()})
 
     # -- evaluation -------------------------------------------------------------------------------
     def headline_split(self) -> int:
@@ -503,7 +492,3 @@ class Coordinator:
             "cal_buffer": self.cal_buffer.state_dict(),
         }
 
-
-def split_units(name: str, num_blocks: int) -> int:
-    """Aggregation unit of a state entry: its block index, or num_blocks for the head."""
-    return int(name.split(".", 2)[1]) if name.startswith("blocks.") else num_blocks

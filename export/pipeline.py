@@ -307,7 +307,7 @@ def export_prefixes(cfg: ExportConfig, log: Log = print) -> dict[str, Any]:
 
         if cfg.int8:
             assert data is not None
-            from .quantize import TRANSFORMER_OPS, output_deviation, quantize_prefix, time_session
+            from .quantize import TRANSFORMER_OPS, needs_reduce_range, output_deviation, quantize_prefix, time_session
 
             int8_path = out / f"{stem}.int8.onnx"
             prompts_np = ref_prompts.numpy()
@@ -336,6 +336,7 @@ def export_prefixes(cfg: ExportConfig, log: Log = print) -> dict[str, Any]:
                 "bytes": 0,
                 **dev,
                 "format": "QDQ, activations uint8 (asymmetric), weights int8 per-channel, MinMax calibration",
+                "reduce_range": needs_reduce_range(),
                 "quantized_ops": op_types or "all",
                 "calibration": {"data": data.source, "samples": len(data.calib)},
                 "quantize_seconds": round(q_seconds, 2),

@@ -1,4 +1,4 @@
-"""Depth-wise, data-weighted aggregation (DESIGN §1.8): a hand-computed example and reference == fast."""
+"""Depth-wise, data-weighted aggregation (docs/method.md "Aggregation"): a hand-computed example and reference == fast."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from fedsga_edge.method.aggregation import (
     aggregate_blocks,
     aggregate_round,
     round_contributions,
-    split_units,
+    group_by_unit,
     unit_of,
     weighted_average,
     weighted_average_fast,
@@ -170,9 +170,10 @@ def test_round_contributions_rejects_bad_input() -> None:
 
 
 def test_units_of_a_flat_state_dict() -> None:
-    state = {"blocks.0.conv.weight": torch.zeros(1), "blocks.3.bn.running_mean": torch.zeros(1), "head.weight": torch.zeros(1)}
+    names = ["blocks.0.conv.weight", "blocks.3.bn.running_mean", "head.weight"]
+    state = {name: torch.zeros(1) for name in names}
     assert [unit_of(k, 4) for k in state] == [0, 3, 4]
-    assert {j: sorted(s) for j, s in split_units(state, 4).items()} == {
+    assert {j: sorted(s) for j, s in group_by_unit(state, 4).items()} == {
         0: ["blocks.0.conv.weight"],
         3: ["blocks.3.bn.running_mean"],
         4: ["head.weight"],

@@ -1,4 +1,4 @@
-"""FedSGA's pure method components (DESIGN §1): no models, roles, transports or CLI here."""
+"""FedSGA's pure method components (docs/method.md): no models, roles, transports or CLI here."""
 
 from .adaptation import descriptor, descriptor_weights, prompt_contributions, weight_entropy
 from .estimator import CalibrationBuffer, MonotoneEstimator, fit

@@ -1,4 +1,4 @@
-"""Depth-wise, data-weighted aggregation of the backbone (DESIGN §1.8).
+"""Depth-wise, data-weighted aggregation of the backbone (docs/method.md "Aggregation").
 
 Every block has one global copy. Its new value is the weighted average of the copies trained this
 round: each client that ran the block locally (weight |D_i|) and the server's copy (weight = the
@@ -11,7 +11,7 @@ tensors into one matrix and does one matrix-vector product. Tests check they agr
 
 ``round_contributions`` / ``aggregate_round`` turn one round's device updates (plus the server's
 copy) into that rule, so the coordinator's aggregation can be tested without a coordinator. Units:
-blocks 0..L-1 are units 0..L-1 and the classifier head is unit L (``unit_of``, ``split_units``).
+blocks 0..L-1 are units 0..L-1 and the classifier head is unit L (``unit_of``, ``group_by_unit``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ __all__ = [
     "DeviceUpdate",
     "aggregate_blocks",
     "aggregate_round",
+    "group_by_unit",
     "round_contributions",
-    "split_units",
     "unit_of",
     "weighted_average",
     "weighted_average_fast",
@@ -114,7 +114,7 @@ def unit_of(name: str, num_blocks: int) -> int:
     return int(name.split(".", 2)[1]) if name.startswith("blocks.") else num_blocks
 
 
-def split_units(state: Mapping[str, Tensor], num_blocks: int) -> dict[int, dict[str, Tensor]]:
+def group_by_unit(state: Mapping[str, Tensor], num_blocks: int) -> dict[int, dict[str, Tensor]]:
     """A flat state dict grouped by unit (only the units that have keys); inverse of merging them."""
     units: dict[int, dict[str, Tensor]] = {}
     for name, value in state.items():
@@ -128,18 +128,21 @@ class DeviceUpdate:
 
     ``depth`` is the number of leading units the device ran locally: blocks 0..depth-1 on the
     device, blocks depth..L-1 and the head (unit L) on the server. A whole-model (FedAvg) device
-    has depth L+1, or depth L with the head's state sent (what device/client.py reports today):
-    either way none of its data passes through the server's copy. ``states`` maps unit -> state.
+    has depth L+1, or depth L with the head's complete state sent (what a full device reports on
+    the wire): either way none of its data passes through the server's copy. ``num_samples`` is
+    the device's aggregation weight |D_i|. ``states`` maps unit -> that unit's state.
     """
 
     device_id: str
     depth: int
-    num_samples: int
+    num_samples: float
     states: Mapping[int, State] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.depth < 0 or self.num_samples < 0:
-            raise ValueError(f"device {self.device_id}: depth and num_samples must be >= 0, got {self.depth}, {self.num_samples}")
+            raise ValueError(
+                f"device {self.device_id}: depth and num_samples must be >= 0, got {self.depth}, {self.num_samples}"
+            )
 
 
 def _complete(state: State, ref: State) -> bool:
@@ -152,14 +155,14 @@ def round_contributions(
     updates: Sequence[DeviceUpdate],
     server_units: Mapping[int, State] | None = None,
 ) -> list[Contribution]:
-    """DESIGN §1.8 as contributions: one per device (its complete units, weight |D_i|), then the server.
+    """docs/method.md "Aggregation" as contributions: one per device (its complete units, weight |D_i|), then the server.
 
     The server's copy of unit j is weighted by the summed |D_i| of the devices with depth <= j that
     did not send a complete state of unit j themselves, i.e. whose data went through the server's
-    copy (coordinator/server.py ``_aggregate``). A partial unit state is dropped: averaging it key
-    by key would mix a half-trained unit into the global one. Its data then counts nowhere for
-    that unit (for j < depth it never passed through the server). Units outside ``global_units``
-    are ignored. ``server_units=None`` means the server trained nothing this round; if some
+    copy (coordinator/server.py ``_aggregate``). A partial unit state (keys or shapes differ from
+    the global unit's) is dropped: averaging it key by key would mix a half-sent unit into the
+    global one. For a unit the device ran locally (j < depth) its data then counts nowhere, since
+    it never passed through the server's copy. Units outside ``global_units`` are ignored. ``server_units=None`` means the server trained nothing this round; if some
     device's data did pass through a server copy that is absent, that is a wiring error (raised).
     """
     if not global_units or set(global_units) != set(range(len(global_units))):

@@ -1,4 +1,4 @@
-"""Server-maintained class prototypes (DESIGN §1.7, the EMA after Eq. 10).
+"""Server-maintained class prototypes (docs/method.md "Server side", the EMA after Eq. 10).
 
 C_y <- mu * C_y + (1 - mu) * mean(Z of class y), then C_y <- C_y / ||C_y||_2. The paper's mean
 runs over every harmonized embedding of class y seen by the server in round t, across all

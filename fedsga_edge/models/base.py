@@ -1,6 +1,6 @@
 """The one interface every split-ready backbone exposes.
 
-A backbone is a sequence of L *blocks* (the unit of depth-wise aggregation, DESIGN §1.8) followed
+A backbone is a sequence of L *blocks* (the unit of depth-wise aggregation, docs/method.md "Aggregation") followed
 by a final pooling and a linear head. ``blocks[0]`` consumes the image and the client's private
 prompts; every later block maps an activation to an activation. A *split depth* ``d`` means the
 client runs ``blocks[:d]`` and the server ``blocks[d:]``; the candidate depths (``splits``) sit at

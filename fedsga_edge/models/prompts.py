@@ -1,4 +1,4 @@
-"""Private prompt channels (DESIGN §1.1, paper Eq. 2).
+"""Private prompt channels (docs/method.md "Adaptation channel", paper Eq. 2).
 
 Prompts are an *input* of the client prefix, not parameters of the backbone: they stay on the
 device, are never aggregated, and a single exported ONNX prefix serves every device.

@@ -37,7 +37,7 @@ def _stage(cin: int, cout: int, stride: int, n: int = 2) -> nn.Sequential:
 
 
 class Stem(nn.Module):
-    """conv-bn-relu(-maxpool), then the client's prompt bias (DESIGN §1.1, CNN case)."""
+    """conv-bn-relu(-maxpool), then the client's prompt bias (docs/method.md "Adaptation channel", CNN case)."""
 
     def __init__(self, width: int, imagenet: bool) -> None:
         super().__init__()

@@ -1,0 +1,299 @@
+"""Concurrent rounds, the round state machine, calibration probes and strategies (docs/method.md)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
+from fedsga_edge.coordinator import RoundError, RoundState, Strategy, register_strategy
+from fedsga_edge.data import load_dataset
+from fedsga_edge.method import reference_index
+from fedsga_edge.simulation import Simulation
+from fedsga_edge.tensors import probe_mode
+from fedsga_edge.wire import Message
+
+TIMING = {"round_s", "wall_s"}
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+def tiny(strategy: str = "static", **kw) -> RunConfig:
+    base = dict(dataset="digits", clients=3, rounds=2, model="resnet18_cifar", width=0.25, seed=0, device="cpu",
+                fedsga=FedSGAConfig(), train=TrainConfig(local_epochs=1, batch_size=16, max_batches=2))
+    return RunConfig(strategy=strategy, **(base | kw))
+
+
+def strip(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+# -- scheduling --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["round_robin", "random"])
+def test_same_seed_same_metrics_bit_for_bit(schedule: str, digits) -> None:
+    cfg = lambda: tiny("fedsga", schedule=schedule, partition="dirichlet", alpha=0.5)  # noqa: E731
+    a = strip(list(Simulation(cfg(), digits).rounds()))
+    b = strip(list(Simulation(cfg(), digits).rounds()))
+    assert a == b
+
+
+def test_one_device_every_schedule_agrees(digits) -> None:
+    runs = [strip(list(Simulation(tiny("static", clients=1, rounds=1, schedule=s), digits).rounds()))
+            for s in ("round_robin", "random", "sequential")]
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_schedule_changes_the_order_the_server_sees(digits) -> None:
+    """Interleaved and one-after-another training are different computations with >1 device."""
+    rr = Simulation(tiny("static", clients=2, rounds=1, schedule="round_robin"), digits)
+    seq = Simulation(tiny("static", clients=2, rounds=1, schedule="sequential"), digits)
+    order = {}
+    for name, sim in (("rr", rr), ("seq", seq)):
+        seen: list[str] = []
+        receive = sim.coordinator.receive
+
+        def spy(msg, now=None, seen=seen, receive=receive):
+            if msg.kind == "activation":
+                seen.append(msg.sender)
+            return receive(msg, now)
+
+        sim.coordinator.receive = spy
+        sim.transport._handlers["coordinator"] = sim.peer.serve(spy)
+        next(sim.rounds())
+        order[name] = seen
+    assert order["rr"] == ["client-000", "client-001"] * 2
+    assert order["seq"] == ["client-000"] * 2 + ["client-001"] * 2
+
+
+def test_a_device_that_misses_the_deadline_is_left_out(digits) -> None:
+    sim = Simulation(tiny("static", clients=3, rounds=2, round_timeout=1e-4,
+                          train=TrainConfig(local_epochs=1, batch_size=16, max_batches=4)), digits)
+    before = {k: v.clone() for k, v in sim.model.state_dict().items()}
+    rec = next(sim.rounds())
+    assert rec["failures"] and all(r == "missed the round deadline" for r in rec["failures"].values())
+    assert set(rec["failures"]) | set(rec["splits"]) == set(sim.client_ids)
+    assert all(torch.isfinite(v.float()).all() for v in sim.model.state_dict().values())
+    if not rec["splits"]:  # nobody finished: the device-side blocks are untouched
+        first = next(k for k in before if k.startswith("blocks.0.") and k.endswith("weight"))
+        assert torch.equal(before[first], sim.model.state_dict()[first])
+    assert not any(c.busy for c in sim.clients)
+
+
+# -- the round state machine --------------------------------------------------------------------
+def test_round_state_refuses_what_its_phase_does_not_allow() -> None:
+    rs = RoundState()
+    with pytest.raises(RoundError, match="no round is running"):
+        rs.check_request("a", 1)
+    rs.begin(1, {"a": 1, "b": None}, calibrate=False, deadline=10.0)
+    with pytest.raises(RoundError, match="round 2"):
+        rs.check_request("a", 2)
+    with pytest.raises(RoundError, match="not a device"):
+        rs.check_request("mallory", 1)
+    rs.check_request("a", 1)
+    rs.accept_update("a", {})
+    with pytest.raises(RoundError, match="already sent"):
+        rs.check_request("a", 1)
+    assert not rs.complete and rs.waiting == ["b"]
+    assert not rs.expire(9.9) and rs.expire(10.0)
+    assert rs.failures == {"b": "missed the round deadline"} and rs.phase == "closed"
+    with pytest.raises(RoundError):
+        rs.accept_update("b", {})
+
+
+def test_requests_from_outside_the_round_are_refused_and_change_nothing(digits) -> None:
+    sim = Simulation(tiny("static", clients=2, rounds=1), digits)
+    co = sim.coordinator
+    co.begin_round(1)
+    state = {k: v.clone() for k, v in co.model.state_dict().items()}
+    shape = co.model.interface_shape(co.model.depth_of(2))
+    good = {"z": np.ones((4, *shape), np.float32), "y": np.zeros(4, np.int64), "split": 2}
+    bad = [
+        Message("activation", "sim-0", 1, 1, "mallory", good),  # not a device of the round
+        Message("activation", "sim-0", 2, 2, "client-000", good),  # another round
+        Message("activation", "sim-0", 1, 3, "client-000", good | {"z": np.full((4, *shape), np.nan, np.float32)}),
+        Message("activation", "sim-0", 1, 4, "client-000", good | {"y": np.full(4, 10, np.int64)}),  # label range
+        Message("activation", "sim-0", 1, 5, "client-000", good | {"split": 1}),  # not its assigned split
+        Message("update", "sim-0", 1, 6, "client-000", {"weights": {}, "num_samples": 5, "depth": 2, "split": 2,
+                                                         "train_loss": 0.0}),
+    ]
+    for msg in bad:
+        reply = co.receive(msg)
+        assert reply is not None and reply.kind == "error", msg
+    assert co.remote_errors == len(bad)
+    for k, v in co.model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert co.receive(Message("activation", "sim-0", 1, 7, "client-000", good)).kind == "gradient"
+
+
+# -- calibration -------------------------------------------------------------------------------
+def _probe_message(co, x: torch.Tensor, y: torch.Tensor, blocks_model) -> Message:
+    m = blocks_model
+    d1, dref = m.depth_of(1), m.depth_of(reference_index(m.num_splits))
+    with probe_mode(m):
+        h1 = m.prefix(x, d1)
+        href = m.run_blocks(h1, d1, dref)
+    body = {"z1": h1.numpy(), "zref": href.numpy(), "y": y.numpy(), "o": [0.5, 0.1, 0.0], "r_prev": 0.0}
+    return Message("probe", "sim-0", 1, 1, "client-000", body)
+
+
+def _digits_batch(digits, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    from fedsga_edge.tensors import image_batch
+
+    idx = np.arange(n)
+    x = image_batch(digits.train.get_batch(idx), digits.mean, digits.std, "cpu")
+    return x, torch.from_numpy(digits.train.labels[idx].astype(np.int64))
+
+
+def test_probe_with_equal_blocks_gives_equal_losses_and_changes_no_state(digits) -> None:
+    cfg = tiny("fedsga", clients=1, rounds=1, fedsga=FedSGAConfig(harmonizer=False))
+    co = Simulation(cfg, digits).coordinator
+    co.begin_round(1)
+    x, y = _digits_batch(digits)
+    before = {k: v.clone() for k, v in co.model.state_dict().items()}
+    reply = co.receive(_probe_message(co, x, y, co.model))  # device blocks == the server's blocks
+    assert reply.kind == "probe_result"
+    assert reply.body["L1"] == pytest.approx(reply.body["Lref"], rel=1e-5) and reply.body["s"] == 1
+    for k, v in co.model.state_dict().items():  # BatchNorm statistics included
+        assert torch.equal(v, before[k]), k
+    assert len(co.cal_buffer) == 1
+
+
+def test_device_probe_changes_no_state(digits) -> None:
+    sim = Simulation(tiny("fedsga", clients=1, rounds=1), digits)
+    next(sim.rounds())
+    client = sim.clients[0]
+    before = {k: v.clone() for k, v in client.model.state_dict().items()}
+    client.model.eval()
+    body = {"train": {"batch_size": 8}}
+    probe = client._probe(client.model, body, client.state.prompts, [0.1, 0.2, 0.3], 0.5)
+    assert probe["z1"].shape[0] == 8 and np.isfinite(probe["zref"]).all()
+    for k, v in client.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not client.model.training  # the mode it had is restored
+
+
+def test_after_local_training_the_probe_paths_differ(digits) -> None:
+    cfg = tiny("fedsga", clients=2, rounds=1, fedsga=FedSGAConfig(harmonizer=False))
+    rec = next(Simulation(cfg, digits).rounds())
+    for c in rec["clients"].values():
+        assert math.isfinite(c["L1"]) and c["L1"] != pytest.approx(c["Lref"], rel=1e-4)
+        assert c["k_policy"] >= 1 and rec["splits"]  # calibration rounds train at least to p_ref
+
+
+def test_no_harmonizer_labels_take_both_values(digits) -> None:
+    cfg = tiny("fedsga", clients=4, rounds=3, partition="dirichlet", alpha=0.3,
+               fedsga=FedSGAConfig(harmonizer=False, cal_every=1),
+               train=TrainConfig(local_epochs=1, batch_size=32, max_batches=4))
+    labels = [c["s"] for r in Simulation(cfg, digits).rounds() for c in r["clients"].values()]
+    assert set(labels) == {0, 1}, labels
+
+
+def test_estimator_is_refit_once_per_calibration_round_and_used_next_round(digits) -> None:
+    sim = Simulation(tiny("fedsga", clients=2, rounds=2, fedsga=FedSGAConfig(cal_every=5)), digits)
+    co = sim.coordinator
+    fits = []
+    from fedsga_edge.coordinator import server
+
+    real_fit = server.fit
+
+    def counting_fit(est, buf):
+        fits.append(len(buf))
+        return real_fit(est, buf)
+
+    server.fit = counting_fit
+    try:
+        r1, r2 = list(sim.rounds())
+    finally:
+        server.fit = real_fit
+    assert fits == [2]  # round 1 calibrates (2 pairs, one refit); round 2 does not
+    assert "calibration" in r1 and "calibration" not in r2
+    assert all("s" in c for c in r1["clients"].values()) and not any("s" in c for c in r2["clients"].values())
+    assert co.estimator.state_dict().keys()
+
+
+# -- evaluation, costs, strategies -------------------------------------------------------------
+def test_evaluation_under_every_depth_embedding(digits) -> None:
+    sim = Simulation(tiny("fedsga", clients=2, rounds=1), digits)
+    rec = next(sim.rounds())
+    by_split = rec["test_acc_by_split"]
+    assert set(by_split) == {"1", "2", "3"}
+    assert rec["test_acc"] == by_split[str(rec["eval_split"])]
+    trained = rec["splits"].values()
+    assert rec["eval_split"] in set(trained)
+
+
+def test_client_flops_are_weighted_by_data(digits) -> None:
+    sim = Simulation(tiny("random", clients=3, rounds=1, partition="dirichlet", alpha=0.3), digits)
+    rec = next(sim.rounds())
+    sizes = sim.coordinator.clients
+    expect = sum(sizes[c] * sim.costs.train(k) for c, k in rec["splits"].items()) / sum(sizes[c] for c in rec["splits"])
+    assert rec["client_flops_per_sample"] == pytest.approx(expect)
+    if len(set(rec["splits"].values())) > 1:
+        plain = np.mean([sim.costs.train(k) for k in rec["splits"].values()])
+        assert rec["client_flops_per_sample"] != pytest.approx(plain)
+
+
+def test_fedprox_config_uses_the_cli_default_mu(digits) -> None:
+    from fedsga_edge.cli.simulate import simulate
+
+    cli_mu = inspect.signature(simulate).parameters["mu"].default.default
+    sim = Simulation(tiny("fedprox", clients=1, rounds=1), digits)
+    bodies = sim.coordinator.begin_round(1)
+    assert bodies["client-000"]["train"]["mu"] == cli_mu == RunConfig().prox_mu > 0
+    static = Simulation(tiny("static", clients=1, rounds=1), digits).coordinator.begin_round(1)
+    assert static["client-000"]["train"]["mu"] == 0.0
+
+
+@register_strategy
+class _Shallowest(Strategy):
+    """A baseline in one class: everyone at p_1 (the registry is all the coordinator needs)."""
+
+    name = "test-shallowest"
+
+    def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
+        return {c: 1 for c in clients}
+
+
+def test_a_new_strategy_is_one_registered_class(digits) -> None:
+    rec = next(Simulation(tiny("test-shallowest", clients=2, rounds=1), digits).rounds())
+    assert set(rec["splits"].values()) == {1} and rec["failures"] == {}
+
+
+def test_mixed_depths_aggregate_through_the_coordinator(digits) -> None:
+    """Random splits: each block's new value is the data-weighted mean of the devices that ran it
+    and the server's copy weighted by the data of the devices whose activations passed through it."""
+    sim = Simulation(tiny("random", clients=3, rounds=1, partition="dirichlet", alpha=0.5, seed=3), digits)
+    co = sim.coordinator
+    seen = {}
+    aggregate = co._aggregate
+
+    def spy(updates):
+        seen["updates"] = {c: dict(u) for c, u in updates.items()}
+        seen["server"] = {k: v.clone() for k, v in co.model.state_dict().items()}
+        return aggregate(updates)
+
+    co._aggregate = spy
+    rec = next(sim.rounds())
+    assert len(set(rec["splits"].values())) > 1, "seed 3 should give mixed depths"
+    L = co.model.num_blocks
+    for j in range(L):
+        name = next(n for n in co.model.state_dict() if n.startswith(f"blocks.{j}.") and n.endswith("weight"))
+        num, den = torch.zeros_like(seen["server"][name], dtype=torch.float64), 0.0
+        server_w = 0.0
+        for cid, u in seen["updates"].items():
+            n = float(co.clients[cid])
+            if int(u["depth"]) > j:
+                num += n * torch.from_numpy(np.array(u["weights"][name])).double()
+                den += n
+            else:
+                server_w += n
+        num += server_w * seen["server"][name].double()
+        den += server_w
+        assert torch.allclose(co.model.state_dict()[name].double(), num / den, atol=1e-6), name
