@@ -456,6 +456,23 @@ def tables(runs: list[dict[str, Any]], partitions: list[str], methods: list[str]
                        f"| {mean_of('mean_delta')} | {mean_of('mean_q', '.3f')} |")
         out.append("")
 
+    split_rows = [(m, p) for m in methods for p in parts
+                  if g.get((m, p)) and all(s.get("final_acc_by_split") for s in g[(m, p)])
+                  and len({round(v, 6) for s in g[(m, p)] for v in s["final_acc_by_split"].values()}) > 1]
+    if split_rows:
+        ks = sorted({k for m, p in split_rows for s in g[(m, p)] for k in s["final_acc_by_split"]}, key=int)
+        out.append("**Accuracy under each depth embedding e(k)** — final round, mean ± std over seeds; the headline "
+                   "uses the split trained most (docs/method.md, \"Evaluation\")")
+        out.append("")
+        out.append("| Method | Partition | " + " | ".join(f"e({k})" for k in ks) + " | headline split (per seed) |")
+        out.append("|---|---|" + "---:|" * len(ks) + "---|")
+        for m, p in split_rows:
+            ss = g[(m, p)]
+            cells = [_ms([s["final_acc_by_split"].get(k) for s in ss]) for k in ks]
+            heads = ",".join(str(s.get("eval_split")) for s in ss)
+            out.append(f"| {LABELS.get(m, m)} | {partition_label(p)} | " + " | ".join(cells) + f" | {heads} |")
+        out.append("")
+
     # the issue's must-show: fedsga vs static under non-IID, same run
     for p in parts:
         if parse_partition(p)[0] == "iid" or ("fedsga", p) not in g or ("static", p) not in g:
@@ -499,6 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="shared: the engine as it is (one server copy, clients in sequence). per-client: a diagnostic, "
                          "SplitFed-v1-style server copies averaged each round (the engine's server_copies='per_client').")
     ap.add_argument("--dry-run", action="store_true", help="Print the plan (runs and per-run config) and exit.")
+    ap.add_argument("--tables-only", action="store_true",
+                    help="Run nothing: write results.json and tables.md from the plan's runs that exist under --out "
+                         "(e.g. after several invocations with different --methods / --seeds into one folder).")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -578,13 +598,15 @@ def _run_all(args: argparse.Namespace, p: Preset, out: Path, spec: str, runs: li
         summary_path = run_dir / "summary.json"
         bar.set_description_str(f"accuracy[{args.preset}] {r['dir']}")
         if summary_path.exists():
-            summary = json.loads(summary_path.read_text())
+            summary = with_final_by_split(json.loads(summary_path.read_text()), run_dir)
             skipped += 1
+        elif args.tables_only:
+            continue
         else:
             if bundle is None:
                 bundle = load_dataset(spec, args.data_root)
                 eval_set = SubsetImages(bundle.test, stratified(bundle.test.labels, p.eval_subset))
-            summary = run_one(r["config"], run_dir, bundle, p, eval_set, bar)
+            summary = with_final_by_split(run_one(r["config"], run_dir, bundle, p, eval_set, bar), run_dir)
             tqdm.write(f"{r['dir']}: final_acc {summary['final_acc']:.4f}  client MFLOPs/sample "
                        f"{summary['client_flops_per_sample'] / 1e6:.2f}  splits {summary['split_histogram']}  {summary['wall_s']:.0f} s",
                        file=sys.stderr)
@@ -595,6 +617,18 @@ def _run_all(args: argparse.Namespace, p: Preset, out: Path, spec: str, runs: li
     print(md)
     print(f"\n{len(results) - skipped} runs done, {skipped} skipped (summary.json existed); results in {out / 'results.json'}")
     return {"runs": results, "skipped": skipped, "tables": md, "out": str(out)}
+
+
+def with_final_by_split(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Add the last round's accuracy under every depth embedding (and the headline's split) if recorded."""
+    if summary.get("final_acc_by_split"):
+        return summary
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+    last = json.loads(lines[-1]) if lines else {}
+    if "test_acc_by_split" in last:
+        summary["final_acc_by_split"] = last["test_acc_by_split"]
+        summary["eval_split"] = last.get("eval_split")
+    return summary
 
 
 def write_results(out: Path, preset: str, command: str, scale: dict[str, Any], results: list[dict[str, Any]], p: Preset) -> str:

@@ -1,9 +1,10 @@
 """The device role with the torch backend: local prefix training, observations and its own split.
 
-The role sees messages, never a transport: it answers ``round_start`` with ``update`` and, while
-handling it, asks the coordinator for gradients (``activation`` -> ``gradient``), for missing
-blocks (``fetch`` -> ``weights``) and, on calibration rounds, for probe losses. Everything private
-(prompts, data, the previous descriptor and interface mean) stays in this object.
+The role sees messages, never a transport. A ``round_start`` arms the round; each ``step()`` then
+computes up to the next request to the coordinator: missing blocks (``fetch`` -> ``weights``), one
+per local batch (``activation`` -> ``gradient``), on calibration rounds one ``probe`` after local
+training, and finally the ``update`` (-> ``ack``). Everything private (prompts, data, the previous
+descriptor and interface mean) stays in this object (docs/method.md).
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ __all__ = ["ClientData", "TorchClient"]
 
 
 class Caller(Protocol):
+    """What the device needs of its Peer: requests with replies, and one-way notices."""
+
     def call(self, dst: str, kind: str, round: int, body: dict[str, Any]) -> Message: ...
+
+    def send(self, dst: str, kind: str, round: int, body: dict[str, Any]) -> None: ...
 
 
 @dataclass

@@ -239,6 +239,8 @@ def summarize(records: list[dict[str, Any]], sim: Simulation, wall_s: float) -> 
         "strategy": sim.cfg.strategy,
         "rounds": rounds,
         "final_acc": accs[-1] if accs else None,
+        "final_acc_by_split": next((r["test_acc_by_split"] for r in reversed(records) if "test_acc_by_split" in r), None),
+        "eval_split": next((r["eval_split"] for r in reversed(records) if "test_acc_by_split" in r), None),
         "best_acc": max(accs) if accs else None,
         "final_test_loss": next((r["test_loss"] for r in reversed(records) if "test_loss" in r), None),
         "client_flops_per_sample": float(np.mean([r["client_flops_per_sample"] for r in records])),
