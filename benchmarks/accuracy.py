@@ -286,7 +286,7 @@ def run_one(cfg: Any, out: Path, bundle: Any, p: Preset, eval_set: Any, bar: Any
                 acc = rec.get("test_acc", rec.get("test_acc_subset"))
                 bar.set_postfix_str(f"round {t}/{cfg.rounds} loss {rec['train_loss']:.3f}"
                                     + (f" acc {acc:.3f}" if acc is not None else ""))
-    summary = summarize(records, sim, time.perf_counter() - started)
+    summary = summarize(records, sim.cfg, time.perf_counter() - started)
     summary["calibration_all_k_flops"] = all_k_probe_flops(sim, records)
     summary["train_client_flops_total"] = train_client_flops(sim, records)
     summary["diagnostics"] = diagnostics(records)
@@ -458,7 +458,7 @@ def tables(runs: list[dict[str, Any]], partitions: list[str], methods: list[str]
 
     split_rows = [(m, p) for m in methods for p in parts
                   if g.get((m, p)) and all(s.get("final_acc_by_split") for s in g[(m, p)])
-                  and len({round(v, 6) for s in g[(m, p)] for v in s["final_acc_by_split"].values()}) > 1]
+                  and any(len(set(s["final_acc_by_split"].values())) > 1 for s in g[(m, p)])]
     if split_rows:
         ks = sorted({k for m, p in split_rows for s in g[(m, p)] for k in s["final_acc_by_split"]}, key=int)
         out.append("**Accuracy under each depth embedding e(k)** — final round, mean ± std over seeds; the headline "

@@ -186,6 +186,12 @@ class Coordinator:
         for cid, u in updates.items():
             k = int(u["split"])
             self.split_samples[k] = self.split_samples.get(k, 0) + self.clients[cid]
+        # docs/method.md, "Costs": training FLOPs per sample at each device's split, weighted by |D_i|
+        total = sum(self.clients[c] for c in updates)
+        record["client_flops_per_sample"] = (sum(self.clients[c] * self.costs.train(int(u["split"]))
+                                                 for c, u in updates.items()) / total if total else 0.0)
+        record["client_params"] = (float(np.mean([self.costs.params[int(u["split"])] for u in updates.values()]))
+                                   if updates else 0.0)
         if self.fedsga:
             keys = ("a", "delta", "q", "r", "r_prev", "k_policy", "L1", "Lref", "s", "descriptor_entropy")
             record["clients"] = {cid: {k: u[k] for k in keys if k in u} for cid, u in updates.items()}

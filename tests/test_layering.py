@@ -9,9 +9,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ["fedsga_edge/models", "fedsga_edge/data", "fedsga_edge/method", "fedsga_edge/wire", "fedsga_edge/transport",
-        "fedsga_edge/config.py", "fedsga_edge/tensors.py"]
+        "fedsga_edge/config.py", "fedsga_edge/tensors.py", "fedsga_edge/runfiles.py"]
 ROLES = ["coordinator", "device", "export"]
-ABOVE_CORE = ("fedsga_edge.coordinator", "fedsga_edge.device", "fedsga_edge.export", "fedsga_edge.cli", "fedsga_edge.simulation")
+WIRING = ("fedsga_edge.cli", "fedsga_edge.simulation", "fedsga_edge.runbuild")
+ABOVE_CORE = ("fedsga_edge.coordinator", "fedsga_edge.device", "fedsga_edge.export", *WIRING)
 
 
 def _imports(path: Path) -> set[str]:
@@ -40,7 +41,7 @@ def test_core_imports_no_role_cli_or_wiring() -> None:
 
 def test_roles_do_not_import_each_other() -> None:
     for role in ROLES:
-        others = tuple(f"fedsga_edge.{r}" for r in ROLES if r != role) + ("fedsga_edge.cli", "fedsga_edge.simulation")
+        others = tuple(f"fedsga_edge.{r}" for r in ROLES if r != role) + WIRING
         for f in _files([role]):
             bad = [m for m in _imports(f) if m.startswith(others)]
             assert not bad, f"{f.relative_to(ROOT)} imports {bad}"

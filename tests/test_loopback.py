@@ -143,12 +143,12 @@ def test_handler_remote_error_becomes_error_reply_other_errors_propagate():
     server, sender = Peer(t, "coordinator", RUN), Peer(t, "client-1", RUN)
 
     def handler(msg: Message) -> Message:
-        if msg.kind == "probe":
-            raise RemoteProtocolError("probe for a round that is over")
+        if msg.kind == "bye":
+            raise RemoteProtocolError("bye for a round that is over")
         raise ValueError("a bug of ours")
 
     server.register(handler)
-    rep = sender.call("coordinator", "probe", 3)
+    rep = sender.call("coordinator", "bye", 3)
     assert (rep.kind, rep.round) == ("error", 3) and "round that is over" in rep.body["reason"]
     assert server.errors == 1
     with pytest.raises(ValueError, match="a bug of ours"):

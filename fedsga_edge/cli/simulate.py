@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
-from typing import Optional
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from fedsga_edge.config import RunConfig
 
 STRATEGY_HELP = "static (SplitFed at --split) | fedavg | fedprox (--mu) | fedsga | random | resource"
 
@@ -63,27 +68,8 @@ def simulate(
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ) -> None:
     """Simulate split federated learning in one process and write metrics for every round."""
-    if threads < 0:
-        raise typer.BadParameter("--threads must be >= 0")
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
-    from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
-
-    cfg = RunConfig(
-        dataset=dataset, data_root=str(data_root) if data_root else None, partition=partition, alpha=alpha,
-        clients=clients, rounds=rounds, model=model, width=width, img_size=img_size,
-        pretrained=str(pretrained) if pretrained else None, strategy=strategy, split=split, seed=seed,
-        device=device, train_subset=train_subset, eval_every=eval_every, speed_sigma=speed_sigma,
-        profile=str(profile) if profile else None, server_copies=server_copies.replace("-", "_"),
-        schedule=schedule.replace("-", "_"), round_timeout=round_timeout, prox_mu=mu, model_args=_model_args(model_arg),
-        train=TrainConfig(local_epochs=local_epochs, batch_size=batch_size, lr=lr, momentum=momentum,
-                          weight_decay=weight_decay, augment=augment, max_batches=max_batches),
-        fedsga=FedSGAConfig(rho=rho, beta=beta, lambda_align=lambda_align, tau_a=tau_a, tau_m=tau_m,
-                            prompts=prompts, mu_proto=mu_proto, cal_every=cal_every, adapt=not no_adapt,
-                            estimator=not no_estimator, harmonizer=not no_harmonizer),
-    )
+    set_threads(threads)
+    cfg = run_config(**{k: v for k, v in locals().items() if k in RUN_FLAGS})
     from fedsga_edge.data import DatasetError
     from fedsga_edge.simulation import run_simulation, validate_config
 
@@ -121,6 +107,36 @@ def simulate(
     )
 
 
+def set_threads(threads: int) -> None:
+    if threads < 0:
+        raise typer.BadParameter("--threads must be >= 0")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def run_config(**flags: Any) -> RunConfig:
+    """The RunConfig that simulate's flags describe (the field commands take the same flags)."""
+    from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
+
+    f = SimpleNamespace(**flags)
+    return RunConfig(
+        dataset=f.dataset, data_root=str(f.data_root) if f.data_root else None, partition=f.partition,
+        alpha=f.alpha, clients=f.clients, rounds=f.rounds, model=f.model, width=f.width, img_size=f.img_size,
+        pretrained=str(f.pretrained) if f.pretrained else None, strategy=f.strategy, split=f.split, seed=f.seed,
+        device=f.device, train_subset=f.train_subset, eval_every=f.eval_every, speed_sigma=f.speed_sigma,
+        profile=str(f.profile) if f.profile else None, server_copies=f.server_copies.replace("-", "_"),
+        schedule=f.schedule.replace("-", "_"), round_timeout=f.round_timeout, prox_mu=f.mu,
+        model_args=_model_args(f.model_arg),
+        train=TrainConfig(local_epochs=f.local_epochs, batch_size=f.batch_size, lr=f.lr, momentum=f.momentum,
+                          weight_decay=f.weight_decay, augment=f.augment, max_batches=f.max_batches),
+        fedsga=FedSGAConfig(rho=f.rho, beta=f.beta, lambda_align=f.lambda_align, tau_a=f.tau_a, tau_m=f.tau_m,
+                            prompts=f.prompts, mu_proto=f.mu_proto, cal_every=f.cal_every, adapt=not f.no_adapt,
+                            estimator=not f.no_estimator, harmonizer=not f.no_harmonizer),
+    )
+
+
 def _model_args(items: list[str]) -> dict[str, object]:
     """``KEY=VALUE`` pairs; values parse as JSON when they can (numbers, booleans), else stay strings."""
     import json
@@ -135,3 +151,7 @@ def _model_args(items: list[str]) -> dict[str, object]:
         except json.JSONDecodeError:
             out[key.strip()] = value
     return out
+
+
+# simulate's flags that describe the run (all but where it goes and how it shows progress)
+RUN_FLAGS: tuple[str, ...] = tuple(n for n in inspect.signature(simulate).parameters if n not in ("out", "quiet", "threads"))

@@ -13,6 +13,11 @@ transport wants, and adds the two things every handler needs on MQTT:
   RemoteProtocolError raised by the handler (the role judged the peer wrong)
   become an ``error`` reply and ``peer.errors += 1``; the handler keeps
   serving. Anything else a handler raises is our bug and propagates.
+* identity -- a transport that knows who really sent the bytes (MQTT: the
+  topic they arrived on, which broker ACLs tie to the login) exposes it as
+  ``observed_sender()``; a message whose ``sender`` differs is answered with an
+  ``error`` and never reaches the handler or the reply cache. Loopback has no
+  such method, so nothing changes there.
 """
 
 from __future__ import annotations
@@ -108,13 +113,21 @@ class Peer:
 
     # ------------------------------------------------------------- incoming
 
-    def serve(self, handler: MessageHandler) -> Handler:
-        """Adapt a Message handler to a bytes handler (dedup + error replies, see module doc)."""
+    def serve(self, handler: MessageHandler, *, sender_of: Callable[[], str | None] | None = None) -> Handler:
+        """Adapt a Message handler to a bytes handler (dedup + error replies, see module doc).
+
+        ``sender_of`` returns the sender the transport observed for the bytes
+        being handled (None: unknown, no check); it defaults to the transport's
+        ``observed_sender`` when it has one.
+        """
+        observed = sender_of if sender_of is not None else getattr(self.transport, "observed_sender", None)
 
         def on_bytes(data: bytes) -> bytes | None:
             try:
                 msg = decode(data)
                 self._check_run(msg)
+                if observed is not None:
+                    self._check_sender(msg, observed())
             except RemoteProtocolError as e:
                 return self._error_reply(e, 0)
             key = (msg.sender, msg.seq)
@@ -162,6 +175,13 @@ class Peer:
     def _check_run(self, msg: Message) -> None:
         if msg.run != self.run:
             raise RemoteProtocolError(f"{msg.kind!r} from {msg.sender!r} is for run {msg.run!r}, not {self.run!r}")
+
+    @staticmethod
+    def _check_sender(msg: Message, seen: str | None) -> None:
+        if seen is not None and msg.sender != seen:
+            raise RemoteProtocolError(
+                f"{msg.kind!r} claims sender {msg.sender!r:.140} but arrived from {seen!r}: rejected"
+            )
 
     def _error_reply(self, e: RemoteProtocolError, round: int) -> bytes:
         with self._lock:

@@ -1,0 +1,344 @@
+"""The device as a long-lived agent: a ``TorchClient`` and its ``Peer``, kept alive across rounds.
+
+``TorchClient`` is stepped (docs/method.md, "Rounds"): ``handle(round_start)`` arms a round and
+``step()`` advances it one request at a time. The agent is the driver for a real device:
+
+* it registers with ``hello`` (backend, ``num_samples``, capabilities) and retries while the
+  coordinator is unreachable, until acked, refused or out of time;
+* a ``round_start`` is queued by the transport's delivery thread and run on the agent's own worker
+  thread (``while client.step(): pass``). Never on the delivery thread: on MQTT that thread also
+  delivers to this address, and a round takes minutes; on the loopback it is the coordinator's
+  service loop, which must go on starting the other devices;
+* after every round it saves the client's private state (prompts, r_prev, the last two
+  descriptors, the last interface mean, round count, its random generators) to ``state_dir``
+  atomically, and reloads it on start: a device that reboots keeps its own prompts and r and does
+  not replay the first round's batch order. The data never needs saving: both sides rebuild the
+  partition from the run's seeded config (``fedsga_edge.runbuild``).
+
+``health()`` is what an operator (or a watchdog) reads: registered, rounds done, busy, last error.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedsga_edge.runfiles import JsonLog, atomic_torch_save
+from fedsga_edge.transport import Peer, TransportError
+from fedsga_edge.wire import Message, RemoteProtocolError
+
+from .client import TorchClient, _PrivateState
+
+__all__ = ["DeviceAgent", "RegistrationRefused", "STATE_FILE"]
+
+STATE_FILE = "state.pt"
+STATE_VERSION = 1
+
+
+class RegistrationRefused(Exception):
+    """The coordinator answered the hello with an error: retrying would not change its answer."""
+
+
+def default_capabilities(device: torch.device) -> dict[str, Any]:
+    """What a coordinator may want to know when it plans splits (logged; not used by the rounds yet)."""
+    caps: dict[str, Any] = {"machine": platform.machine(), "system": platform.system(), "cpus": os.cpu_count() or 0,
+                            "torch": torch.__version__, "device": str(device), "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        caps["gpu"] = torch.cuda.get_device_name(device)
+    return caps
+
+
+class DeviceAgent:
+    """Registers, runs each round on a worker thread, persists private state, reports health."""
+
+    def __init__(
+        self,
+        client: TorchClient,
+        peer: Peer,
+        state_dir: str | Path,
+        *,
+        server: str = "coordinator",
+        backend: str = "torch",
+        capabilities: dict[str, Any] | None = None,
+        hello_timeout: float = 300.0,
+        retry_s: float = 0.5,
+    ) -> None:
+        self.client = client
+        self.peer = peer
+        self.server = server
+        self.backend = backend
+        self.capabilities = capabilities if capabilities is not None else default_capabilities(client.device)
+        self.hello_timeout = hello_timeout
+        self.retry_s = retry_s
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.log = JsonLog(self.state_dir / "agent.log")
+        self.registered = False
+        self.finished = threading.Event()  # the coordinator said bye: the run is over
+        self.rounds_done = 0
+        self.last_round = 0
+        self.last_error: str | None = None
+        self._current: int | None = None
+        self._latest = 0  # newest round announced; an older running round is abandoned for it
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[Message] = queue.Queue()
+        self._stop = threading.Event()
+        self._worker: threading.Thread | None = None
+        self._serving = False
+        try:
+            self.restored = self.load_state()
+        except BaseException:
+            self.log.close()
+            raise
+
+    @property
+    def cid(self) -> str:
+        return self.client.cid
+
+    @property
+    def state_path(self) -> Path:
+        return self.state_dir / STATE_FILE
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self, *, register: bool = True, timeout: float | None = None) -> None:
+        """Serve the device's address, start the worker and (by default) register before returning."""
+        self.peer.register(self._handle)
+        self._serving = True
+        self._worker = threading.Thread(target=self._work, name=f"agent-{self.cid}", daemon=True)
+        self._worker.start()
+        self.log.info("agent_start", device=self.cid, run=self.peer.run, restored=self.restored,
+                      rounds_done=self.rounds_done, state_rounds=self.client.state.rounds)
+        if register:
+            self.register(timeout)
+
+    def register(self, timeout: float | None = None) -> dict[str, Any]:
+        """Say hello until acked; RegistrationRefused on an error reply, TimeoutError when out of time."""
+        timeout = self.hello_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        body = {"backend": self.backend, "num_samples": len(self.client.data), "capabilities": self.capabilities,
+                "rounds_done": self.rounds_done, "state_rounds": self.client.state.rounds}
+        wait, attempts = self.retry_s, 0
+        while True:
+            attempts += 1
+            left = deadline - time.monotonic()
+            try:
+                reply = self.peer.call(self.server, "hello", 0, body, timeout=max(min(left, 30.0), 0.1))
+            except (TransportError, RemoteProtocolError) as exc:  # coordinator not up yet, or a blip
+                last = f"{type(exc).__name__}: {exc}"
+            else:
+                if reply.kind == "ack":
+                    self.registered = True
+                    self.log.info("registered", attempts=attempts, ack=reply.body)
+                    return dict(reply.body)
+                reason = str(reply.body.get("reason", reply.kind))
+                self.last_error = f"registration refused: {reason}"
+                self.log.error("registration_refused", reason=reason)
+                raise RegistrationRefused(reason)
+            if self._stop.is_set() or time.monotonic() + wait > deadline:
+                self.last_error = f"not registered after {attempts} attempts: {last}"
+                self.log.error("registration_timeout", attempts=attempts, error=last[:300])
+                raise TimeoutError(self.last_error)
+            if attempts == 1:
+                self.log.warning("hello_retry", error=last[:300])
+            time.sleep(wait)
+            wait = min(wait * 2, 5.0)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Leave abruptly, like a device that loses power: no bye, the running round is dropped unsaved.
+
+        The coordinator learns of it only by the round's deadline (or a failed send), which is what
+        a field run must survive. The state on disk is the one saved after the last finished round.
+        """
+        self._stop.set()
+        if self._serving:
+            try:
+                self.peer.transport.unregister(self.peer.me)
+            except TransportError:
+                pass
+            self._serving = False
+        if self._worker is not None and self._worker is not threading.current_thread():
+            self._worker.join(timeout)
+        self.log.info("agent_stop", rounds_done=self.rounds_done, current_round=self._current)
+        self.log.close()
+
+    def leave(self, reason: str = "leaving") -> None:
+        """Leave politely: tell the coordinator (bye) so its round need not wait for the deadline, then stop."""
+        try:
+            self.peer.send(self.server, "bye", self._current or self.last_round, {"reason": reason})
+        except Exception as exc:
+            self.log.warning("bye_not_delivered", error=f"{type(exc).__name__}: {exc}"[:300])
+        self.stop()
+
+    def health(self) -> dict[str, Any]:
+        worker = self._worker
+        return {
+            "device": self.cid,
+            "registered": self.registered,
+            "alive": worker is not None and worker.is_alive(),
+            "busy": self.busy,
+            "current_round": self._current,
+            "last_round": self.last_round,
+            "rounds_done": self.rounds_done,
+            "state_rounds": self.client.state.rounds,
+            "last_error": self.last_error,
+            "restored": self.restored,
+            "finished": self.finished.is_set(),
+        }
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None or not self._queue.empty()
+
+    # -- delivery thread ----------------------------------------------------------------------------
+    def _handle(self, msg: Message) -> Message | None:
+        """Queue work and return at once: the delivery thread must never train."""
+        if msg.sender != self.server:
+            raise RemoteProtocolError(f"{self.cid} takes orders only from {self.server!r}, not {msg.sender!r:.140}")
+        if msg.kind == "round_start":
+            with self._lock:
+                self._latest = max(self._latest, msg.round)
+            self._queue.put(msg)
+            return None
+        if msg.kind == "bye":
+            self.log.info("run_over", reason=str(msg.body.get("reason", ""))[:200])
+            self.finished.set()
+            return None
+        raise RemoteProtocolError(f"device {self.cid} does not accept {msg.kind!r}")
+
+    # -- worker thread ------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            try:
+                msg = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if msg.round < self._latest:
+                self.log.warning("round_skipped", round=msg.round, newer=self._latest)
+                continue
+            try:
+                self._run_round(msg)
+            except Exception as exc:  # the agent outlives any one round
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                self.log.error("round_crash", round=msg.round, error=self.last_error[:500])
+
+    def _run_round(self, msg: Message) -> None:
+        t = msg.round
+        client = self.client
+        try:
+            client.handle(msg)
+        except RemoteProtocolError as exc:
+            self.last_error = f"bad round_start: {exc}"
+            self.log.error("round_refused", round=t, error=self.last_error[:500])
+            self._report(t, self.last_error)
+            return
+        self._current = t
+        started = time.perf_counter()
+        self.log.info("round_begin", round=t, split=msg.body.get("split"), calibrate=bool(msg.body.get("calibrate")))
+        outcome = "done"
+        try:
+            while True:
+                if self._stop.is_set():
+                    client.abort()
+                    self.log.warning("round_abandoned", round=t, reason="agent stopped")
+                    return  # like a power loss: nothing saved
+                if self._latest > t:
+                    client.abort()
+                    outcome = "superseded"
+                    break
+                try:
+                    more = self._step()
+                except Exception as exc:  # transport down, reply timeout, a bug in a step
+                    client.abort()
+                    outcome, self.last_error = "failed", f"{type(exc).__name__}: {exc}"
+                    self._report(t, self.last_error)
+                    break
+                if not more:
+                    break
+            if outcome == "done" and client.last_error:  # the coordinator refused a request or the update
+                outcome, self.last_error = "refused", client.last_error
+                if client.last_error.startswith("update refused"):  # a refused request was reported already
+                    self._report(t, client.last_error)
+            if outcome == "done":
+                self.rounds_done += 1
+                self.last_error = None
+            self.last_round = t
+            self.save_state()
+        finally:
+            self._current = None
+        level = "info" if outcome == "done" else "warning"
+        self.log.log("round_end", level, round=t, outcome=outcome, wall_s=time.perf_counter() - started,
+                     r_prev=client.state.r_prev, error=self.last_error if outcome != "done" else None)
+
+    def _step(self) -> bool:
+        """One request of the running round (a seam for tests that need to freeze a device mid-round)."""
+        return self.client.step()
+
+    def _report(self, t: int, reason: str) -> None:
+        """Tell the coordinator this device gives up round t, so the round need not wait for its deadline."""
+        try:
+            self.peer.send(self.server, "error", t, {"reason": reason[:500]})
+        except Exception as exc:
+            self.log.warning("error_not_delivered", round=t, error=f"{type(exc).__name__}: {exc}"[:300])
+
+    # -- private state on disk ----------------------------------------------------------------------
+    def save_state(self) -> None:
+        """Everything private the next round needs (docs/method.md), replaced atomically."""
+        s = self.client.state
+        data = {
+            "version": STATE_VERSION,
+            "device": self.cid,
+            "run": self.peer.run,
+            "rounds_done": self.rounds_done,
+            "last_round": self.last_round,
+            "prompts": _cpu(s.prompts),
+            "r_prev": float(s.r_prev),
+            "m_prev": _cpu(s.m_prev),
+            "m_last": _cpu(s.m_last),
+            "H_prev": _cpu(s.H_prev),
+            "rounds": int(s.rounds),
+            "extra": dict(s.extra),
+            "rng": self.client.rng.bit_generator.state,
+            "gen": self.client.gen.get_state(),
+        }
+        atomic_torch_save(data, self.state_path)
+
+    def load_state(self) -> bool:
+        """Restore the state a previous agent of this device saved; False when there is none."""
+        if not self.state_path.exists():
+            return False
+        data = torch.load(self.state_path, map_location="cpu", weights_only=True)
+        if data.get("version") != STATE_VERSION:
+            raise ValueError(f"{self.state_path}: state version {data.get('version')!r}, expected {STATE_VERSION}")
+        if data.get("device") != self.cid or data.get("run") != self.peer.run:
+            raise ValueError(f"{self.state_path} holds device {data.get('device')!r} of run {data.get('run')!r}, "
+                             f"not {self.cid!r} of run {self.peer.run!r}: use another --state-dir")
+        dev = self.client.device
+        self.client.state = _PrivateState(
+            prompts=_to(data["prompts"], dev),
+            r_prev=float(data["r_prev"]),
+            m_prev=_to(data["m_prev"], dev),
+            m_last=_to(data["m_last"], dev),
+            H_prev=data["H_prev"],  # the client keeps this one on the CPU
+            rounds=int(data["rounds"]),
+            extra=dict(data["extra"]),
+        )
+        self.client.rng.bit_generator.state = data["rng"]
+        self.client.gen.set_state(data["gen"])
+        self.rounds_done = int(data["rounds_done"])
+        self.last_round = int(data["last_round"])
+        return True
+
+
+def _cpu(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.detach().cpu().clone()
+
+
+def _to(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if x is None else x.to(device)

@@ -1,0 +1,282 @@
+"""Build one side of a run from its config alone: the coordinator side, or device ``i``.
+
+In a field run the coordinator and every device are separate processes on separate machines.
+They must agree on who owns which training samples without sending data or index lists, so each
+side runs the same seeded steps ``Simulation`` runs (validate, seed, subset, partition) and gets
+the same client ids and partition sizes; the coordinator then checks every device's ``hello``
+against the size it expects.
+
+This is wiring: it imports both roles. ``Simulation`` is ``plan_run`` + ``build_coordinator`` +
+``build_client`` for each device, so the global torch RNG is consumed in the same order everywhere
+and a service's coordinator starts from the simulation's initial weights.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedsga_edge.config import SCHEDULES, RunConfig
+from fedsga_edge.data import DatasetBundle, load_dataset, partition
+from fedsga_edge.models import CostTable, SplitModel, create_model
+from fedsga_edge.transport import Peer, Transport
+
+__all__ = ["COORDINATOR", "RunPlan", "CoordinatorSide", "client_id", "plan_run", "make_model", "build_coordinator",
+           "build_client", "coordinator_service", "device_agent", "default_run_id", "resolve_device", "validate_config",
+           "summarize"]
+
+COORDINATOR = "coordinator"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but CUDA is not available on this machine")
+    return dev
+
+
+def validate_config(cfg: RunConfig) -> None:
+    """Reject bad settings with a message that names the flag, before any work starts."""
+    from fedsga_edge.coordinator import list_strategies
+
+    problems = []
+    if cfg.strategy not in list_strategies():
+        problems.append(f"--strategy must be one of {', '.join(list_strategies())} (got {cfg.strategy!r})")
+    if cfg.schedule not in SCHEDULES:
+        problems.append(f"--schedule must be one of {', '.join(s.replace('_', '-') for s in SCHEDULES)} (got {cfg.schedule!r})")
+    if cfg.round_timeout < 0:
+        problems.append("--round-timeout must be >= 0 (0 = no deadline)")
+    if cfg.prox_mu < 0:
+        problems.append("--mu must be >= 0")
+    if cfg.clients < 1:
+        problems.append("--clients must be >= 1")
+    if cfg.rounds < 1:
+        problems.append("--rounds must be >= 1")
+    t = cfg.train
+    if t.local_epochs < 1:
+        problems.append("--local-epochs must be >= 1")
+    if t.batch_size < 2:
+        problems.append("--batch-size must be >= 2 (BatchNorm needs two samples)")
+    if not t.lr > 0:
+        problems.append("--lr must be > 0")
+    if cfg.partition not in ("iid", "dirichlet", "domain"):
+        problems.append(f"--partition must be iid, dirichlet or domain (got {cfg.partition!r})")
+    if cfg.partition != "iid" and not cfg.alpha > 0:
+        problems.append("--alpha must be > 0")
+    f = cfg.fedsga
+    if cfg.server_copies not in ("shared", "per_client"):
+        problems.append(f"--server-copies must be shared or per-client (got {cfg.server_copies!r})")
+    if f.cal_every < 1:
+        problems.append("--cal-every must be >= 1")
+    if not 0 <= f.mu_proto <= 1:
+        problems.append("--mu-proto must lie in [0, 1]")
+    if f.tau_a <= 0 or f.tau_m <= 0:
+        problems.append("--tau-a and --tau-m must be > 0")
+    if f.prompts < 0:
+        problems.append("--prompts must be >= 0")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+
+
+def client_id(i: int) -> str:
+    """The id device ``i`` has in every run (the same names simulate uses)."""
+    return f"client-{i:03d}"
+
+
+def default_run_id(cfg: RunConfig) -> str:
+    return f"sim-{cfg.seed}"  # Simulation's run id
+
+
+@dataclass
+class RunPlan:
+    """What every side derives from the config alone: the data, the resolved device, the partitions."""
+
+    cfg: RunConfig
+    bundle: DatasetBundle
+    device: torch.device
+    parts: list[np.ndarray]  # training-set indices of each client, in client order
+    client_ids: list[str]
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {cid: len(p) for cid, p in zip(self.client_ids, self.parts)}
+
+
+@dataclass
+class CoordinatorSide:
+    plan: RunPlan
+    model: SplitModel
+    costs: CostTable
+    strategy: Any  # fedsga_edge.coordinator.Strategy
+    coordinator: Any  # fedsga_edge.coordinator.Coordinator
+
+    def run_info(self) -> dict[str, Any]:
+        """``config.json`` as ``run_simulation`` writes it."""
+        cfg = self.plan.cfg
+        return cfg.to_dict() | {"resolved_device": str(self.plan.device), "candidate_depths": list(self.model.splits),
+                                "client_sizes": self.plan.sizes} | self.strategy.info()
+
+
+def plan_run(cfg: RunConfig, bundle: DatasetBundle | None = None, *, seed_globals: bool = True) -> RunPlan:
+    """Validate, seed, load the data and partition it exactly as ``Simulation`` does.
+
+    ``seed_globals=False`` leaves Python's, numpy's and torch's global generators alone: a device
+    needs none of them (its batches and prompts come from the client's own seeded generators), and
+    a device built in the coordinator's process must not reset the stream the coordinator uses.
+    Partitions and the training subset use their own seeded generators either way.
+    """
+    validate_config(cfg)
+    if seed_globals:
+        _seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    bundle = bundle or load_dataset(cfg.dataset, cfg.data_root, image_size=cfg.img_size)
+    train_idx = _subset(bundle.train.labels, cfg.train_subset, cfg.seed)
+    domains = None if bundle.train.domains is None else bundle.train.domains[train_idx]
+    parts = partition(bundle.train.labels[train_idx], cfg.clients, cfg.partition, alpha=cfg.alpha, seed=cfg.seed,
+                      domains=domains)
+    if cfg.train.augment is None:  # auto: crop + flip for natural images, not for digits
+        cfg.train.augment = cfg.dataset != "digits"
+    return RunPlan(cfg, bundle, device, [train_idx[p] for p in parts], [client_id(i) for i in range(cfg.clients)])
+
+
+def make_model(cfg: RunConfig, bundle: DatasetBundle) -> SplitModel:
+    """``Simulation._make_model``: the backbone both sides build."""
+    kwargs: dict[str, Any] = {"num_classes": bundle.num_classes, "img_size": cfg.img_size or bundle.image_size,
+                              "width": cfg.width, **cfg.model_args}
+    return create_model(cfg.model, pretrained=cfg.pretrained, **kwargs)
+
+
+def build_coordinator(plan: RunPlan) -> CoordinatorSide:
+    """Model, costs, strategy and Coordinator for the clients' sizes, in Simulation's order."""
+    from fedsga_edge.coordinator import Coordinator, create_strategy
+
+    cfg = plan.cfg
+    model = make_model(cfg, plan.bundle)
+    K = model.num_splits
+    if cfg.strategy == "static" and not 1 <= cfg.split <= K:
+        raise ValueError(f"--split must be in 1..{K} for {cfg.model} (candidates after blocks {model.splits})")
+    prompts_m = cfg.fedsga.prompts if cfg.strategy == "fedsga" and cfg.fedsga.adapt else 0
+    costs = CostTable(model, prompts_m)
+    train_flops = {k: costs.train(k) for k in range(0, K + 1)}
+    strategy = create_strategy(cfg, K, plan.client_ids, train_flops)
+    coordinator = Coordinator(model, cfg, plan.sizes, plan.bundle.num_classes, strategy, costs, device=plan.device,
+                              name=COORDINATOR)
+    return CoordinatorSide(plan, model, costs, strategy, coordinator)
+
+
+def build_client(plan: RunPlan, i: int, peer: Any, *, server: str = COORDINATOR) -> Any:
+    """Device ``i``'s TorchClient: its own partition, the run's seed and the same model factory."""
+    from fedsga_edge.device.client import ClientData, TorchClient
+
+    if not 0 <= i < len(plan.parts):
+        raise ValueError(f"device index {i} out of range 0..{len(plan.parts) - 1} (--clients {plan.cfg.clients})")
+    b = plan.bundle
+    return TorchClient(plan.client_ids[i], ClientData(b.train, plan.parts[i], b.mean, b.std),
+                       lambda: make_model(plan.cfg, b), peer, server=server, seed=plan.cfg.seed, device=plan.device)
+
+
+def coordinator_service(
+    cfg: RunConfig,
+    transport: Transport,
+    run_dir: str | Path,
+    *,
+    bundle: DatasetBundle | None = None,
+    run_id: str | None = None,
+    **service_kwargs: Any,
+) -> Any:
+    """A ready CoordinatorService (serving on ``transport``) for ``cfg``; ``run()`` or ``start()`` it."""
+    from fedsga_edge.coordinator.service import CoordinatorService
+
+    side = build_coordinator(plan_run(cfg, bundle))
+    peer = Peer(transport, COORDINATOR, run_id or default_run_id(cfg))
+    b = side.plan.bundle
+    service = CoordinatorService(
+        side.coordinator, peer, run_dir, test=(b.test, b.mean, b.std), run_info=side.run_info(),
+        summarize=lambda records, wall_s: summarize(records, cfg, wall_s), **service_kwargs)
+    return service
+
+
+def device_agent(
+    cfg: RunConfig,
+    i: int,
+    transport: Transport,
+    state_dir: str | Path,
+    *,
+    bundle: DatasetBundle | None = None,
+    run_id: str | None = None,
+    plan: RunPlan | None = None,
+    **agent_kwargs: Any,
+) -> Any:
+    """Device ``i``'s DeviceAgent on ``transport`` (not started); restores its state from ``state_dir``."""
+    from fedsga_edge.device.agent import DeviceAgent
+
+    plan = plan or plan_run(cfg, bundle, seed_globals=False)
+    if not 0 <= i < len(plan.client_ids):
+        raise ValueError(f"device index {i} out of range 0..{len(plan.client_ids) - 1} (--clients {cfg.clients})")
+    peer = Peer(transport, plan.client_ids[i], run_id or default_run_id(cfg))
+    return DeviceAgent(build_client(plan, i, peer), peer, state_dir, server=COORDINATOR, **agent_kwargs)
+
+
+def summarize(records: list[dict[str, Any]], cfg: RunConfig, wall_s: float) -> dict[str, Any]:
+    """``summary.json``: the run in one object (simulate, the coordinator service and the benchmarks)."""
+    accs = [r["test_acc"] for r in records if "test_acc" in r]
+    cal = [r.get("calibration_flops", {}) for r in records]
+    rounds = len(records)
+    return {
+        "strategy": cfg.strategy,
+        "rounds": rounds,
+        "final_acc": accs[-1] if accs else None,
+        "final_acc_by_split": next((r["test_acc_by_split"] for r in reversed(records) if "test_acc_by_split" in r), None),
+        "eval_split": next((r["eval_split"] for r in reversed(records) if "test_acc_by_split" in r), None),
+        "best_acc": max(accs) if accs else None,
+        "final_test_loss": next((r["test_loss"] for r in reversed(records) if "test_loss" in r), None),
+        "client_flops_per_sample": float(np.mean([r["client_flops_per_sample"] for r in records])),
+        "client_params": float(np.mean([r["client_params"] for r in records])),
+        "bytes_total": int(sum(r["bytes_up"] + r["bytes_down"] for r in records)),
+        "bytes_up": int(sum(r["bytes_up"] for r in records)),
+        "bytes_down": int(sum(r["bytes_down"] for r in records)),
+        "calibration_flops": {
+            "client": int(sum(c.get("client", 0) for c in cal)),
+            "server": int(sum(c.get("server", 0) for c in cal)),
+        },
+        "split_histogram": _histogram(records),
+        "failures": sum(len(r.get("failures", {})) for r in records),
+        "wall_s": wall_s,
+    }
+
+
+def _histogram(records: list[dict[str, Any]]) -> dict[str, int]:
+    hist: dict[str, int] = {}
+    for r in records:
+        for k in r["splits"].values():
+            hist[str(k)] = hist.get(str(k), 0) + 1
+    return dict(sorted(hist.items()))
+
+
+def _subset(labels: np.ndarray, n: int, seed: int) -> np.ndarray:
+    """A stratified subset of ``n`` training samples (all when n is 0 or too large)."""
+    if n <= 0 or n >= len(labels):
+        return np.arange(len(labels))
+    rng = np.random.default_rng([seed, 3])
+    picked = []
+    classes = np.unique(labels)
+    for c in classes:
+        idx = np.flatnonzero(labels == c)
+        take = max(1, round(n * len(idx) / len(labels)))
+        picked.append(rng.choice(idx, size=min(take, len(idx)), replace=False))
+    return np.sort(np.concatenate(picked))
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -1,0 +1,108 @@
+"""Files a long-lived service writes: JSON-lines event logs and atomically replaced files.
+
+Field runs are read by machines after the fact (grep, jq, the report), so each log line is one
+JSON object ``{"ts", "level", "event", ...fields}`` rather than free text; thread-safe, because
+transport handler threads and a service loop log to the same file. Checkpoints and device state
+are replaced atomically (temp file + rename) so a crash or power loss mid-write leaves the
+previous version intact, never a torn file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = ["JsonLog", "atomic_write", "atomic_torch_save"]
+
+LEVELS = ("debug", "info", "warning", "error")
+
+
+def _plain(value: Any) -> Any:
+    """Whatever a field holds must not make logging itself fail: non-JSON values become strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+class JsonLog:
+    """Appends one JSON object per event to ``path`` (None: keep the events in memory only)."""
+
+    def __init__(self, path: str | Path | None, *, echo: TextIO | None = None) -> None:
+        self.path = Path(path) if path is not None else None
+        self._echo = echo
+        self._lock = threading.Lock()
+        self._file: TextIO | None = None
+        self.events: list[dict[str, Any]] = []  # the last few, for health checks and tests
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
+
+    def log(self, event: str, level: str = "info", **fields: Any) -> dict[str, Any]:
+        if level not in LEVELS:
+            raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+        entry = {"ts": round(time.time(), 6), "level": level, "event": event} | {
+            k: _plain(v) for k, v in fields.items() if k not in ("ts", "level", "event")}
+        line = json.dumps(entry, allow_nan=False)
+        with self._lock:
+            self.events.append(entry)
+            del self.events[:-200]
+            if self._file is not None and not self._file.closed:
+                self._file.write(line + "\n")
+                self._file.flush()
+            if self._echo is not None:
+                self._echo.write(line + "\n")
+        return entry
+
+    def info(self, event: str, **fields: Any) -> dict[str, Any]:
+        return self.log(event, "info", **fields)
+
+    def warning(self, event: str, **fields: Any) -> dict[str, Any]:
+        return self.log(event, "warning", **fields)
+
+    def error(self, event: str, **fields: Any) -> dict[str, Any]:
+        return self.log(event, "error", **fields)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+
+
+def atomic_write(path: str | Path, data: bytes | str) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same folder, fsync, then rename over it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> None:
+    """``torch.save`` with the same temp-file + rename guarantee as :func:`atomic_write`."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    atomic_write(path, buf.getvalue())

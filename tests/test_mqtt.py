@@ -1,0 +1,504 @@
+"""MqttTransport against a real Mosquitto on 127.0.0.1: round trips via Peer, nested requests,
+chunking under a broker packet limit, the reassembly cap, timeouts, garbage, spoofed senders,
+QoS 1 redeliveries, broadcasts, last will, reconnect, logins with the ACL of docs/protocol.md, TLS.
+
+Each broker test starts its own ``mosquitto -c <tmp>/mosquitto.conf`` on a free port and skips
+with a reason when no mosquitto binary exists (``apt-get install mosquitto``).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("paho.mqtt", reason="paho-mqtt is an optional dependency (fedsga-edge[device])")
+
+import paho.mqtt.client as paho  # noqa: E402
+from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
+
+from fedsga_edge.transport import Peer, Transport, TransportError  # noqa: E402
+from fedsga_edge.transport.mqtt import MqttTransport, _pack_frame  # noqa: E402
+from fedsga_edge.wire import Message, decode, encode, split_message  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)  # every wait below is bounded; this catches a deadlock
+
+RUN = "run-1"
+MOSQUITTO = shutil.which("mosquitto") or next(
+    (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None
+)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ a broker per test
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.02)
+    raise RuntimeError(f"mosquitto did not open port {port} within {timeout} s")
+
+
+class Broker:
+    """One mosquitto process; ``restart`` keeps the port (retained messages are lost: no persistence)."""
+
+    def __init__(self, tmp: Path, max_packet_size: int | None = None, extra: tuple[str, ...] = ()) -> None:
+        self.port = _free_port()
+        self.conf = tmp / "mosquitto.conf"
+        # `user`: when run as root mosquitto would drop to user "mosquitto", who cannot read tmp_path.
+        # `set_tcp_nodelay`: without it every small reply waits ~40 ms for a delayed ACK.
+        lines = [f"listener {self.port} 127.0.0.1", "persistence false", "log_dest stderr", "set_tcp_nodelay true",
+                 f"user {pwd.getpwuid(os.geteuid()).pw_name}", *(extra or ("allow_anonymous true",))]
+        if max_packet_size:
+            lines.append(f"max_packet_size {max_packet_size}")
+        self.conf.write_text("\n".join(lines) + "\n")
+        self.log = tmp / "mosquitto.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([MOSQUITTO, "-c", str(self.conf)], stdout=log, stderr=log)
+        _wait_port(self.port, 5.0)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture
+def make_broker(tmp_path: Path) -> Iterator[Callable[..., Broker]]:
+    if MOSQUITTO is None:
+        pytest.skip("no mosquitto binary (apt-get install mosquitto): MQTT broker tests need a real broker")
+    brokers: list[Broker] = []
+
+    def make(max_packet_size: int | None = None, extra: tuple[str, ...] = ()) -> Broker:
+        d = tmp_path / f"broker{len(brokers)}"
+        d.mkdir(exist_ok=True)
+        brokers.append(Broker(d, max_packet_size, extra))
+        return brokers[-1]
+
+    yield make
+    for b in brokers:
+        b.stop()
+
+
+@pytest.fixture
+def broker(make_broker: Callable[..., Broker]) -> Broker:
+    return make_broker()
+
+
+@pytest.fixture
+def transports() -> Iterator[Callable[..., MqttTransport]]:
+    """Build MqttTransports that are closed at the end of the test."""
+    made: list[MqttTransport] = []
+
+    def make(b: Broker, **kw: object) -> MqttTransport:
+        kw.setdefault("run", RUN)
+        kw.setdefault("connect_timeout", 5.0)
+        made.append(MqttTransport("127.0.0.1", b.port, **kw))  # type: ignore[arg-type]
+        return made[-1]
+
+    yield make
+    for t in made:
+        t.close()
+
+
+def _echo_peers(coord_t: MqttTransport, dev_t: MqttTransport) -> tuple[Peer, Peer, list[Message]]:
+    """A coordinator that answers activations with gradients; a device peer on its own transport."""
+    coord, dev = Peer(coord_t, "coordinator", RUN), Peer(dev_t, "client-1", RUN)
+    seen: list[Message] = []
+
+    def on_coord(msg: Message) -> Message | None:
+        seen.append(msg)
+        if msg.kind == "activation":
+            z = msg.body["z"]
+            return coord.reply(msg, "gradient", {"dz": (2 * z).astype(np.float32), "loss": float(z.sum())})
+        return coord.reply(msg, "ack", {"kind": msg.kind})
+
+    coord.register(on_coord)
+    return coord, dev, seen
+
+
+def _retained(port: int, topic: str, timeout: float = 3.0) -> bytes | None:
+    """The retained payload of ``topic`` as a fresh subscriber sees it (None if there is none)."""
+    got: list[bytes] = []
+    done = threading.Event()
+    c = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=f"probe-{os.urandom(3).hex()}")
+    c.on_connect = lambda cl, u, f, rc, p: cl.subscribe(topic, qos=1)
+    c.on_subscribe = lambda cl, u, mid, rc, p: threading.Timer(0.3, done.set).start()  # retained comes first
+
+    def on_message(cl: paho.Client, u: object, m: paho.MQTTMessage) -> None:
+        if m.retain:
+            got.append(m.payload)
+            done.set()
+
+    c.on_message = on_message
+    c.connect("127.0.0.1", port)
+    c.loop_start()
+    try:
+        done.wait(timeout)
+    finally:
+        c.disconnect()
+        c.loop_stop()
+    return got[-1] if got else None
+
+
+def _wait_retained(port: int, topic: str, want: bytes, timeout: float = 5.0) -> bytes | None:
+    """Poll the retained status until it reads ``want`` (the broker publishes a will asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while (got := _retained(port, topic, timeout=1)) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
+# ------------------------------------------------------------------ tests without a broker
+
+
+def test_transport_package_does_not_import_paho() -> None:
+    code = "import sys, fedsga_edge.transport, fedsga_edge.transport.mqtt; print('paho' in str(list(sys.modules)))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
+
+
+def test_from_url_rejects_other_schemes() -> None:
+    with pytest.raises(TransportError, match="mqtt://"):
+        MqttTransport.from_url("http://127.0.0.1:1883", run=RUN)
+
+
+# ------------------------------------------------------------------ tests with a broker
+
+
+def test_peer_round_trip_and_byte_counts(broker: Broker, transports: Callable[..., MqttTransport]) -> None:
+    ct, dt = transports(broker, client_id="coord"), transports(broker, client_id="client-1")
+    coord, dev, seen = _echo_peers(ct, dt)
+    z = np.arange(12, dtype=np.float32).reshape(3, 4)
+    rep = dev.call("coordinator", "activation", 2, {"z": z, "y": np.arange(3), "split": 1}, timeout=5)
+    assert (rep.kind, rep.round, rep.sender, rep.run) == ("gradient", 2, "coordinator", RUN)
+    np.testing.assert_array_equal(rep.body["dz"], 2 * z)
+    assert isinstance(ct, Transport) and coord.errors == dev.errors == 0
+    # Both ends count the same bytes, each payload once: what encode() made of each message.
+    up = len(encode(seen[0]))
+    down = len(encode(rep))
+    for t in (ct, dt):
+        assert t.stats.bytes_sent(src="client-1", dst="coordinator") == up
+        assert t.stats.bytes_sent(src="coordinator", dst="client-1") == down
+        assert t.stats.messages_sent() == 2
+
+
+def test_from_url_connects_and_one_instance_can_host_both_ends(
+    broker: Broker, transports: Callable[..., MqttTransport]
+) -> None:
+    t = MqttTransport.from_url(f"mqtt://someone:secret@127.0.0.1:{broker.port}", run=RUN, connect_timeout=5)
+    try:
+        t.register("coordinator", lambda b: b[::-1])
+        assert t.request("client-1", "coordinator", b"abc", timeout=5) == b"cba"
+        assert t.stats.bytes_sent() == 6 and t.stats.messages_sent() == 2  # each payload once
+    finally:
+        t.close()
+    with pytest.raises(TransportError, match="closed"):
+        t.request("client-1", "coordinator", b"abc", timeout=1)
+
+
+def test_nested_request_from_a_handler_does_not_deadlock(
+    broker: Broker, transports: Callable[..., MqttTransport]
+) -> None:
+    ct, dt = transports(broker), transports(broker)
+    coord, dev, seen = _echo_peers(ct, dt)
+
+    def on_round_start(msg: Message) -> Message | None:
+        losses = []
+        for b in range(msg.body["batches"]):  # the device calls the coordinator from inside its handler
+            z = np.full((4, 3), b, np.float32)
+            rep = dev.call("coordinator", "activation", msg.round, {"z": z, "y": np.arange(4), "split": 1}, timeout=5)
+            losses.append(rep.body["loss"])
+        return dev.reply(msg, "ack", {"losses": losses})
+
+    dev.register(on_round_start)
+    t0 = time.monotonic()
+    rep = coord.call("client-1", "round_start", 5, {"batches": 3}, timeout=10)
+    assert rep.kind == "ack" and rep.body["losses"] == [0.0, 12.0, 24.0]
+    assert len(seen) == 3 and time.monotonic() - t0 < 5
+
+
+def test_3mb_payload_is_chunked_under_a_broker_packet_limit(
+    make_broker: Callable[..., Broker], transports: Callable[..., MqttTransport]
+) -> None:
+    b = make_broker(max_packet_size=131072)
+    # The limit is real: one unchunked 200 KB publish gets the publisher disconnected.
+    dropped = threading.Event()
+    raw = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="too-big")
+    raw.on_disconnect = lambda *a: dropped.set()
+    raw.connect("127.0.0.1", b.port)
+    raw.loop_start()
+    raw.publish(f"fedsga/{RUN}/up/too-big", b"x" * 200_000, qos=1)  # never acknowledged
+    assert dropped.wait(3)
+    raw.loop_stop()
+
+    ct = transports(b, max_packet=128 * 1024)
+    dt = transports(b, max_packet=128 * 1024)
+    ct.register("coordinator", lambda data: data[::-1])  # the reply is 3 MB too
+    payload = np.random.default_rng(0).integers(0, 256, 3_000_000, dtype=np.uint8).tobytes()
+    t0 = time.monotonic()
+    assert dt.request("client-7", "coordinator", payload, timeout=20) == payload[::-1]
+    assert time.monotonic() - t0 < 10
+    assert ct.reassembler.stats["completed"] == 1 and dt.reassembler.stats["completed"] == 1
+    assert ct.reassembler.in_flight_bytes == 0 and dt.reassembler.in_flight_bytes == 0
+    assert dt.stats.bytes_sent(src="client-7") == dt.stats.bytes_sent(dst="client-7") == 3_000_000
+
+
+def test_reassembly_cap_rejects_a_message_larger_than_the_buffer(
+    broker: Broker, transports: Callable[..., MqttTransport]
+) -> None:
+    ct = transports(broker, max_buffer_bytes=1_000_000)
+    dt = transports(broker, max_packet=64 * 1024)
+    ct.register("coordinator", lambda data: b"ok")
+    with pytest.raises(TransportError, match="cap is 1000000"):
+        dt.request("client-1", "coordinator", b"z" * 1_500_000, timeout=5)
+    assert ct.reassembler.in_flight_bytes == 0
+    # Tiny parts would let a peer pin far more memory (per-part overhead) than its reservation.
+    raw = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="raw")
+    raw.connect("127.0.0.1", broker.port)
+    raw.loop_start()
+    for c in split_message(b"t" * 5000, max_chunk=300, msg_id="client-1#tiny")[:3]:
+        raw.publish(f"fedsga/{RUN}/up/client-1", _pack_frame("send", "tiny", chunk=c), qos=1).wait_for_publish(2)
+    raw.disconnect()
+    raw.loop_stop()
+    assert dt.request("client-1", "coordinator", b"z" * 900_000, timeout=5) == b"ok"  # still serving
+    assert ct.counters["rejected"] == 1 + 3 and ct.reassembler.in_flight_bytes == 0
+
+
+def test_request_times_out_when_nobody_answers(broker: Broker, transports: Callable[..., MqttTransport]) -> None:
+    ct = transports(broker)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="no reply from 'client-9'"):
+        ct.request("coordinator", "client-9", b"anyone?", timeout=0.5)
+    assert time.monotonic() - t0 < 2
+    # A handler that returns no reply: the requester learns at once instead of waiting.
+    dt = transports(broker)
+    ct.register("coordinator", lambda d: None)
+    with pytest.raises(TransportError, match="sent no reply"):
+        dt.request("client-9", "coordinator", b"x", timeout=5)
+
+
+def test_garbage_gets_an_error_reply_and_the_handler_keeps_serving(
+    broker: Broker, transports: Callable[..., MqttTransport]
+) -> None:
+    ct, dt = transports(broker), transports(broker)
+    coord, dev, seen = _echo_peers(ct, dt)
+    rep = decode(dt.request("client-1", "coordinator", b"\x00 not a message", timeout=5))
+    assert rep.kind == "error" and rep.sender == "coordinator" and "msgpack" in rep.body["reason"]
+    # Bytes that are not even a transport frame, published raw on the up topic, are dropped and counted.
+    raw = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="raw")
+    raw.connect("127.0.0.1", broker.port)
+    raw.loop_start()
+    raw.publish(f"fedsga/{RUN}/up/client-1", b"\xff\xfe garbage", qos=1).wait_for_publish(2)
+    raw.disconnect()
+    raw.loop_stop()
+    assert dev.call("coordinator", "hello", 0, timeout=5).body == {"kind": "hello"}
+    assert coord.errors == 1 and ct.counters["garbage"] == 1 and len(seen) == 1
+
+
+def test_a_message_claiming_another_sender_is_rejected(
+    broker: Broker, transports: Callable[..., MqttTransport]
+) -> None:
+    ct, dt = transports(broker), transports(broker)
+    coord, _, seen = _echo_peers(ct, dt)
+    forged = encode(Message(kind="update", run=RUN, round=1, seq=1, sender="client-2",
+                            body={"weights": {}, "num_samples": 10**6}))
+    rep = decode(dt.request("client-1", "coordinator", forged, timeout=5))  # travels on up/client-1
+    assert rep.kind == "error" and "claims sender 'client-2'" in rep.body["reason"]
+    assert "arrived from 'client-1'" in rep.body["reason"]
+    assert seen == [] and coord.errors == 1
+    # The honest sender of the same bytes is served.
+    honest = transports(broker)
+    assert decode(honest.request("client-2", "coordinator", forged, timeout=5)).kind == "ack"
+
+
+def test_redelivered_frames_run_the_handler_once_and_broadcasts_reach_every_device(
+    broker: Broker, transports: Callable[..., MqttTransport]
+) -> None:
+    ct, dt = transports(broker), transports(broker)
+    got: list[tuple[str, str | None, bytes]] = []
+    ct.register("coordinator", lambda b: got.append(("coordinator", ct.observed_sender(), b)))
+    for dev in ("client-1", "client-2"):  # one instance may host several devices
+        dt.register(dev, lambda b, dev=dev: got.append((dev, dt.observed_sender(), b)))
+    # The same one-way frame twice (a QoS 1 redelivery): handled once.
+    raw = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="raw")
+    raw.connect("127.0.0.1", broker.port)
+    raw.loop_start()
+    for _ in range(2):
+        raw.publish(f"fedsga/{RUN}/up/client-3", _pack_frame("send", "c1", p=b"once"), qos=1).wait_for_publish(2)
+    raw.disconnect()
+    raw.loop_stop()
+    ct.broadcast("coordinator", b"to all")
+    with pytest.raises(TransportError, match="only the coordinator"):
+        dt.broadcast("client-1", b"no")
+    deadline = time.monotonic() + 3
+    while len(got) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sorted(got) == [("client-1", "coordinator", b"to all"), ("client-2", "coordinator", b"to all"),
+                           ("coordinator", "client-3", b"once")]
+    assert ct.counters["duplicates"] == 1
+    # After unregister the address hears nothing (its topic is unsubscribed); the others still serve.
+    dt.unregister("client-2")
+    dt.register("client-9", lambda b: b)
+    with pytest.raises(TransportError, match="no reply"):
+        ct.request("coordinator", "client-2", b"?", timeout=0.5)
+    assert ct.request("coordinator", "client-9", b"!", timeout=5) == b"!"
+
+
+_KILLED_CLIENT = """
+import sys, time
+from fedsga_edge.transport.mqtt import MqttTransport
+t = MqttTransport("127.0.0.1", int(sys.argv[1]), run="run-1", client_id="dev-k", connect_timeout=5)
+t.register("dev-k", lambda b: b)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_status_is_online_then_offline_by_last_will_when_killed(
+    broker: Broker, transports: Callable[..., MqttTransport]
+) -> None:
+    topic = f"fedsga/{RUN}/status/dev-k"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_CLIENT, str(broker.port)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready", proc.stderr
+        assert _wait_retained(broker.port, topic, b"online") == b"online"
+    finally:
+        proc.send_signal(signal.SIGKILL)  # no DISCONNECT: the broker publishes the will
+        proc.wait(5)
+    assert _wait_retained(broker.port, topic, b"offline") == b"offline"
+    # A clean close says offline too (the will is not sent on a clean DISCONNECT, so close publishes it).
+    t = transports(broker, client_id="dev-c")
+    assert _wait_retained(broker.port, f"fedsga/{RUN}/status/dev-c", b"online") == b"online"
+    t.close()
+    assert _retained(broker.port, f"fedsga/{RUN}/status/dev-c") == b"offline"
+
+
+def test_requests_succeed_again_after_the_broker_restarts(
+    broker: Broker, transports: Callable[..., MqttTransport]
+) -> None:
+    ct = transports(broker, client_id="coord", reconnect_min=0.2, reconnect_max=1.0)
+    dt = transports(broker, client_id="client-1", reconnect_min=0.2, reconnect_max=1.0)
+    coord, dev, seen = _echo_peers(ct, dt)
+    assert dev.call("coordinator", "hello", 0, timeout=5).kind == "ack"
+    broker.restart()  # same port; sessions and subscriptions are gone (persistence false)
+    t0 = time.monotonic()
+    assert ct.wait_ready(10) and dt.wait_ready(10)
+    assert dev.call("coordinator", "hello", 1, timeout=5).kind == "ack"
+    assert time.monotonic() - t0 < 8 and len(seen) == 2
+    assert _wait_retained(broker.port, f"fedsga/{RUN}/status/coord", b"online") == b"online"  # re-announced
+
+
+# The ACL of docs/protocol.md: the topic a device may publish on is its login.
+_ACL = """\
+user coordinator
+topic read fedsga/+/up/+
+topic write fedsga/+/down/+
+topic write fedsga/+/bcast
+
+pattern write fedsga/+/up/%u
+pattern read fedsga/+/down/%u
+pattern read fedsga/+/bcast
+pattern write fedsga/+/status/%u
+"""
+
+
+def test_with_logins_and_the_documented_acl_a_device_cannot_speak_for_another(
+    tmp_path: Path, make_broker: Callable[..., Broker], transports: Callable[..., MqttTransport]
+) -> None:
+    passwd = shutil.which("mosquitto_passwd")
+    if passwd is None:
+        pytest.skip("no mosquitto_passwd")
+    (tmp_path / "broker0").mkdir()
+    pw, acl = tmp_path / "broker0" / "passwd", tmp_path / "broker0" / "acl"
+    acl.write_text(_ACL)
+    for i, (user, secret) in enumerate((("coordinator", "c-secret"), ("client-1", "d1-secret"))):
+        subprocess.run([passwd, "-b", *(["-c"] if i == 0 else []), str(pw), user, secret], check=True, timeout=10)
+    b = make_broker(extra=("allow_anonymous false", f"password_file {pw}", f"acl_file {acl}"))
+    with pytest.raises(TransportError, match="refused"):
+        MqttTransport("127.0.0.1", b.port, run=RUN, client_id="client-1", username="client-1", password="wrong",
+                      connect_timeout=5)
+    ct = transports(b, client_id="coordinator", username="coordinator", password="c-secret")
+    dt = transports(b, client_id="client-1", username="client-1", password="d1-secret")
+    coord, dev, seen = _echo_peers(ct, dt)
+    assert dev.call("coordinator", "hello", 0, timeout=5).kind == "ack"
+    # client-1 posing as client-2: the broker drops its publishes on up/client-2 and never delivers
+    # client-2's down topic to it (mosquitto 2.0 grants such a 3.1.1 subscription, then filters).
+    with pytest.raises(TransportError, match="no reply|refused subscription"):
+        dt.request("client-2", "coordinator", b"x", timeout=1)
+    raw = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="client-1b")
+    raw.username_pw_set("client-1", "d1-secret")
+    raw.connect("127.0.0.1", b.port)
+    raw.loop_start()
+    raw.publish(f"fedsga/{RUN}/up/client-2", b"forged", qos=1).wait_for_publish(2)
+    raw.disconnect()
+    raw.loop_stop()
+    assert dev.call("coordinator", "hello", 1, timeout=5).kind == "ack"  # ordered after the forgery
+    assert len(seen) == 2 and ct.counters["garbage"] == 0 and coord.errors == 0
+
+
+def test_mqtts_with_a_private_ca(
+    tmp_path: Path, make_broker: Callable[..., Broker], transports: Callable[..., MqttTransport]
+) -> None:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("no openssl to make test certificates")
+    d = tmp_path / "broker0"
+    d.mkdir()
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, timeout=30, cwd=d)
+
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=test-ca")
+    run("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    (d / "ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "server.crt", "-days", "1", "-extfile", "ext")
+    b = make_broker(extra=("allow_anonymous true", f"cafile {d / 'ca.crt'}", f"certfile {d / 'server.crt'}",
+                           f"keyfile {d / 'server.key'}"))
+    url = f"mqtts://127.0.0.1:{b.port}"
+    t = MqttTransport.from_url(url, run=RUN, ca=str(d / "ca.crt"), connect_timeout=5)
+    try:
+        t.register("coordinator", lambda data: data.upper())
+        assert t.request("client-1", "coordinator", b"over tls", timeout=5) == b"OVER TLS"
+    finally:
+        t.close()
+    with pytest.raises(TransportError, match="could not connect"):  # no CA: the server is not trusted
+        MqttTransport.from_url(url, run=RUN, connect_timeout=1.0)
