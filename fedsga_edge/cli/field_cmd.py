@@ -166,6 +166,7 @@ def trial(
     if broker is None:
         broker, broker_proc = _start_mosquitto(out / "logs")
     base = [sys.executable, "-m", "fedsga_edge.cli.main"]
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # run the cleanup below when the trial is stopped
     common = ["--broker", broker, "--config", str(cfg_path), "--threads", str(threads)]
     procs: dict[str, subprocess.Popen] = {}
     logs = []
@@ -174,13 +175,13 @@ def trial(
         logs.append(log)
         procs["coordinator"] = subprocess.Popen(
             base + ["coordinator", "--run-dir", str(out), "--register-timeout", str(startup_timeout)] + common,
-            stdout=log, stderr=subprocess.STDOUT)
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         for i in range(cfg.clients):
             log = open(out / "logs" / f"device-{i:03d}.out", "w")
             logs.append(log)
             procs[f"device-{i:03d}"] = subprocess.Popen(
                 base + ["device", "--index", str(i), "--state-dir", str(out / "devices" / f"client-{i:03d}")] + common,
-                stdout=log, stderr=subprocess.STDOUT)
+                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         _follow(out / "metrics.jsonl", procs["coordinator"], cfg.rounds, quiet)
         rc = procs["coordinator"].wait()
     finally:
@@ -203,6 +204,21 @@ def trial(
     summary = json.loads((out / "summary.json").read_text())
     typer.echo(f"final_acc={summary.get('final_acc')} rounds={summary.get('rounds')} "
                f"failures={summary.get('failures')} -> {out}")
+
+
+def _raise_interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM when the trial process dies, even by SIGKILL (no orphans)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
 
 
 def _follow(metrics: Path, coordinator: subprocess.Popen, rounds: int, quiet: bool) -> None:
@@ -241,7 +257,8 @@ def _start_mosquitto(log_dir: Path) -> tuple[str, subprocess.Popen]:
         port = s.getsockname()[1]
     conf = Path(tempfile.mkdtemp(prefix="fedsga-broker-")) / "mosquitto.conf"
     conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\npersistence false\n")
-    proc = subprocess.Popen([exe, "-c", str(conf)], stdout=open(log_dir / "broker.out", "w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([exe, "-c", str(conf)], stdout=open(log_dir / "broker.out", "w"), stderr=subprocess.STDOUT,
+                            preexec_fn=_die_with_parent)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
