@@ -100,6 +100,12 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 def method_name(config: dict[str, Any]) -> str:
     """``benchmarks/accuracy.py``'s method name: the strategy, and for FedSGA each ablation switched off."""
     strategy = str(config.get("strategy", ""))
+    if strategy == "static":  # at p_ref "static"; the benchmark's "static-p1" / "static-pK" otherwise
+        K, split = len(config.get("candidate_depths") or []), config.get("split")
+        ref = (K + 1) // 2
+        if not K or not isinstance(split, int) or split == ref:
+            return "static"
+        return "static-p1" if split == 1 else "static-pK" if split == K else f"static-k{split}"
     if strategy != "fedsga":
         return strategy
     fed = config.get("fedsga") or {}
