@@ -25,7 +25,7 @@ from fedsga_edge.wire import (
 )
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-NO_BODY_KINDS = ["hello", "round_start", "probe", "probe_result", "ack", "bye"]
+NO_BODY_KINDS = ["hello", "round_start", "ack", "bye"]  # kinds whose body has no required field
 
 # ------------------------------------------------------------------ helpers
 
@@ -136,6 +136,8 @@ def test_every_kind_with_its_required_fields_round_trips():
         "update": {"weights": w, "num_samples": 10},
         "weights": {"weights": w},
         "fetch": {"blocks": [0, 1]},
+        "probe": {"z1": z, "zref": z, "y": y, "o": [0.5, 0.1, 0.0], "r_prev": 0.0},
+        "probe_result": {"L1": 1.0, "Lref": 0.9, "s": 0},
         "error": {"reason": "x"},
     }
     for kind in KINDS:
