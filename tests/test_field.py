@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from fedsga_edge.config import RunConfig, TrainConfig
-from fedsga_edge.data import load_dataset
 from fedsga_edge.runbuild import build_client, coordinator_service, device_agent, plan_run
 from fedsga_edge.simulation import Simulation
 from fedsga_edge.transport import LoopbackTransport, Peer
@@ -23,11 +22,6 @@ from fedsga_edge.device.agent import DeviceAgent
 from fedsga_edge.wire import Message, decode, encode
 
 WAIT = 180.0  # seconds any one run may take before the test fails instead of hanging
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
 
 
 def tiny(strategy: str = "static", **kw) -> RunConfig:

@@ -7,11 +7,11 @@ import math
 
 import numpy as np
 import pytest
+from _runs import tiny_config
 import torch
 
 from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
 from fedsga_edge.coordinator import RoundError, RoundState, Strategy, register_strategy
-from fedsga_edge.data import load_dataset
 from fedsga_edge.method import reference_index
 from fedsga_edge.simulation import Simulation
 from fedsga_edge.tensors import probe_mode
@@ -20,15 +20,8 @@ from fedsga_edge.wire import Message
 TIMING = {"round_s", "wall_s"}
 
 
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
-
-
 def tiny(strategy: str = "static", **kw) -> RunConfig:
-    base = dict(dataset="digits", clients=3, rounds=2, model="resnet18_cifar", width=0.25, seed=0, device="cpu",
-                fedsga=FedSGAConfig(), train=TrainConfig(local_epochs=1, batch_size=16, max_batches=2))
-    return RunConfig(strategy=strategy, **(base | kw))
+    return tiny_config(strategy, batch_size=16, max_batches=2, **kw)
 
 
 def strip(rows: list[dict]) -> list[dict]:

@@ -9,10 +9,10 @@ import sys
 
 import numpy as np
 import pytest
+from _runs import tiny_config
 import torch
 
-from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
-from fedsga_edge.data import load_dataset
+from fedsga_edge.config import FedSGAConfig, TrainConfig
 from fedsga_edge.simulation import Simulation, run_simulation
 from fedsga_edge.transport import Peer
 from fedsga_edge.wire import decode
@@ -20,15 +20,7 @@ from fedsga_edge.wire import decode
 REQUIRED = {"round", "test_acc", "test_loss", "train_loss", "wall_s", "bytes_up", "bytes_down", "client_flops_per_sample", "splits"}
 
 
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
-
-
-def tiny(strategy: str = "static", **kw) -> RunConfig:
-    base = dict(dataset="digits", clients=3, rounds=2, model="resnet18_cifar", width=0.25, seed=0, device="cpu",
-                fedsga=FedSGAConfig(), train=TrainConfig(local_epochs=1, batch_size=32, max_batches=3))
-    return RunConfig(strategy=strategy, **(base | kw))
+tiny = tiny_config
 
 
 def test_static_run_writes_config_metrics_and_summary(tmp_path, digits) -> None:

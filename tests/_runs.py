@@ -1,0 +1,14 @@
+"""Small run configurations shared by the simulation and round tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
+
+
+def tiny_config(strategy: str = "static", *, batch_size: int = 32, max_batches: int = 3, **kw: Any) -> RunConfig:
+    """digits, resnet18_cifar at width 0.25, 3 clients, 2 rounds, a few batches: seconds per round."""
+    base = dict(dataset="digits", clients=3, rounds=2, model="resnet18_cifar", width=0.25, seed=0, device="cpu",
+                fedsga=FedSGAConfig(), train=TrainConfig(local_epochs=1, batch_size=batch_size, max_batches=max_batches))
+    return RunConfig(strategy=strategy, **(base | kw))
