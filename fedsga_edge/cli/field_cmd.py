@@ -56,6 +56,17 @@ def _config(config: Optional[Path], flags: dict[str, Any]) -> Any:
     return run_config(**{k: v for k, v in flags.items() if k in RUN_FLAGS})
 
 
+FIELD_DEADLINE_S = 600.0
+
+
+def _with_deadline(cfg: Any) -> Any:
+    """A field run needs a round deadline (a silent device must not stall a round forever):
+    without --round-timeout it gets FIELD_DEADLINE_S."""
+    if not cfg.round_timeout > 0:
+        cfg.round_timeout = FIELD_DEADLINE_S
+    return cfg
+
+
 def _transport(broker: str, run: str, client_id: str, max_packet: int) -> Any:
     from fedsga_edge.transport.mqtt import MqttTransport
 
@@ -79,9 +90,7 @@ def coordinator(
 ) -> None:
     """Serve the server side of a run: wait for devices, run every round with a deadline, write the run files."""
     set_threads(threads)
-    cfg = _config(config, flags)
-    if not cfg.round_timeout > 0:
-        cfg.round_timeout = 600.0  # a field run needs a deadline: a silent device must not stall a round forever
+    cfg = _with_deadline(_config(config, flags))
     from fedsga_edge.runbuild import coordinator_service, default_run_id
 
     transport = _transport(broker, default_run_id(cfg), "coordinator", max_packet)
@@ -149,9 +158,7 @@ def trial(
     **flags: Any,
 ) -> None:
     """A field trial on this machine: a broker, the coordinator and N device agents as separate processes."""
-    cfg = run_config(**{k: v for k, v in flags.items() if k in RUN_FLAGS})
-    if not cfg.round_timeout > 0:
-        cfg.round_timeout = 600.0
+    cfg = _with_deadline(run_config(**{k: v for k, v in flags.items() if k in RUN_FLAGS}))
     from fedsga_edge.simulation import validate_config
 
     try:
