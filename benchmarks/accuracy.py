@@ -203,7 +203,7 @@ def method_split(method: str, p_ref: int, K: int) -> int:
 
 
 def make_config(p: Preset, method: str, partition: str, seed: int, split: int, spec: str, data_root: str | None,
-                server_copies: str = "shared"):
+                server_copies: str = "shared", server_bn: str = "ema"):
     from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
 
     strategy, fed = METHODS[method]
@@ -213,6 +213,7 @@ def make_config(p: Preset, method: str, partition: str, seed: int, split: int, s
         dataset=spec, data_root=data_root, partition=kind, alpha=alpha if kind != "iid" else 0.1,
         clients=p.clients, rounds=rounds, model=p.model, width=p.width, strategy=strategy, split=split,
         seed=seed, device=p.device, train_subset=p.train_subset, server_copies=server_copies.replace("-", "_"),
+        server_bn=server_bn,
         # the simulation evaluates only the final round (full test set); the benchmark adds subset evals
         eval_every=rounds,
         train=TrainConfig(local_epochs=p.local_epochs, batch_size=p.batch_size, lr=p.lr,
@@ -221,14 +222,16 @@ def make_config(p: Preset, method: str, partition: str, seed: int, split: int, s
     )
 
 
-def plan(p: Preset, spec: str, data_root: str | None, server_copies: str = "shared") -> list[dict[str, Any]]:
+def plan(p: Preset, spec: str, data_root: str | None, server_copies: str = "shared",
+         server_bn: str = "ema") -> list[dict[str, Any]]:
     K = num_splits(p.model, p.width)
     split = reference_split(p.model, p.width)
     runs = []
     for seed in p.seeds:  # seed-major: a run stopped half-way still has whole seeds
         for part in p.partitions:
             for method in p.methods:
-                cfg = make_config(p, method, part, seed, method_split(method, split, K), spec, data_root, server_copies)
+                cfg = make_config(p, method, part, seed, method_split(method, split, K), spec, data_root, server_copies,
+                                  server_bn)
                 runs.append({"method": method, "partition": part, "seed": seed,
                              "dir": f"{method}/{part}/seed{seed}", "config": cfg})
     return runs
@@ -515,6 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--server-copies", choices=["shared", "per-client"], default="shared",
                     help="shared: the engine as it is (one server copy, clients in sequence). per-client: a diagnostic, "
                          "SplitFed-v1-style server copies averaged each round (the engine's server_copies='per_client').")
+    ap.add_argument("--server-bn", choices=["ema", "round"], default="ema",
+                    help="Server-side BatchNorm running statistics: ema (torch's momentum 0.1, the default) or round "
+                         "(averaged over the round's batches; a diagnostic, RESULTS.md compares both).")
     ap.add_argument("--dry-run", action="store_true", help="Print the plan (runs and per-run config) and exit.")
     ap.add_argument("--tables-only", action="store_true",
                     help="Run nothing: write results.json and tables.md from the plan's runs that exist under --out "
@@ -552,10 +558,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = resolve(args)
     out: Path = args.out or REPO / "benchmarks" / f"runs_{args.preset}"
     spec = data_spec(p.data)
-    runs = plan(p, spec, args.data_root, args.server_copies)
+    runs = plan(p, spec, args.data_root, args.server_copies, args.server_bn)
     command = "python benchmarks/accuracy.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     scale = {k: v for k, v in vars(p).items()} | {"data": spec, "static_split": reference_split(p.model, p.width),
-                                                  "server_copies": args.server_copies}
+                                                  "server_copies": args.server_copies, "server_bn": args.server_bn}
     if args.dry_run:
         print(f"preset {args.preset}: {len(runs)} runs into {out}")
         print("scale: " + json.dumps(scale))

@@ -39,7 +39,7 @@ from fedsga_edge.method import (
 )
 from fedsga_edge.method.aggregation import DeviceUpdate, aggregate_round, group_by_unit, unit_of
 from fedsga_edge.models import CostTable, SplitModel
-from fedsga_edge.tensors import from_numpy, image_batch, probe_mode, to_numpy, to_numpy_state
+from fedsga_edge.tensors import from_numpy, image_batch, probe_mode, round_average_bn, to_numpy, to_numpy_state
 from fedsga_edge.wire import Message
 
 from .round import RoundError, RoundState
@@ -48,6 +48,28 @@ from .strategy import Strategy
 __all__ = ["Coordinator"]
 
 _REQUESTS = ("activation", "probe", "fetch", "update", "error")
+# Largest |value| accepted in an activation, h1 or weight. Honest ones are O(1)-O(1e3); anything this
+# big means a diverged or hostile device, and would overflow float32 a few layers on.
+MAX_ABS_VALUE = 1e6
+_MAX_REFUSALS_KEPT = 50  # reasons kept per round in the record; the count goes on
+# Per-client numbers an update may report (docs/method.md); copied into metrics.jsonl, so checked here.
+_REPORT_FIELDS = ("a", "delta", "q", "r", "r_prev", "k_policy", "L1", "Lref", "s", "descriptor_entropy",
+                  "probe_samples", "steps")
+
+
+def _check_values(arr: np.ndarray, what: str) -> None:
+    """Finite and of a sane size, or ValueError naming the problem (one NaN would spread for good)."""
+    if arr.size == 0 or arr.dtype.kind not in "fc":
+        return
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{what} holds non-finite values")
+    peak = float(np.abs(arr).max())
+    if peak > MAX_ABS_VALUE:
+        raise ValueError(f"{what} holds |values| up to {peak:.3g}, over the {MAX_ABS_VALUE:g} any honest device sends")
+
+
+def _all_finite(tensors: Any) -> bool:
+    return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
 
 
 class ServerHead(nn.Module):
@@ -108,6 +130,7 @@ class Coordinator:
         self.round = RoundState()
         self.split_samples: dict[int, int] = {}  # split -> samples trained there so far (headline eval)
         self.remote_errors = 0  # requests refused over the whole run
+        self._last_seq: dict[str, int] = {}  # device -> seq of its last accepted request this round
         self._snapshot: dict[str, Tensor] = {}
         self._stats: dict[str, Any] = {}
         self._copies: dict[str, _ServerSide] = {}
@@ -142,8 +165,11 @@ class Coordinator:
         timeout = self.cfg.round_timeout
         self.round.begin(t, assigned, calibrate, now + timeout if timeout > 0 else None)
         self._snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if self.cfg.server_bn == "round":
+            round_average_bn(self.model)  # the shared copy's statistics: this round's batches, averaged
         self._stats = {"server_samples": {}, "calibration": [], "cal_flops_server": 0, "remote_errors": [],
-                       "started": now}
+                       "refused": 0, "started": now}
+        self._last_seq = {}
         self._copies, self._copy_sums, self._copy_weights = {}, {}, {}
         return {cid: self._round_start_body(k, calibrate) for cid, k in assigned.items()}
 
@@ -211,6 +237,7 @@ class Coordinator:
             record["calibration_flops"] = {"client": int(client_cal), "server": int(self._stats["cal_flops_server"])}
         if self._stats["remote_errors"]:
             record["remote_errors"] = self._stats["remote_errors"]
+            record["remote_errors_count"] = self._stats["refused"]
         return record
 
     def _round_start_body(self, k: int | None, calibrate: bool) -> dict[str, Any]:
@@ -249,9 +276,16 @@ class Coordinator:
             if msg.kind == "error":  # the device gives up on this round
                 self.round.fail(msg.sender, f"device reported: {str(msg.body.get('reason', ''))[:200]}")
                 return None
+            # A device's requests are sequential, so their seqs grow: an old one is a replay (e.g. after
+            # the Peer's reply cache turned over) and must not step the server twice.
+            last = self._last_seq.get(msg.sender)
+            if last is not None and msg.seq <= last:
+                raise RoundError(f"seq {msg.seq} is not after {last}, {msg.sender}'s last request this round: "
+                                 "a replay or a stale message")
             kind, body = getattr(self, f"_on_{msg.kind}")(msg)
-        except (RoundError, KeyError, TypeError, ValueError, IndexError) as exc:
+        except (RoundError, KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             return self._refuse(msg, f"bad {msg.kind}: {exc}")
+        self._last_seq[msg.sender] = msg.seq
         return Message(kind, msg.run, msg.round, msg.seq, self.name, body)
 
     handle = receive  # Peer.register wants a handler
@@ -259,7 +293,9 @@ class Coordinator:
     def _refuse(self, msg: Message, reason: str) -> Message:
         self.remote_errors += 1
         if self._stats:
-            self._stats["remote_errors"].append(f"{msg.sender}: {reason}"[:300])
+            self._stats["refused"] += 1
+            if len(self._stats["remote_errors"]) < _MAX_REFUSALS_KEPT:  # a flood must not grow the record
+                self._stats["remote_errors"].append(f"{msg.sender}: {reason}"[:300])
         return Message("error", msg.run, msg.round, msg.seq, self.name, {"reason": reason})
 
     def _side(self, device: str) -> _ServerSide:
@@ -270,6 +306,8 @@ class Coordinator:
         if side is None:
             model, head = copy.deepcopy(self.model), copy.deepcopy(self.head)
             model.load_state_dict(self._snapshot)
+            if self.cfg.server_bn == "round":
+                round_average_bn(model)
             side = self._copies[device] = _ServerSide(model, head, self.cfg)
         return side
 
@@ -284,8 +322,10 @@ class Coordinator:
         expected = self.model.interface_shape(self.model.depth_of(k), self._prompt_tokens())
         if z.ndim != len(expected) + 1 or tuple(z.shape[1:]) != expected or y.shape != z.shape[:1] or len(y) < 2:
             raise ValueError(f"{key} {z.shape} / labels {y.shape} do not fit split {k} (expected (B>=2, *{expected}))")
-        if not np.isfinite(z).all():
-            raise ValueError(f"{key} holds non-finite values")
+        most = self.cfg.train.batch_size + 1  # a device folds a last batch of one into the one before
+        if len(y) > most:
+            raise ValueError(f"{key} holds {len(y)} samples, more than a batch ({most})")
+        _check_values(z, key)
         if y.min() < 0 or y.max() >= self.num_classes:
             raise ValueError(f"labels outside 0..{self.num_classes - 1}")
         return from_numpy(z, self.device).float(), from_numpy(y, self.device).long()
@@ -305,16 +345,27 @@ class Coordinator:
         h1 = None
         if self.fedsga and "h1" in msg.body:
             h1 = msg.body["h1"]
-            if not isinstance(h1, np.ndarray) or h1.shape != (len(y), self.phi_s.net[0].in_features) or not np.isfinite(h1).all():
-                raise ValueError("h1 must be finite pooled p_1 features, one row per sample")
+            if not isinstance(h1, np.ndarray) or h1.shape != (len(y), self.phi_s.net[0].in_features):
+                raise ValueError("h1 must be pooled p_1 features, one row per sample")
+            _check_values(h1, "h1")
         side = self._side(msg.sender)
         z.requires_grad_(True)
         side.model.train()
         side.head.train()
         side.opt.zero_grad(set_to_none=True)
+        buffers = [b for m in (side.model, side.head) for b in m.buffers()]
+        saved = [b.detach().clone() for b in buffers]  # BatchNorm statistics move in forward
         logits, Z = self.server_forward(z, k, side)
         loss = self._loss(logits, Z, y)
         loss.backward()
+        params = [p for g in side.opt.param_groups for p in g["params"] if p.grad is not None]
+        if not (bool(torch.isfinite(loss)) and _all_finite([z.grad, *(p.grad for p in params), *buffers])
+                and (Z is None or bool(torch.isfinite(Z).all()))):
+            with torch.no_grad():  # undo the forward's statistics; the step never happens
+                for b, old in zip(buffers, saved):
+                    b.copy_(old)
+            side.opt.zero_grad(set_to_none=True)
+            raise ValueError("the activation gives a non-finite loss or gradient: refused, nothing changed")
         side.opt.step()
         if Z is not None:
             self.prototypes.accumulate(Z.detach(), y)
@@ -323,6 +374,20 @@ class Coordinator:
         samples = self._stats["server_samples"]
         samples[k] = samples.get(k, 0) + len(y)
         return "gradient", {"dz": to_numpy(z.grad), "loss": float(loss.detach())}
+
+    @staticmethod
+    def _check_report(body: dict[str, Any]) -> None:
+        """The update's own numbers go into metrics.jsonl and end_round's sums: finite numbers only."""
+        loss = body.get("train_loss")
+        if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
+            raise TypeError("train_loss must be a finite number")
+        for key in _REPORT_FIELDS:
+            v = body.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or abs(v) > MAX_ABS_VALUE):
+                raise TypeError(f"{key} must be a finite number, got {type(v).__name__}")
+        if body.get("probe_samples") is not None and (not isinstance(body["probe_samples"], int) or body["probe_samples"] < 0):
+            raise TypeError("probe_samples must be a non-negative integer")
 
     def _prompt_tokens(self) -> int:
         fed = self.cfg.fedsga
@@ -354,6 +419,9 @@ class Coordinator:
         r_prev = float(body["r_prev"])
         if o.shape != (self.cal_buffer.num_obs,) or not np.isfinite(o).all() or not 0.0 <= r_prev <= 1.0:
             raise ValueError(f"o must be {self.cal_buffer.num_obs} finite values and r_prev in [0, 1]")
+        # o = (a, delta[, q]) (docs/method.md): a is a mean cosine, delta and q are norms of changes.
+        if not (-1.0001 <= o[0] <= 1.0001 and (o[1:] >= 0).all() and (o[1:] <= MAX_ABS_VALUE).all()):
+            raise ValueError(f"o = {o.tolist()} is out of range: a in [-1, 1], the rest in [0, {MAX_ABS_VALUE:g}]")
         side = self._side(msg.sender)
         with probe_mode(side.model, side.head):
             L1 = float(self._loss(*self.server_forward(z1, 1, side), y))
@@ -403,10 +471,16 @@ class Coordinator:
             ref = self._snapshot[n]
             if not isinstance(arr, np.ndarray) or tuple(arr.shape) != tuple(ref.shape):
                 raise ValueError(f"weight {n} has shape {getattr(arr, 'shape', None)}, expected {tuple(ref.shape)}")
-            if ref.is_floating_point() and (arr.dtype.kind != "f" or not np.isfinite(arr).all()):
-                raise ValueError(f"weight {n} must be finite floating point")
-        if not isinstance(body.get("train_loss"), (int, float)):
-            raise TypeError("train_loss must be a number")
+            if ref.is_floating_point():
+                if arr.dtype.kind != "f":
+                    raise ValueError(f"weight {n} must be floating point, got {arr.dtype}")
+                _check_values(arr, f"weight {n}")
+            elif arr.dtype.kind not in "iu" or (arr.size and (arr.min() < 0 or arr.max() > 2**62)):
+                raise ValueError(f"weight {n} must be a non-negative integer counter")
+        if body.get("num_samples") != self.clients[msg.sender]:
+            raise ValueError(f"num_samples {body.get('num_samples')!r:.40} is not this device's "
+                             f"{self.clients[msg.sender]}")
+        self._check_report(body)
         if self.cfg.server_copies == "per_client" and msg.sender in self._copies:
             self._fold_copy(msg.sender, depth)
         self.round.accept_update(msg.sender, dict(body, split=k, depth=depth))

@@ -10,9 +10,15 @@ driver that does the waiting for a field run, over whichever transport the Peer 
 2. Once ``min_devices`` have registered (or ``register_timeout`` passed with at least one), each
    round starts every registered device at once (``round_start`` by ``peer.send``), then waits,
    applying the deadline with ``tick``, until every device has sent its update or failed.
-3. After each round: aggregate (``end_round``), evaluate, append to ``metrics.jsonl``, replace
-   ``checkpoint.pt``; ``config.json`` at the start and ``summary.json`` at the end, the same files
-   ``fedsga-edge simulate`` writes, plus ``coordinator.log`` (JSON lines).
+3. After each round: aggregate (``end_round``), evaluate, replace ``checkpoint.pt``, then append
+   to ``metrics.jsonl``; ``config.json`` at the start and ``summary.json`` at the end, the same files
+   ``fedsga-edge simulate`` writes, plus ``coordinator.log`` (JSON lines) and ``devices.json`` (who
+   registered, rewritten on every hello and bye).
+4. ``resume=True`` continues a run from its checkpoint after the coordinator died (docs/protocol.md,
+   "Faults"): the checkpoint holds everything the next round needs (weights, optimizers, estimator,
+   prototypes, phi_s, calibration pairs, random generators, the records so far), ``metrics.jsonl``
+   is rewritten from its records, so a round is never listed twice, and the devices of
+   ``devices.json`` count as registered: they need not restart or say hello again.
 
 The Coordinator is not thread-safe and the transport calls ``receive`` from its own threads (the
 loopback from each device's worker, MQTT from its handler thread), so every call into it goes
@@ -27,12 +33,15 @@ The service is a role: it may not import the wiring (``fedsga_edge.simulation``)
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 
 from fedsga_edge.runfiles import JsonLog, atomic_torch_save, atomic_write
 from fedsga_edge.transport import Peer
@@ -40,9 +49,13 @@ from fedsga_edge.wire import Message
 
 from .server import Coordinator
 
-__all__ = ["CoordinatorService"]
+__all__ = ["RESUMABLE", "CoordinatorService"]
 
 Summarize = Callable[[list[dict[str, Any]], float], dict[str, Any]]
+
+RESUME_VERSION = 1
+# Settings a resumed run may change: how long it goes on and how it waits, not what it computes.
+RESUMABLE = ("rounds", "round_timeout", "eval_every", "device", "data_root")
 
 
 class CoordinatorService:
@@ -60,8 +73,10 @@ class CoordinatorService:
         poll_s: float = 0.05,
         run_info: dict[str, Any] | None = None,
         summarize: Summarize | None = None,
+        resume: bool = False,
     ) -> None:
-        """``test`` is ``(images, mean, std)`` for ``Coordinator.evaluate`` (None: no evaluation)."""
+        """``test`` is ``(images, mean, std)`` for ``Coordinator.evaluate`` (None: no evaluation);
+        ``resume`` continues the run in ``run_dir`` from its checkpoint (none there: from round 1)."""
         cfg = coordinator.cfg
         if not cfg.round_timeout > 0:
             raise ValueError("a field run needs a round deadline (--round-timeout > 0): without one a device "
@@ -80,6 +95,10 @@ class CoordinatorService:
         self.run_info = run_info if run_info is not None else cfg.to_dict()
         self._summarize = summarize
         self.log = JsonLog(self.run_dir / "coordinator.log")
+        # Messages the Peer refuses before they reach _handle (undecodable, other run, spoofed sender,
+        # replay): logged here too, throttled by the Peer (docs/protocol.md, "What is rejected").
+        peer.on_reject = lambda sender, kind, reason: self.log.warning(
+            "message_rejected", device=sender[:140], kind=kind, reason=reason[:300])
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # notified on hello, update, device error, bye
         self.registered: dict[str, dict[str, Any]] = {}  # device -> what its hello said
@@ -89,9 +108,17 @@ class CoordinatorService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._round = 0
-        peer.register(self._handle)
+        self.resumed_from = 0  # the round the checkpoint held when resuming (0: a fresh run)
+        self._elapsed0 = 0.0  # wall seconds of the run before this process took it over
+        try:
+            if resume:
+                self._restore()  # before serving: no message may see the state half restored
+            peer.register(self._handle)
+        except BaseException:
+            self.log.close()
+            raise
         self.log.info("service_open", address=peer.me, run=peer.run, clients=len(coordinator.clients),
-                      min_devices=self.min_devices, device=str(coordinator.device))
+                      min_devices=self.min_devices, device=str(coordinator.device), resumed_from=self.resumed_from)
 
     # -- transport side (any thread) --------------------------------------------------------------
     def _handle(self, msg: Message) -> Message | None:
@@ -142,6 +169,7 @@ class CoordinatorService:
             self.registered[msg.sender] = {"backend": body["backend"], "num_samples": expected, "since": time.time(),
                                            "capabilities": dict(body.get("capabilities", {}))}
             n = len(self.registered)
+            self._save_devices()
             self._cond.notify_all()
         self.log.info("hello_ack", device=msg.sender, backend=body["backend"], again=again, registered=n,
                       capabilities=body.get("capabilities", {}))
@@ -155,6 +183,7 @@ class CoordinatorService:
                 return self.peer.reply(msg, "error", {"reason": f"{msg.sender!r:.140} is not registered"})
             del self.registered[msg.sender]
             self.co.fail(msg.sender, "device left (bye)")
+            self._save_devices()
             self._cond.notify_all()
         self.log.info("bye", device=msg.sender, reason=str(msg.body.get("reason", ""))[:200])
         return None
@@ -195,25 +224,39 @@ class CoordinatorService:
         """Register devices, run every round, write the run files; the summary."""
         started = time.perf_counter()
         atomic_write(self.run_dir / "config.json", json.dumps(self.run_info, indent=2))
-        self.wait_for_devices(self.min_devices, self.register_timeout)
-        with (self.run_dir / "metrics.jsonl").open("w") as metrics:
-            for t in range(1, self.cfg.rounds + 1):
+        first = self.resumed_from + 1
+        if first <= self.cfg.rounds:
+            self.wait_for_devices(self.min_devices, self.register_timeout)
+        # A resumed run appends to the metrics _restore rewrote from the checkpoint; a new one starts afresh.
+        with (self.run_dir / "metrics.jsonl").open("a" if self.resumed_from else "w") as metrics:
+            for t in range(first, self.cfg.rounds + 1):
                 if self._stop.is_set():
                     break
                 if not self.registered and not self.wait_for_devices(1, self.register_timeout):
                     break
                 rec = self.run_round(t)
                 self.records.append(rec)
+                # The checkpoint first: it holds the records, so a kill between the two writes loses no line.
+                self._checkpoint(t, self._elapsed0 + time.perf_counter() - started)
                 metrics.write(json.dumps(rec) + "\n")
                 metrics.flush()
-                self._checkpoint(t)
-        summary = self._make_summary(time.perf_counter() - started)
+        summary = self._make_summary(self._elapsed0 + time.perf_counter() - started)
         atomic_write(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         self.summary = summary
         self._say_bye()
         self.log.info("run_end", rounds=len(self.records), final_acc=summary.get("final_acc"),
-                      failures=summary.get("failures"), wall_s=summary.get("wall_s"))
+                      failures=summary.get("failures"), wall_s=summary.get("wall_s"), resumed_from=self.resumed_from,
+                      **self.counters())
         return summary
+
+    def counters(self) -> dict[str, Any]:
+        """What was refused or dropped over this process's life: requests the coordinator refused
+        (``remote_errors``, the whole run's after a resume), messages its Peer rejected (undecodable,
+        wrong run, spoofed sender) and the transport's health counters (MQTT: garbage, spoofed,
+        duplicates, rejected, no_handler, handler_errors, late_replies)."""
+        transport = self.peer.transport
+        return {"remote_errors": self.co.remote_errors, "peer_errors": self.peer.errors,
+                "transport_counters": dict(getattr(transport, "counters", {}) or {})}
 
     def wait_for_devices(self, n: int, timeout: float) -> bool:
         """Block until ``n`` devices registered; on timeout go on with those there are (False: none)."""
@@ -239,7 +282,8 @@ class CoordinatorService:
         """One round in real time: start every registered device, wait for them or the deadline."""
         co, stats = self.co, self.peer.transport.stats
         started = time.perf_counter()
-        up0 = sum(stats.bytes_sent(src=c) for c in co.clients)
+        up0_by = {c: stats.bytes_sent(src=c) for c in co.clients}
+        up0 = sum(up0_by.values())
         down0 = stats.bytes_sent(src=self.peer.me)
         with self._cond:
             devices = [c for c in co.clients if c in self.registered]  # the partition order, as simulate
@@ -273,17 +317,98 @@ class CoordinatorService:
                 rec.update(co.evaluate(images, mean, std))
         rec["wall_s"] = time.perf_counter() - started
         level = "warning" if rec["failures"] else "info"
+        # bytes each device sent this round: a failed device's partial work shows here (docs/protocol.md, "Faults")
+        up_by = {c: stats.bytes_sent(src=c) - up0_by[c] for c in co.clients if stats.bytes_sent(src=c) > up0_by[c]}
         self.log.log("round_end", level, round=t, updates=sorted(ks), failures=rec["failures"],
-                     train_loss=rec["train_loss"], test_acc=rec.get("test_acc"), wall_s=rec["wall_s"])
+                     train_loss=rec["train_loss"], test_acc=rec.get("test_acc"), wall_s=rec["wall_s"],
+                     bytes_up_by_device=up_by)
         return rec
 
-    def _checkpoint(self, t: int) -> None:
-        """The same checkpoint simulate writes, plus the round it holds, replaced after every round."""
+    def _checkpoint(self, t: int, elapsed_s: float) -> None:
+        """The same checkpoint simulate writes, plus the round it holds and what ``resume`` needs to
+        go on as if never stopped, replaced atomically after every round."""
+        co = self.co
         with self._cond:
-            state = {"round": t, "model": self.co.model.state_dict(), "arch": self.cfg.model,
-                     "coordinator": self.co.state_dict()}
+            state = {"round": t, "model": co.model.state_dict(), "arch": self.cfg.model,
+                     "coordinator": co.state_dict(),
+                     "resume": {"version": RESUME_VERSION, "config": self.cfg.to_dict(), "records": self.records,
+                                "registered": self.registered, "elapsed_s": elapsed_s,
+                                "opt": co.shared.opt.state_dict(), "phi_opt": co.phi_opt.state_dict(),
+                                "split_samples": dict(co.split_samples), "remote_errors": co.remote_errors,
+                                "strategy_rngs": {name: g.bit_generator.state for name, g in vars(co.strategy).items()
+                                                  if isinstance(g, np.random.Generator)},
+                                "rng": _global_rngs()}}
             atomic_torch_save(state, self.run_dir / "checkpoint.pt")
         self.log.info("checkpoint", round=t, path=str(self.run_dir / "checkpoint.pt"))
+
+    def _restore(self) -> None:
+        """Load the checkpoint into the coordinator and this service; rewrite ``metrics.jsonl`` from it.
+
+        A round that was running when the coordinator died was never checkpointed, so it is run
+        again from its start with the same round number; its devices drop their half of it
+        (docs/protocol.md, "Faults").
+        """
+        path = self.run_dir / "checkpoint.pt"
+        metrics = self.run_dir / "metrics.jsonl"
+        old_lines = _count_lines(metrics)
+        if not path.exists():  # died before its first round ended: nothing to keep
+            self.registered = self._load_devices({})
+            atomic_write(metrics, "")
+            self.log.warning("resume", from_round=0, reason=f"no checkpoint in {self.run_dir}: starting at round 1",
+                             dropped_metrics_lines=old_lines, registered=sorted(self.registered))
+            return
+        try:
+            ck = torch.load(path, map_location=self.co.device, weights_only=True)
+        except Exception as exc:
+            raise ValueError(f"cannot resume from {path}: {type(exc).__name__}: {exc}") from None
+        state = ck.get("resume") if isinstance(ck, dict) else None
+        if not isinstance(state, dict) or state.get("version") != RESUME_VERSION:
+            raise ValueError(f"{path} holds no resume state of version {RESUME_VERSION} (written by simulate or "
+                             "another version?): this run cannot be resumed")
+        if ck.get("arch") != self.cfg.model:
+            raise ValueError(f"{path} is a {ck.get('arch')!r} checkpoint, this run builds {self.cfg.model!r}")
+        changed = _changed(state["config"], self.cfg.to_dict())
+        if changed:
+            raise ValueError(f"cannot resume {self.run_dir}: its checkpoint was made with other settings "
+                             f"({'; '.join(changed)}); only {', '.join(RESUMABLE)} may change")
+        co, c = self.co, ck["coordinator"]
+        co.model.load_state_dict(c["model"])
+        co.head.load_state_dict(c["head"])
+        co.prototypes.load_state_dict(c["prototypes"])
+        co.phi_s.load_state_dict(c["phi_s"])
+        co.estimator.load_state_dict(c["estimator"])
+        co.cal_buffer.load_state_dict(c["cal_buffer"])
+        co.shared.opt.load_state_dict(state["opt"])
+        co.phi_opt.load_state_dict(state["phi_opt"])
+        co.split_samples = {int(k): int(v) for k, v in state["split_samples"].items()}
+        co.remote_errors = int(state["remote_errors"])
+        for name, rng_state in state["strategy_rngs"].items():
+            getattr(co.strategy, name).bit_generator.state = rng_state
+        _set_global_rngs(state["rng"])
+        self.records = list(state["records"])
+        self.registered = self._load_devices(state["registered"])
+        self._round = self.resumed_from = int(ck["round"])
+        self._elapsed0 = float(state["elapsed_s"])
+        atomic_write(metrics, "".join(json.dumps(r) + "\n" for r in self.records))
+        self.log.info("resume", from_round=self.resumed_from, next_round=self.resumed_from + 1,
+                      metrics_lines=len(self.records), dropped_metrics_lines=max(old_lines - len(self.records), 0),
+                      registered=sorted(self.registered))
+
+    def _save_devices(self) -> None:
+        """``devices.json``: who is registered now (call under the lock); a resumed coordinator reads it."""
+        atomic_write(self.run_dir / "devices.json", json.dumps(self.registered, indent=2, default=str))
+
+    def _load_devices(self, fallback: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """The devices registered when the last coordinator died (``devices.json``, else the checkpoint's):
+        they are still running and listening, so the resumed rounds include them without a new hello."""
+        try:
+            saved = json.loads((self.run_dir / "devices.json").read_text())
+        except (OSError, ValueError):
+            saved = fallback
+        if not isinstance(saved, dict):
+            saved = fallback
+        return {d: dict(info, restored=True) for d, info in saved.items()
+                if d in self.co.clients and isinstance(info, dict)}
 
     def _make_summary(self, wall_s: float) -> dict[str, Any]:
         if self._summarize is not None and self.records:
@@ -320,3 +445,42 @@ class CoordinatorService:
         except Exception:
             pass
         self.log.close()
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        return sum(1 for line in path.read_text().splitlines() if line.strip())
+    except OSError:
+        return 0
+
+
+def _changed(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
+    """``key: saved -> now`` for every setting outside RESUMABLE that differs (nested configs by dotted key)."""
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key), now.get(key)
+        if prefix == "" and key in RESUMABLE or a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict) and key != "model_args":
+            out += _changed(a, b, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
+
+
+def _global_rngs() -> dict[str, Any]:
+    """Python's, numpy's and torch's global generators, as plain values ``torch.load(weights_only=True)`` reads."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return {"python": random.getstate(), "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+            "torch": torch.get_rng_state(), "cuda": cuda}
+
+
+def _set_global_rngs(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"].cpu())
+    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

@@ -1,6 +1,6 @@
-"""The device as a long-lived agent: a ``TorchClient`` and its ``Peer``, kept alive across rounds.
+"""The device as a long-lived agent: a device role (``SplitClient``) and its ``Peer``, kept alive across rounds.
 
-``TorchClient`` is stepped (docs/method.md, "Rounds"): ``handle(round_start)`` arms a round and
+The role is stepped (docs/method.md, "Rounds"): ``handle(round_start)`` arms a round and
 ``step()`` advances it one request at a time. The agent is the driver for a real device:
 
 * it registers with ``hello`` (backend, ``num_samples``, capabilities) and retries while the
@@ -9,50 +9,45 @@
   thread (``while client.step(): pass``). Never on the delivery thread: on MQTT that thread also
   delivers to this address, and a round takes minutes; on the loopback it is the coordinator's
   service loop, which must go on starting the other devices;
-* after every round it saves the client's private state (prompts, r_prev, the last two
+* after every finished round it saves the client's private state (prompts, r_prev, the last two
   descriptors, the last interface mean, round count, its random generators) to ``state_dir``
-  atomically, and reloads it on start: a device that reboots keeps its own prompts and r and does
+  atomically, as an ``.npz`` of plain arrays (no pickle, no torch: the ONNX backend reads and writes
+  the same file), and reloads it on start: a device that reboots keeps its own prompts and r and does
   not replay the first round's batch order. The data never needs saving: both sides rebuild the
   partition from the run's seeded config (``fedsga_edge.runbuild``).
+  A round that fails, is refused or is overtaken rolls the agent back to the saved state, so a
+  half-done round leaves no trace (docs/protocol.md, "Faults").
 
 ``health()`` is what an operator (or a watchdog) reads: registered, rounds done, busy, last error.
 """
 
 from __future__ import annotations
 
-import os
-import platform
+import io
+import json
 import queue
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
-from fedsga_edge.runfiles import JsonLog, atomic_torch_save
+from fedsga_edge.runfiles import JsonLog, atomic_write
 from fedsga_edge.transport import Peer, TransportError
 from fedsga_edge.wire import Message, RemoteProtocolError
 
-from .client import TorchClient, _PrivateState
+from .role import PrivateState, SplitClient, _check_round_start
 
 __all__ = ["DeviceAgent", "RegistrationRefused", "STATE_FILE"]
 
-STATE_FILE = "state.pt"
-STATE_VERSION = 1
+STATE_FILE = "state.npz"
+STATE_VERSION = 2
+_ARRAYS = ("prompts", "m_prev", "m_last", "H_prev")
 
 
 class RegistrationRefused(Exception):
     """The coordinator answered the hello with an error: retrying would not change its answer."""
-
-
-def default_capabilities(device: torch.device) -> dict[str, Any]:
-    """What a coordinator may want to know when it plans splits (logged; not used by the rounds yet)."""
-    caps: dict[str, Any] = {"machine": platform.machine(), "system": platform.system(), "cpus": os.cpu_count() or 0,
-                            "torch": torch.__version__, "device": str(device), "threads": torch.get_num_threads()}
-    if device.type == "cuda":
-        caps["gpu"] = torch.cuda.get_device_name(device)
-    return caps
 
 
 class DeviceAgent:
@@ -60,12 +55,11 @@ class DeviceAgent:
 
     def __init__(
         self,
-        client: TorchClient,
+        client: SplitClient,
         peer: Peer,
         state_dir: str | Path,
         *,
         server: str = "coordinator",
-        backend: str = "torch",
         capabilities: dict[str, Any] | None = None,
         hello_timeout: float = 300.0,
         retry_s: float = 0.5,
@@ -73,8 +67,9 @@ class DeviceAgent:
         self.client = client
         self.peer = peer
         self.server = server
-        self.backend = backend
-        self.capabilities = capabilities if capabilities is not None else default_capabilities(client.device)
+        self.backend = client.backend.name
+        # What a coordinator may want to know when it plans splits (logged; not used by the rounds yet).
+        self.capabilities = capabilities if capabilities is not None else client.backend.capabilities()
         self.hello_timeout = hello_timeout
         self.retry_s = retry_s
         self.state_dir = Path(state_dir)
@@ -87,6 +82,7 @@ class DeviceAgent:
         self.last_error: str | None = None
         self._current: int | None = None
         self._latest = 0  # newest round announced; an older running round is abandoned for it
+        self._newest: Message | None = None  # the last round_start (a resumed coordinator sends a round again)
         self._lock = threading.Lock()
         self._queue: queue.Queue[Message] = queue.Queue()
         self._stop = threading.Event()
@@ -129,7 +125,8 @@ class DeviceAgent:
             attempts += 1
             left = deadline - time.monotonic()
             try:
-                reply = self.peer.call(self.server, "hello", 0, body, timeout=max(min(left, 30.0), 0.1))
+                # 10 s a try: a hello sent before the coordinator subscribed is lost, not late
+                reply = self.peer.call(self.server, "hello", 0, body, timeout=max(min(left, 10.0), 0.1))
             except (TransportError, RemoteProtocolError) as exc:  # coordinator not up yet, or a blip
                 last = f"{type(exc).__name__}: {exc}"
             else:
@@ -202,8 +199,10 @@ class DeviceAgent:
         if msg.sender != self.server:
             raise RemoteProtocolError(f"{self.cid} takes orders only from {self.server!r}, not {msg.sender!r:.140}")
         if msg.kind == "round_start":
+            _check_round_start(msg.body)  # a malformed one must not supersede the round running now
             with self._lock:
                 self._latest = max(self._latest, msg.round)
+                self._newest = msg
             self._queue.put(msg)
             return None
         if msg.kind == "bye":
@@ -219,7 +218,7 @@ class DeviceAgent:
                 msg = self._queue.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if msg.round < self._latest:
+            if self._superseded(msg):
                 self.log.warning("round_skipped", round=msg.round, newer=self._latest)
                 continue
             try:
@@ -248,7 +247,7 @@ class DeviceAgent:
                     client.abort()
                     self.log.warning("round_abandoned", round=t, reason="agent stopped")
                     return  # like a power loss: nothing saved
-                if self._latest > t:
+                if self._superseded(msg):
                     client.abort()
                     outcome = "superseded"
                     break
@@ -256,6 +255,9 @@ class DeviceAgent:
                     more = self._step()
                 except Exception as exc:  # transport down, reply timeout, a bug in a step
                     client.abort()
+                    if self._superseded(msg):  # waited on a coordinator that has restarted: nothing to report
+                        outcome = "superseded"
+                        break
                     outcome, self.last_error = "failed", f"{type(exc).__name__}: {exc}"
                     self._report(t, self.last_error)
                     break
@@ -263,18 +265,27 @@ class DeviceAgent:
                     break
             if outcome == "done" and client.last_error:  # the coordinator refused a request or the update
                 outcome, self.last_error = "refused", client.last_error
-                if client.last_error.startswith("update refused"):  # a refused request was reported already
+                # a refused request was reported already; a round that a resumed coordinator sent again is not
+                if client.last_error.startswith("update refused") and not self._superseded(msg):
                     self._report(t, client.last_error)
+            self.last_round = t
             if outcome == "done":
                 self.rounds_done += 1
                 self.last_error = None
-            self.last_round = t
-            self.save_state()
+                self.save_state()
+            elif self.state_path.exists():  # an unfinished round leaves no trace (docs/protocol.md, "Faults")
+                self.load_state()
+                self.last_round = t
         finally:
             self._current = None
         level = "info" if outcome == "done" else "warning"
         self.log.log("round_end", level, round=t, outcome=outcome, wall_s=time.perf_counter() - started,
                      r_prev=client.state.r_prev, error=self.last_error if outcome != "done" else None)
+
+    def _superseded(self, msg: Message) -> bool:
+        """A newer round_start arrived: a later round, or this round again from a resumed coordinator."""
+        newest = self._newest
+        return msg.round < self._latest or (newest is not None and newest is not msg and newest.round >= msg.round)
 
     def _step(self) -> bool:
         """One request of the running round (a seam for tests that need to freeze a device mid-round)."""
@@ -291,54 +302,49 @@ class DeviceAgent:
     def save_state(self) -> None:
         """Everything private the next round needs (docs/method.md), replaced atomically."""
         s = self.client.state
-        data = {
+        meta = {
             "version": STATE_VERSION,
             "device": self.cid,
             "run": self.peer.run,
+            "backend": self.backend,
             "rounds_done": self.rounds_done,
             "last_round": self.last_round,
-            "prompts": _cpu(s.prompts),
             "r_prev": float(s.r_prev),
-            "m_prev": _cpu(s.m_prev),
-            "m_last": _cpu(s.m_last),
-            "H_prev": _cpu(s.H_prev),
             "rounds": int(s.rounds),
             "extra": dict(s.extra),
             "rng": self.client.rng.bit_generator.state,
-            "gen": self.client.gen.get_state(),
         }
-        atomic_torch_save(data, self.state_path)
+        arrays = {k: np.asarray(getattr(s, k)) for k in _ARRAYS if getattr(s, k) is not None}
+        backend_rng = self.client.backend.rng_state()
+        if backend_rng is not None:
+            arrays["backend_rng"] = np.asarray(backend_rng)
+        buf = io.BytesIO()
+        np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+        atomic_write(self.state_path, buf.getvalue())
 
     def load_state(self) -> bool:
         """Restore the state a previous agent of this device saved; False when there is none."""
         if not self.state_path.exists():
             return False
-        data = torch.load(self.state_path, map_location="cpu", weights_only=True)
-        if data.get("version") != STATE_VERSION:
-            raise ValueError(f"{self.state_path}: state version {data.get('version')!r}, expected {STATE_VERSION}")
-        if data.get("device") != self.cid or data.get("run") != self.peer.run:
-            raise ValueError(f"{self.state_path} holds device {data.get('device')!r} of run {data.get('run')!r}, "
+        try:
+            with np.load(self.state_path, allow_pickle=False) as npz:
+                meta = json.loads(npz["meta"].tobytes().decode())
+                arrays = {k: np.array(npz[k]) for k in npz.files if k != "meta"}
+        except (OSError, ValueError, KeyError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{self.state_path} is not a device state file ({type(exc).__name__}: {exc}); "
+                             "move it away or use another --state-dir") from None
+        if meta.get("version") != STATE_VERSION:
+            raise ValueError(f"{self.state_path}: state version {meta.get('version')!r}, expected {STATE_VERSION}")
+        if meta.get("device") != self.cid or meta.get("run") != self.peer.run:
+            raise ValueError(f"{self.state_path} holds device {meta.get('device')!r} of run {meta.get('run')!r}, "
                              f"not {self.cid!r} of run {self.peer.run!r}: use another --state-dir")
-        dev = self.client.device
-        self.client.state = _PrivateState(
-            prompts=_to(data["prompts"], dev),
-            r_prev=float(data["r_prev"]),
-            m_prev=_to(data["m_prev"], dev),
-            m_last=_to(data["m_last"], dev),
-            H_prev=data["H_prev"],  # the client keeps this one on the CPU
-            rounds=int(data["rounds"]),
-            extra=dict(data["extra"]),
+        self.client.state = PrivateState(
+            r_prev=float(meta["r_prev"]), rounds=int(meta["rounds"]), extra=dict(meta["extra"]),
+            **{k: arrays.get(k) for k in _ARRAYS},
         )
-        self.client.rng.bit_generator.state = data["rng"]
-        self.client.gen.set_state(data["gen"])
-        self.rounds_done = int(data["rounds_done"])
-        self.last_round = int(data["last_round"])
+        self.client.rng.bit_generator.state = meta["rng"]
+        if "backend_rng" in arrays and meta.get("backend") == self.backend:
+            self.client.backend.set_rng_state(arrays["backend_rng"])
+        self.rounds_done = int(meta["rounds_done"])
+        self.last_round = int(meta["last_round"])
         return True
-
-
-def _cpu(x: torch.Tensor | None) -> torch.Tensor | None:
-    return None if x is None else x.detach().cpu().clone()
-
-
-def _to(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if x is None else x.to(device)

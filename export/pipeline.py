@@ -188,6 +188,7 @@ def export_prefixes(cfg: ExportConfig, log: Log = print) -> dict[str, Any]:
         "splits": list(model.splits),
         "prompts_m": cfg.prompts,
         "prompt_dim": model.prompt_dim,
+        "prompt_std": model.prompt_std,  # a torch-free device draws its own prompts with this scale
         "checkpoint": str(cfg.checkpoint) if cfg.checkpoint else None,
         "weights_sha256": weights_sha256(model),
     }
@@ -365,7 +366,7 @@ def export_prefixes(cfg: ExportConfig, log: Log = print) -> dict[str, Any]:
             graphs = export_train_graphs(
                 model, depth, out, stem, prompts_m=cfg.prompts, opset=cfg.opset, example_batch=cfg.example_batch
             )
-            for name in (graphs.forward_file, graphs.backward_file):
+            for name in (graphs.forward_file, graphs.backward_file, graphs.eval_file):
                 set_metadata(out / name, meta | {"variant": name.split(".")[-2]})
             checks, worst = check_train_graphs(
                 model, depth, out, graphs, prompts_m=cfg.prompts, batch=cfg.validate_batch

@@ -65,9 +65,11 @@ class RunConfig:
     speed_sigma: float = 0.5  # `resource`: log-normal spread of client speed factors
     profile: str | None = None  # `resource`: a measured latency profile (fedsga-edge profile --json)
     server_copies: str = "shared"  # "shared": one server copy, batches interleaved; "per_client": averaged copies
+    server_bn: str = "ema"  # server BN running stats: "ema" = torch's momentum 0.1; "round" = the round's batches averaged
     schedule: str = "round_robin"  # simulation only: SCHEDULES
     round_timeout: float = 0.0  # seconds a round may last before missing devices are dropped (0 = no deadline)
     prox_mu: float = 0.01  # FedProx's proximal weight (the CLI's --mu)
+    wire_format: str = "fp32"  # activations / gradients on the wire: fp32 | fp16 | int8 (weights stay fp32)
     train: TrainConfig = field(default_factory=TrainConfig)
     fedsga: FedSGAConfig = field(default_factory=FedSGAConfig)
 

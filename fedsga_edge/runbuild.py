@@ -9,6 +9,9 @@ against the size it expects.
 This is wiring: it imports both roles. ``Simulation`` is ``plan_run`` + ``build_coordinator`` +
 ``build_client`` for each device, so the global torch RNG is consumed in the same order everywhere
 and a service's coordinator starts from the simulation's initial weights.
+
+torch is imported only where a torch side is built: a device on the ONNX backend plans its data and
+builds its agent from here without it (tests/test_onnx_device.py makes torch unimportable).
 """
 
 from __future__ import annotations
@@ -18,22 +21,37 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from fedsga_edge.config import SCHEDULES, RunConfig
 from fedsga_edge.data import DatasetBundle, load_dataset, partition
-from fedsga_edge.models import CostTable, SplitModel, create_model
 from fedsga_edge.transport import Peer, Transport
+
+if TYPE_CHECKING:
+    import torch
+
+    from fedsga_edge.models import CostTable, SplitModel
 
 __all__ = ["COORDINATOR", "RunPlan", "CoordinatorSide", "client_id", "plan_run", "make_model", "build_coordinator",
            "build_client", "coordinator_service", "device_agent", "default_run_id", "resolve_device", "validate_config",
-           "summarize"]
+           "summarize", "WIRE_FORMATS", "peer_format"]
 
 COORDINATOR = "coordinator"
+# --wire-format -> the codec's tensor_format (docs/protocol.md, "Messages"); Peer applies it to the
+# per-batch tensors only (transport/peer.py LOSSY_FIELDS), weights always travel fp32.
+WIRE_FORMATS: dict[str, str] = {"fp32": "raw", "fp16": "fp16", "int8": "int8"}
 
 
-def resolve_device(name: str) -> torch.device:
+def peer_format(cfg: RunConfig) -> str:
+    """The Peer ``tensor_format`` for ``cfg.wire_format`` (validated by ``validate_config``)."""
+    return WIRE_FORMATS[cfg.wire_format]
+
+
+def resolve_device(name: str) -> "torch.device":
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
@@ -44,7 +62,7 @@ def resolve_device(name: str) -> torch.device:
 
 def validate_config(cfg: RunConfig) -> None:
     """Reject bad settings with a message that names the flag, before any work starts."""
-    from fedsga_edge.coordinator import list_strategies
+    from fedsga_edge.coordinator.strategy import list_strategies  # torch-free: a device validates too
 
     problems = []
     if cfg.strategy not in list_strategies():
@@ -55,6 +73,8 @@ def validate_config(cfg: RunConfig) -> None:
         problems.append("--round-timeout must be >= 0 (0 = no deadline)")
     if cfg.prox_mu < 0:
         problems.append("--mu must be >= 0")
+    if cfg.wire_format not in WIRE_FORMATS:
+        problems.append(f"--wire-format must be one of {', '.join(WIRE_FORMATS)} (got {cfg.wire_format!r})")
     if cfg.clients < 1:
         problems.append("--clients must be >= 1")
     if cfg.rounds < 1:
@@ -73,6 +93,8 @@ def validate_config(cfg: RunConfig) -> None:
     f = cfg.fedsga
     if cfg.server_copies not in ("shared", "per_client"):
         problems.append(f"--server-copies must be shared or per-client (got {cfg.server_copies!r})")
+    if cfg.server_bn not in ("round", "ema"):
+        problems.append(f"--server-bn must be round or ema (got {cfg.server_bn!r})")
     if f.cal_every < 1:
         problems.append("--cal-every must be >= 1")
     if not 0 <= f.mu_proto <= 1:
@@ -102,7 +124,7 @@ class RunPlan:
 
     cfg: RunConfig
     bundle: DatasetBundle
-    device: torch.device
+    device: Any  # torch.device; the string "cpu" on a torch-free device
     parts: list[np.ndarray]  # training-set indices of each client, in client order
     client_ids: list[str]
 
@@ -114,8 +136,8 @@ class RunPlan:
 @dataclass
 class CoordinatorSide:
     plan: RunPlan
-    model: SplitModel
-    costs: CostTable
+    model: "SplitModel"
+    costs: "CostTable"
     strategy: Any  # fedsga_edge.coordinator.Strategy
     coordinator: Any  # fedsga_edge.coordinator.Coordinator
 
@@ -126,18 +148,21 @@ class CoordinatorSide:
                                 "client_sizes": self.plan.sizes} | self.strategy.info()
 
 
-def plan_run(cfg: RunConfig, bundle: DatasetBundle | None = None, *, seed_globals: bool = True) -> RunPlan:
+def plan_run(cfg: RunConfig, bundle: DatasetBundle | None = None, *, seed_globals: bool = True,
+             torch_free: bool = False) -> RunPlan:
     """Validate, seed, load the data and partition it exactly as ``Simulation`` does.
 
     ``seed_globals=False`` leaves Python's, numpy's and torch's global generators alone: a device
     needs none of them (its batches and prompts come from the client's own seeded generators), and
     a device built in the coordinator's process must not reset the stream the coordinator uses.
     Partitions and the training subset use their own seeded generators either way.
+    ``torch_free=True`` (a device on the ONNX backend) imports no torch: no global seeding, no
+    device resolution.
     """
     validate_config(cfg)
-    if seed_globals:
+    if seed_globals and not torch_free:
         _seed_everything(cfg.seed)
-    device = resolve_device(cfg.device)
+    device = "cpu" if torch_free else resolve_device(cfg.device)
     bundle = bundle or load_dataset(cfg.dataset, cfg.data_root, image_size=cfg.img_size)
     train_idx = _subset(bundle.train.labels, cfg.train_subset, cfg.seed)
     domains = None if bundle.train.domains is None else bundle.train.domains[train_idx]
@@ -148,8 +173,10 @@ def plan_run(cfg: RunConfig, bundle: DatasetBundle | None = None, *, seed_global
     return RunPlan(cfg, bundle, device, [train_idx[p] for p in parts], [client_id(i) for i in range(cfg.clients)])
 
 
-def make_model(cfg: RunConfig, bundle: DatasetBundle) -> SplitModel:
+def make_model(cfg: RunConfig, bundle: DatasetBundle) -> "SplitModel":
     """``Simulation._make_model``: the backbone both sides build."""
+    from fedsga_edge.models import create_model
+
     kwargs: dict[str, Any] = {"num_classes": bundle.num_classes, "img_size": cfg.img_size or bundle.image_size,
                               "width": cfg.width, **cfg.model_args}
     return create_model(cfg.model, pretrained=cfg.pretrained, **kwargs)
@@ -158,6 +185,7 @@ def make_model(cfg: RunConfig, bundle: DatasetBundle) -> SplitModel:
 def build_coordinator(plan: RunPlan) -> CoordinatorSide:
     """Model, costs, strategy and Coordinator for the clients' sizes, in Simulation's order."""
     from fedsga_edge.coordinator import Coordinator, create_strategy
+    from fedsga_edge.models import CostTable
 
     cfg = plan.cfg
     model = make_model(cfg, plan.bundle)
@@ -173,15 +201,38 @@ def build_coordinator(plan: RunPlan) -> CoordinatorSide:
     return CoordinatorSide(plan, model, costs, strategy, coordinator)
 
 
-def build_client(plan: RunPlan, i: int, peer: Any, *, server: str = COORDINATOR) -> Any:
-    """Device ``i``'s TorchClient: its own partition, the run's seed and the same model factory."""
-    from fedsga_edge.device.client import ClientData, TorchClient
+def build_client(plan: RunPlan, i: int, peer: Any, *, server: str = COORDINATOR, backend: str = "torch",
+                 artifacts: str | Path | None = None, threads: int | None = None) -> Any:
+    """Device ``i``'s role: its own partition, the run's seed, and the torch or ONNX backend.
+
+    The ONNX backend needs ``export --train`` artifacts of the run's model (checked here, so a
+    mismatch is an error at start-up, not in round 1).
+    """
+    from fedsga_edge.device.role import ClientData
 
     if not 0 <= i < len(plan.parts):
         raise ValueError(f"device index {i} out of range 0..{len(plan.parts) - 1} (--clients {plan.cfg.clients})")
     b = plan.bundle
-    return TorchClient(plan.client_ids[i], ClientData(b.train, plan.parts[i], b.mean, b.std),
-                       lambda: make_model(plan.cfg, b), peer, server=server, seed=plan.cfg.seed, device=plan.device)
+    data = ClientData(b.train, plan.parts[i], b.mean, b.std)
+    cid, cfg = plan.client_ids[i], plan.cfg
+    if backend == "torch":
+        from fedsga_edge.device.client import TorchClient
+
+        return TorchClient(cid, data, lambda: make_model(cfg, b), peer, server=server, seed=cfg.seed,
+                           device=plan.device)
+    if backend != "onnx":
+        raise ValueError(f"--backend must be torch or onnx (got {backend!r})")
+    if artifacts is None:
+        raise ValueError("--backend onnx needs --artifacts DIR (made by `fedsga-edge export --train`)")
+    from fedsga_edge.device.onnx_backend import OnnxBackend, check_artifacts
+    from fedsga_edge.device.role import SplitClient, device_rng
+
+    rng, backend_seed = device_rng(cfg.seed, cid)
+    be = OnnxBackend(artifacts, data, np.random.default_rng(backend_seed), threads=threads)
+    uses_prompts = cfg.strategy == "fedsga" and cfg.fedsga.adapt
+    check_artifacts(be.manifest, model=cfg.model, width=cfg.width, num_classes=b.num_classes,
+                    img_size=cfg.img_size or b.image_size, prompts_m=cfg.fedsga.prompts if uses_prompts else 0)
+    return SplitClient(cid, data, be, peer, rng=rng, server=server)
 
 
 def coordinator_service(
@@ -197,7 +248,7 @@ def coordinator_service(
     from fedsga_edge.coordinator.service import CoordinatorService
 
     side = build_coordinator(plan_run(cfg, bundle))
-    peer = Peer(transport, COORDINATOR, run_id or default_run_id(cfg))
+    peer = Peer(transport, COORDINATOR, run_id or default_run_id(cfg), tensor_format=peer_format(cfg))
     b = side.plan.bundle
     service = CoordinatorService(
         side.coordinator, peer, run_dir, test=(b.test, b.mean, b.std), run_info=side.run_info(),
@@ -214,16 +265,20 @@ def device_agent(
     bundle: DatasetBundle | None = None,
     run_id: str | None = None,
     plan: RunPlan | None = None,
+    backend: str = "torch",
+    artifacts: str | Path | None = None,
+    threads: int | None = None,
     **agent_kwargs: Any,
 ) -> Any:
     """Device ``i``'s DeviceAgent on ``transport`` (not started); restores its state from ``state_dir``."""
     from fedsga_edge.device.agent import DeviceAgent
 
-    plan = plan or plan_run(cfg, bundle, seed_globals=False)
+    plan = plan or plan_run(cfg, bundle, seed_globals=False, torch_free=backend != "torch")
     if not 0 <= i < len(plan.client_ids):
         raise ValueError(f"device index {i} out of range 0..{len(plan.client_ids) - 1} (--clients {cfg.clients})")
-    peer = Peer(transport, plan.client_ids[i], run_id or default_run_id(cfg))
-    return DeviceAgent(build_client(plan, i, peer), peer, state_dir, server=COORDINATOR, **agent_kwargs)
+    peer = Peer(transport, plan.client_ids[i], run_id or default_run_id(cfg), tensor_format=peer_format(plan.cfg))
+    client = build_client(plan, i, peer, backend=backend, artifacts=artifacts, threads=threads)
+    return DeviceAgent(client, peer, state_dir, server=COORDINATOR, **agent_kwargs)
 
 
 def summarize(records: list[dict[str, Any]], cfg: RunConfig, wall_s: float) -> dict[str, Any]:
@@ -277,6 +332,8 @@ def _subset(labels: np.ndarray, n: int, seed: int) -> np.ndarray:
 
 
 def _seed_everything(seed: int) -> None:
+    import torch
+
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

@@ -25,6 +25,7 @@ from fedsga_edge.runbuild import (
     build_client,
     build_coordinator,
     default_run_id,
+    peer_format,
     plan_run,
     resolve_device,
     summarize,
@@ -38,7 +39,9 @@ __all__ = ["Simulation", "run_simulation", "validate_config", "resolve_device"]
 class Simulation:
     """Builds everything for a run; ``rounds()`` yields one metrics record per round."""
 
-    def __init__(self, cfg: RunConfig, bundle: DatasetBundle | None = None) -> None:
+    def __init__(self, cfg: RunConfig, bundle: DatasetBundle | None = None, *, backend: str = "torch",
+                 artifacts: str | Path | None = None) -> None:
+        """``backend="onnx"`` runs every device on the torch-free ONNX backend (``export --train`` artifacts)."""
         plan = plan_run(cfg, bundle)
         self.cfg, self.bundle, self.device = cfg, plan.bundle, plan.device
         self.parts, self.client_ids = plan.parts, plan.client_ids
@@ -48,12 +51,13 @@ class Simulation:
         self.run_info = side.run_info()
         self.transport = LoopbackTransport()
         run_id = default_run_id(cfg)
-        self.peer = Peer(self.transport, COORDINATOR, run_id)
+        fmt = peer_format(cfg)  # --wire-format: per-batch tensors only (docs/protocol.md, "Messages")
+        self.peer = Peer(self.transport, COORDINATOR, run_id, tensor_format=fmt)
         self.peer.register(self.coordinator.receive)
         self.clients = []
         for i, cid in enumerate(self.client_ids):
-            cpeer = Peer(self.transport, cid, run_id)
-            client = build_client(plan, i, cpeer)
+            cpeer = Peer(self.transport, cid, run_id, tensor_format=fmt)
+            client = build_client(plan, i, cpeer, backend=backend, artifacts=artifacts)
             cpeer.register(client.handle)
             self.clients.append(client)
         self.schedule_rng = np.random.default_rng([cfg.seed, 13])

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["to_numpy_state", "from_numpy_state", "to_numpy", "from_numpy", "image_batch", "augment_batch", "probe_mode"]
+__all__ = ["to_numpy_state", "from_numpy_state", "to_numpy", "from_numpy", "image_batch", "augment_batch", "probe_mode",
+           "round_average_bn"]
 
 
 def to_numpy(t: Tensor) -> np.ndarray:
@@ -75,3 +76,20 @@ def probe_mode(*modules: torch.nn.Module) -> Iterator[None]:
             own = dict(m.named_buffers())
             for k, v in buffers.items():
                 own[k].copy_(v)
+
+
+def round_average_bn(module: torch.nn.Module) -> None:
+    """Make ``module``'s BatchNorm running statistics the plain average over the batches it sees next.
+
+    The server's shared blocks take one step per device batch, devices interleaved. With torch's EMA
+    (momentum 0.1) their running statistics, which evaluation uses, would be those of the last ~10
+    batches of the round: under label skew, a few devices' classes. Reset at round start and averaged
+    cumulatively (momentum None), they weigh every batch of the round alike, i.e. each device by its
+    data, as FedAvg's data-weighted average of the devices' statistics does (docs/method.md,
+    "Server-side BatchNorm statistics"). Training is unchanged: train-mode BatchNorm normalises with
+    batch statistics.
+    """
+    for m in module.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            m.momentum = None
+            m.reset_running_stats()

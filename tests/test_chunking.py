@@ -94,17 +94,18 @@ def test_declared_total_over_cap_is_rejected_and_later_parts_dropped():
     assert r.in_flight_bytes == 0
 
 
-def test_in_flight_cap_rejects_the_newcomer_and_keeps_the_rest():
+def test_in_flight_cap_counts_bytes_held_and_the_older_message_gives_way():
     first = split_message(b"1" * 600, max_chunk=200, msg_id="first")
     second = split_message(b"2" * 600, max_chunk=200, msg_id="second")
     r = Reassembler(max_bytes=1000, timeout_s=10)
-    assert r.feed(first[0]) is None
-    assert r.in_flight_bytes == 600
-    with pytest.raises(RemoteProtocolError, match="in flight"):
-        r.feed(second[0])
-    outs = [r.feed(c) for c in first[1:]]
-    assert outs[-1] == b"1" * 600 and r.in_flight_bytes == 0
-    assert r.stats == {**r.stats, "rejected": 1, "completed": 1}
+    assert all(r.feed(c) is None for c in first[:-1])
+    held = r.in_flight_bytes
+    assert 0 < held < 600  # what arrived, not the 600 declared
+    assert [r.feed(c) for c in second][-1] == b"2" * 600  # the stale half-sent one was evicted for it
+    with pytest.raises(RemoteProtocolError, match="evicted"):
+        r.feed(first[-1])  # its sender hears why, once
+    assert r.feed(first[0]) is None and r.in_flight_bytes == 0
+    assert r.stats == {**r.stats, "evicted": 1, "completed": 1, "rejected": 0}
 
 
 def test_timeout_with_fake_clock():
@@ -144,7 +145,7 @@ def test_corrupted_part_is_caught_by_the_crc():
     with pytest.raises(RemoteProtocolError, match="corrupted"):
         for c in chunks:
             r.feed(c)
-    assert r.stats["rejected"] == 1 and r.in_flight_bytes == len(b"other" * 40)
+    assert r.stats["rejected"] == 1 and r.in_flight_bytes == len(chunk_fields(other[0])["part"])
     assert [r.feed(c) for c in other[1:]][-1] == b"other" * 40  # nothing else lost
 
 

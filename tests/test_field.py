@@ -3,6 +3,8 @@
 Everything runs over the loopback transport, with each agent training on its own worker thread,
 so the coordinator sees the devices' requests truly interleaved, as it will over MQTT. Configs are
 tiny (digits, ResNet-18 at width 0.25, two batches per round) and every wait has a timeout.
+The last tests check how ``fedsga-edge device | coordinator`` layer their settings: flag, then
+``FEDSGA_EDGE_<NAME>``, then a TOML file, then the default (parsed by click, nothing run).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from fedsga_edge.config import RunConfig, TrainConfig
 from fedsga_edge.runbuild import build_client, coordinator_service, device_agent, plan_run
 from fedsga_edge.simulation import Simulation
 from fedsga_edge.transport import LoopbackTransport, Peer
-from fedsga_edge.device.agent import DeviceAgent
+from fedsga_edge.device.agent import STATE_FILE, DeviceAgent
 from fedsga_edge.wire import Message, decode, encode
 
 WAIT = 180.0  # seconds any one run may take before the test fails instead of hanging
@@ -107,9 +109,9 @@ def test_three_agents_two_rounds_then_a_restart_keeps_private_state(digits, tmp_
     again = device_agent(cfg, 0, transport, tmp_path / "state-0", bundle=digits)  # a fresh process would do the same
     after = again.client.state
     assert again.restored and again.health()["rounds_done"] == 2
-    assert torch.equal(after.prompts, before.prompts) and after.r_prev == before.r_prev
-    assert torch.equal(after.m_last, before.m_last) and torch.equal(after.m_prev, before.m_prev)
-    assert torch.equal(after.H_prev, before.H_prev) and after.rounds == 2
+    assert np.array_equal(after.prompts, before.prompts) and after.r_prev == before.r_prev
+    assert np.array_equal(after.m_last, before.m_last) and np.array_equal(after.m_prev, before.m_prev)
+    assert np.array_equal(after.H_prev, before.H_prev) and after.rounds == 2
     assert again.client.rng.bit_generator.state == rng_state  # no replay of round 1's batch order
     again.log.close()
     with pytest.raises(ValueError, match="use another --state-dir"):  # another device's state is refused
@@ -150,7 +152,7 @@ def test_a_device_stopped_mid_round_fails_at_the_deadline_and_the_run_goes_on(di
     assert r1["failures"] == {"client-002": "missed the round deadline"}
     assert r2["failures"]["client-002"].startswith("round_start not delivered")  # gone from the transport
     assert r1["round_s"] >= 10.0 and r2["round_s"] < 10.0
-    assert not (tmp_path / "state-2" / "state.pt").exists()  # it never finished a round: nothing to keep
+    assert not (tmp_path / "state-2" / STATE_FILE).exists()  # it never finished a round: nothing to keep
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["failures"] == 2
     for a in agents:
         assert a.health()["rounds_done"] == 2
@@ -185,3 +187,69 @@ def test_hello_is_checked_and_an_agent_retries_until_the_coordinator_is_up(digit
     assert events.count("hello_refused") == 3 and events.count("hello_ack") == 2
     early.stop()
     service.close()
+
+
+# -- configuration layers of `fedsga-edge device | coordinator`: flag > FEDSGA_EDGE_* > TOML > default ----------
+
+def _parsed(command: str, args: list[str]):
+    """What click resolves for ``command`` (every layer applied), without running it."""
+    import typer.main
+
+    from fedsga_edge.cli.main import app
+
+    return typer.main.get_command(app).commands[command].make_context(command, list(args))
+
+
+def test_flags_beat_environment_beat_the_toml_file_beat_defaults(tmp_path, monkeypatch) -> None:
+    toml = tmp_path / "device.toml"
+    toml.write_text('broker = "mqtt://from-file:1883"\nindex = 2\nstate_dir = "/from/file"\nrounds = 7\nseed = 3\n'
+                    'model_arg = ["depth=1"]\nno_adapt = true\nwidth = 1\n')
+    monkeypatch.setenv("FEDSGA_EDGE_CONFIG", str(toml))
+    monkeypatch.setenv("FEDSGA_EDGE_SEED", "5")
+    monkeypatch.setenv("FEDSGA_EDGE_STATE_DIR", "/from/env")
+    ctx = _parsed("device", ["--index", "1", "--state-dir", "/from/flag"])
+    p = ctx.params
+    assert p["index"] == 1 and str(p["state_dir"]) == "/from/flag"  # flag over environment over file
+    assert p["seed"] == 5  # environment over file
+    assert p["broker"] == "mqtt://from-file:1883" and p["rounds"] == 7 and p["no_adapt"] is True  # file over default
+    assert p["model_arg"] == ["depth=1"] and p["width"] == 1.0
+    assert p["clients"] == 20 and p["backend"] == "torch"  # defaults
+    monkeypatch.delenv("FEDSGA_EDGE_CONFIG")
+    other = tmp_path / "other.toml"
+    other.write_text('run_dir = "/runs/a"\nregister_timeout = 12.5\n')
+    monkeypatch.setenv("FEDSGA_EDGE_BROKER", "mqtt://from-env:1883")
+    c = _parsed("coordinator", ["--config-file", str(other)]).params
+    assert c["broker"] == "mqtt://from-env:1883" and str(c["run_dir"]) == "/runs/a" and c["register_timeout"] == 12.5
+
+
+def _cli(args: list[str], **env: str):
+    from typer.testing import CliRunner
+
+    from fedsga_edge.cli.main import app
+
+    return CliRunner().invoke(app, args, env={"COLUMNS": "300", **env})
+
+
+def test_a_bad_config_file_is_refused_naming_the_key_and_the_file(tmp_path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('broker = "mqtt://127.0.0.1:1"\nstate-dir = "/x"\n')
+    res = _cli(["device", "--config-file", str(bad), "--index", "0"])
+    assert res.exit_code == 2 and "unknown key 'state-dir'" in res.output and "did you mean 'state_dir'" in res.output
+    assert str(bad) in res.output
+    bad.write_text('rounds = "many"\n')
+    res = _cli(["coordinator", "--config-file", str(bad)])
+    assert res.exit_code == 2 and "key 'rounds' must be an integer, not a string 'many'" in res.output
+    bad.write_text('index = 0\n')  # a device's key, not the coordinator's
+    res = _cli(["coordinator"], FEDSGA_EDGE_CONFIG=str(bad))
+    assert res.exit_code == 2 and "unknown key 'index'" in res.output
+    bad.write_text('rounds = \n')
+    res = _cli(["device", "--config-file", str(bad)])
+    assert res.exit_code == 2 and "is not valid TOML" in res.output
+
+
+def test_run_flags_next_to_a_run_config_are_refused(tmp_path) -> None:
+    cfg = tmp_path / "run_config.json"
+    cfg.write_text(json.dumps(tiny().to_dict()))
+    res = _cli(["device", "--broker", "mqtt://127.0.0.1:1", "--index", "0", "--state-dir", str(tmp_path / "s"),
+                "--config", str(cfg), "--rounds", "3"], FEDSGA_EDGE_SEED="4")
+    assert res.exit_code == 2 and "--rounds (command line)" in res.output and "FEDSGA_EDGE_SEED (environment)" in res.output

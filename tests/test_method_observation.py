@@ -36,10 +36,18 @@ def test_drift_and_prompt_variation():
     assert prompt_variation(torch.ones(4), None) == 0.0
 
 
-def test_observation_as_tensor():
+def test_observation_values():
     o = Observation(a=0.5, delta=2.0, q=0.25)
-    assert torch.equal(o.as_tensor(), torch.tensor([0.5, 2.0, 0.25]))
-    assert torch.equal(o.as_tensor(adapt=False), torch.tensor([0.5, 2.0]))
+    assert o.values() == [0.5, 2.0, 0.25]
+    assert o.values(adapt=False) == [0.5, 2.0]
+    assert o.as_array().dtype.name == "float32" and o.as_array().tolist() == [0.5, 2.0, 0.25]
+
+
+def test_alignment_rejects_labels_outside_the_prototypes():
+    import pytest
+
+    with pytest.raises(ValueError, match="labels"):
+        alignment(torch.ones(2, 2), torch.ones(2, 2), torch.tensor([0, 2]))
 
 
 def test_shallow_head_and_loss():

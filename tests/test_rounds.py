@@ -165,7 +165,7 @@ def test_device_probe_changes_no_state(digits) -> None:
     before = {k: v.clone() for k, v in client.model.state_dict().items()}
     client.model.eval()
     body = {"train": {"batch_size": 8}}
-    probe = client._probe(client.model, body, client.state.prompts, [0.1, 0.2, 0.3], 0.5)
+    probe = client._probe(body, client.state.prompts, [0.1, 0.2, 0.3], 0.5)
     assert probe["z1"].shape[0] == 8 and np.isfinite(probe["zref"]).all()
     for k, v in client.model.state_dict().items():
         assert torch.equal(v, before[k]), k

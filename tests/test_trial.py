@@ -1,18 +1,29 @@
-"""`fedsga-edge trial`: a real Mosquitto, the coordinator and device agents as separate OS processes."""
+"""`fedsga-edge trial` and its brokers: the coordinator and device agents as separate OS processes over
+the embedded broker (the default) or an external Mosquitto (`--broker mqtt://...`), and the embedded
+broker itself (fedsga_edge.coordinator.broker) through the project's MqttTransport."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import re
+import socket
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
+import numpy as np
+import psutil
 import pytest
+
+from fedsga_edge.coordinator.broker import embedded_available, mosquitto_path, start_embedded, start_mosquitto
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if os.path.exists("/usr/sbin/mosquitto") else None)
+MOSQUITTO = mosquitto_path()
+needs_embedded = pytest.mark.skipif(not embedded_available(), reason='no iotcore (pip install "fedsga-edge[train]")')
 TINY = ["--dataset", "digits", "--model", "resnet18_cifar", "--width", "0.25", "--seed", "0", "--local-epochs", "1",
         "--max-batches", "2", "--batch-size", "32", "--round-timeout", "300"]
 
@@ -22,8 +33,16 @@ def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           timeout=timeout, env=os.environ | {"COLUMNS": "200"})
 
 
-@pytest.mark.skipif(MOSQUITTO is None, reason="no mosquitto binary (apt-get install mosquitto)")
-def test_trial_runs_every_device_in_every_round(tmp_path) -> None:
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+@needs_embedded
+def test_trial_runs_every_device_in_every_round_on_the_embedded_broker(tmp_path) -> None:
     out = tmp_path / "run"
     res = _cli("trial", "--clients", "3", "--rounds", "2", "--strategy", "fedsga", "--out", str(out), "--quiet", *TINY)
     assert res.returncode == 0, res.stderr[-3000:] + (out / "logs" / "coordinator.out").read_text()[-3000:]
@@ -34,20 +53,26 @@ def test_trial_runs_every_device_in_every_round(tmp_path) -> None:
     assert "L1" in rows[0]["clients"]["client-000"]  # round 1 calibrates over the wire too
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds"] == 2 and summary["failures"] == 0 and 0 <= summary["final_acc"] <= 1
-    for name in ("broker.out", "coordinator.out", "device-000.out", "device-002.out"):
+    for name in ("broker.out", "broker.toml", "coordinator.out", "device-000.out", "device-002.out"):
         assert (out / "logs" / name).is_file()
+    assert "embedded broker" in (out / "logs" / "broker.out").read_text()  # no per-packet trace either
+    assert (out / "logs" / "broker.out").stat().st_size < 2000
+    port = int(re.search(r'listen = "127\.0\.0\.1:(\d+)"', (out / "logs" / "broker.toml").read_text()).group(1))
+    assert not _accepts(port)  # the trial stopped its broker
     assert (out / "devices" / "client-001").is_dir()  # each agent kept its private state
     log = [json.loads(line) for line in (out / "coordinator.log").read_text().splitlines()]
     assert any(e["event"] == "round_end" for e in log)  # machine-readable JSON lines
 
 
 @pytest.mark.skipif(MOSQUITTO is None, reason="no mosquitto binary (apt-get install mosquitto)")
-def test_one_device_trial_matches_simulate(tmp_path) -> None:
+def test_one_device_trial_on_an_external_mosquitto_matches_simulate(tmp_path) -> None:
     """One device: the same computation in one process and over MQTT between three processes."""
     trial, sim = tmp_path / "trial", tmp_path / "sim"
     flags = ["--clients", "1", "--rounds", "1", "--strategy", "static", *TINY]
-    res = _cli("trial", "--out", str(trial), "--quiet", *flags)
+    with start_mosquitto(tmp_path / "mosquitto") as broker:
+        res = _cli("trial", "--broker", broker.url, "--out", str(trial), "--quiet", *flags)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert not (trial / "logs" / "broker.out").exists()  # an external broker: the trial started none
     res = _cli("simulate", "--out", str(sim), "--quiet", "--threads", "1", *flags)
     assert res.returncode == 0, res.stderr[-3000:]
     a = json.loads((trial / "metrics.jsonl").read_text().splitlines()[0])
@@ -57,9 +82,132 @@ def test_one_device_trial_matches_simulate(tmp_path) -> None:
     assert a["splits"] == b["splits"]
 
 
-def test_trial_without_a_broker_says_how_to_get_one(tmp_path) -> None:
+def test_trial_with_an_unreachable_broker_says_so_before_starting_anything(tmp_path) -> None:
     res = _cli("trial", "--clients", "1", "--rounds", "1", "--broker", "mqtt://127.0.0.1:1", "--out",
                str(tmp_path / "run"), "--quiet", *TINY, timeout=300)
-    assert res.returncode == 1 and "coordinator exited" in res.stderr
-    coordinator_log = (tmp_path / "run" / "logs" / "coordinator.out").read_text()
-    assert "cannot use broker mqtt://127.0.0.1:1" in coordinator_log and "Traceback" not in coordinator_log
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "cannot reach broker mqtt://127.0.0.1:1" in res.stderr and "omit --broker" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "run" / "logs" / "coordinator.out").exists()  # failed before spawning the roles
+
+
+_WILL_CHILD = """
+import sys, time
+from fedsga_edge.transport.mqtt import MqttTransport
+t = MqttTransport("127.0.0.1", int(sys.argv[1]), run="r", client_id="client-9", connect_timeout=10)
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
+@needs_embedded
+@pytest.mark.timeout(120)
+def test_embedded_broker_is_loopback_only_carries_big_messages_keeps_status_and_will_and_stops(tmp_path) -> None:
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from fedsga_edge.transport import Peer
+    from fedsga_edge.transport.mqtt import MqttTransport
+
+    broker = start_embedded(tmp_path / "logs")
+    made: list[MqttTransport] = []
+    try:
+        # 127.0.0.1 only, one listener (no console or metrics port)
+        listening = [c.laddr for c in psutil.Process(broker.pid).net_connections("inet") if c.status == "LISTEN"]
+        assert [(a.ip, a.port) for a in listening] == [("127.0.0.1", broker.port)]
+
+        # > 1 MiB through MqttTransport + Peer, in one publish (max_packet 4 MiB: no chunking; rumqttd's
+        # default 20 KB payload limit would disconnect the sender) and chunked under the default 256 KiB
+        for max_packet in (4 << 20, 256 << 10):
+            run = f"r{max_packet}"
+            coord_t = MqttTransport("127.0.0.1", broker.port, run=run, client_id=f"coordinator-{max_packet}",
+                                    max_packet=max_packet, connect_timeout=10)
+            dev_t = MqttTransport("127.0.0.1", broker.port, run=run, client_id=f"client-1-{max_packet}",
+                                  max_packet=max_packet, connect_timeout=10)
+            made += [coord_t, dev_t]
+            coord, dev = Peer(coord_t, "coordinator", run), Peer(dev_t, "client-1", run)
+            coord.register(lambda m, c=coord: c.reply(m, "gradient", {"dz": -m.body["z"], "loss": 0.0}))
+            z = np.random.default_rng(0).standard_normal(400_000).astype(np.float32)  # 1.6 MB
+            rep = dev.call("coordinator", "activation", 1, {"z": z, "y": np.zeros(4, np.int64), "split": 1}, timeout=30)
+            assert rep.kind == "gradient" and np.array_equal(rep.body["dz"], -z)
+        # TCP_NODELAY on the broker's sockets: without it a small round trip waits ~40 ms for a delayed ACK
+        small = {"z": np.zeros(4, np.float32), "y": np.zeros(1, np.int64), "split": 1}
+        times = []
+        for _ in range(9):
+            t = time.perf_counter()
+            dev.call("coordinator", "activation", 1, small, timeout=30)
+            times.append(time.perf_counter() - t)
+        assert sorted(times)[4] < 0.025, times
+
+        # a persistent session (clean_session=False) gets the QoS 1 messages sent while it was away
+        away = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="away", clean_session=False)
+        away.connect("127.0.0.1", broker.port)
+        away.loop_start()
+        assert away.subscribe("fedsga/r/down/away", qos=1)[0] == paho.MQTT_ERR_SUCCESS
+        time.sleep(0.3)
+        away.loop_stop()
+        away.disconnect()
+        sender = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="sender")
+        sender.connect("127.0.0.1", broker.port)
+        sender.loop_start()
+        sender.publish("fedsga/r/down/away", b"while-away", qos=1).wait_for_publish(10)
+        sender.loop_stop()
+        sender.disconnect()
+        queued: list[bytes] = []
+        back = threading.Event()
+        away.on_message = lambda _c, _u, m: (queued.append(m.payload), back.set())
+        away.reconnect()
+        away.loop_start()
+        try:
+            assert back.wait(10) and queued == [b"while-away"]
+        finally:
+            away.loop_stop()
+            away.disconnect()
+
+        # retained status and the last will (docs/protocol.md, "Status and last will")
+        child = subprocess.Popen([sys.executable, "-c", _WILL_CHILD, str(broker.port)], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "up"
+        seen: dict[str, tuple[bytes, bool]] = {}
+        offline = threading.Event()
+
+        def on_message(_c: object, _u: object, msg: paho.MQTTMessage) -> None:
+            seen[msg.topic] = (msg.payload, msg.retain)
+            if msg.topic.endswith("client-9") and msg.payload == b"offline":
+                offline.set()
+
+        watcher = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="watcher")
+        watcher.on_message = on_message
+        watcher.connect("127.0.0.1", broker.port)
+        watcher.subscribe("fedsga/r/status/+", qos=1)
+        watcher.loop_start()
+        try:
+            deadline = time.monotonic() + 10
+            while "fedsga/r/status/client-9" not in seen and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert seen["fedsga/r/status/client-9"] == (b"online", True)  # retained, for a late subscriber
+            child.kill()
+            child.wait(10)
+            assert offline.wait(10), seen  # the broker published the will when the connection dropped
+        finally:
+            watcher.loop_stop()
+            watcher.disconnect()
+        late: list[tuple[bytes, bool]] = []
+        got = threading.Event()
+        late_client = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="late")
+        late_client.on_message = lambda _c, _u, m: (late.append((m.payload, m.retain)), got.set())
+        late_client.connect("127.0.0.1", broker.port)
+        late_client.subscribe("fedsga/r/status/client-9", qos=1)
+        late_client.loop_start()
+        try:
+            assert got.wait(10) and late[0] == (b"offline", True)  # the will was retained
+        finally:
+            late_client.loop_stop()
+            late_client.disconnect()
+    finally:
+        for t in made:
+            t.close()
+        broker.stop()
+    assert broker.proc.returncode is not None and not psutil.pid_exists(broker.pid)
+    assert broker.pid not in {p.pid for p in psutil.Process().children(recursive=True)}
+    assert not _accepts(broker.port)
+    assert "embedded broker" in Path(broker.log).read_text()

@@ -8,15 +8,13 @@ processes, and shows the rounds as they land in the run's ``metrics.jsonl``.
 
 from __future__ import annotations
 
+import copy
+import difflib
 import inspect
 import json
-import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import typing
 from collections.abc import Callable
@@ -44,16 +42,161 @@ def _with_run_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def _config(config: Optional[Path], flags: dict[str, Any]) -> Any:
-    """``--config`` (a RunConfig JSON, as trial writes it) wins over flags; else the flags."""
+# -- configuration layers: flag > FEDSGA_EDGE_<NAME> > TOML file > default ---------------------------
+
+ENV_PREFIX = "FEDSGA_EDGE_"
+CONFIG_FILE_ENV = "FEDSGA_EDGE_CONFIG"  # the TOML file; so --config (a run config JSON) reads another variable
+_ENVVAR_OF = {"config": "FEDSGA_EDGE_RUN_CONFIG"}
+_SOURCES = {"COMMANDLINE": "command line", "ENVIRONMENT": "environment", "DEFAULT_MAP": "config file"}
+
+
+def _layered(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Every option of ``fn`` can also come from ``FEDSGA_EDGE_<NAME>`` and from a TOML file.
+
+    No precedence code of our own: click takes a value from the command line, then the option's
+    ``envvar``, then ``ctx.default_map``, then the default. The eager ``--config-file`` (or
+    ``$FEDSGA_EDGE_CONFIG``) callback fills ``default_map`` from the file before any other option
+    is read. Apply after ``_with_run_flags`` so simulate's run flags get the same layers.
+    """
+    params = []
+    for p in inspect.signature(fn).parameters.values():
+        info = p.default
+        if isinstance(info, typer.models.OptionInfo) and not info.envvar:
+            info = copy.copy(info)  # simulate's OptionInfo objects are shared: never change them in place
+            info.envvar = _ENVVAR_OF.get(p.name, ENV_PREFIX + p.name.upper())
+            p = p.replace(default=info)
+        params.append(p)
+    params.append(inspect.Parameter("config_file", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Optional[Path],
+                                    default=typer.Option(
+        None, "--config-file", envvar=CONFIG_FILE_ENV, is_eager=True, expose_value=False, callback=_read_config_file,
+        help="A TOML file of defaults: keys are the option names with underscores (state_dir = \"...\"). "
+             "Command-line flags, then FEDSGA_EDGE_<NAME> variables, override it.")))
+    fn.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    return fn
+
+
+def _read_config_file(ctx: typer.Context, param: typer.CallbackParam, value: Optional[Path]) -> Optional[Path]:
+    """``--config-file``: the file's keys become the command's defaults (``ctx.default_map``)."""
+    if value is not None:
+        ctx.default_map = {**(ctx.default_map or {}), **_toml_defaults(ctx, Path(value))}
+        ctx.meta["fedsga_config_file"] = str(value)
+    return value
+
+
+def _toml_defaults(ctx: typer.Context, path: Path) -> dict[str, Any]:
+    """The file's values, each checked against its option: an unknown key or a wrong type names the
+    key and the file (a typo must not silently leave an option at its default)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10 (pyproject installs tomli there)
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot read {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise typer.BadParameter(f"{path} is not valid TOML: {exc}") from None
+    options = {p.name: p for p in ctx.command.params if p.expose_value and p.name}
+    for key, value in data.items():
+        opt = options.get(key)
+        if opt is None:
+            near = difflib.get_close_matches(key.replace("-", "_"), list(options), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise typer.BadParameter(f"{path}: unknown key {key!r}{hint}; the keys are this command's option "
+                                     "names with underscores (see --help)")
+        kind, many = _toml_kind(opt)
+        bad = _toml_mismatch(value, kind, many)
+        if bad:
+            raise typer.BadParameter(f"{path}: key {key!r} must be {bad}, not {_toml_type(value)} {value!r:.80}")
+    return data
+
+
+def _toml_kind(opt: Any) -> tuple[str, bool]:
+    """(the TOML type an option takes, whether it takes a list of them), from its annotation."""
+    many = bool(getattr(opt, "multiple", False))
+    if not hasattr(opt, "type_descriptor"):  # typer before 0.2x: a click parameter type
+        name = getattr(getattr(opt, "type", None), "name", "")
+        kind = "boolean" if getattr(opt, "is_flag", False) or name == "boolean" else \
+            "integer" if name.startswith("integer") else "number" if name.startswith("float") else "string"
+        return kind, many
+    annotation = opt.type_descriptor.annotation
+    if many and typing.get_args(annotation):
+        annotation = typing.get_args(annotation)[0]
+    if getattr(opt, "is_flag", False) or annotation is bool:
+        return "boolean", many
+    kinds = {int: "integer", float: "number"}
+    return kinds.get(annotation, "string"), many
+
+
+def _toml_mismatch(value: Any, kind: str, many: bool) -> str | None:
+    """What ``value`` should have been, or None when it fits (bool is no number here, unlike Python)."""
+    if many:
+        if not isinstance(value, list) or any(_toml_mismatch(v, kind, False) for v in value):
+            return f"an array of {kind}s"
+        return None
+    ok = {"boolean": isinstance(value, bool),
+          "integer": isinstance(value, int) and not isinstance(value, bool),
+          "number": isinstance(value, (int, float)) and not isinstance(value, bool),
+          "string": isinstance(value, str)}[kind]
+    return None if ok else f"an {kind}" if kind == "integer" else f"a {kind}"
+
+
+def _toml_type(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array",
+            dict: "a table"}.get(type(value), type(value).__name__)
+
+
+def _explicit(ctx: typer.Context | None, names: typing.Iterable[str]) -> list[str]:
+    """Which of ``names`` were set on purpose, and where (command line, environment, config file)."""
+    if ctx is None:
+        return []
+    given = []
+    for name in names:
+        source = ctx.get_parameter_source(name)
+        where = _SOURCES.get(getattr(source, "name", ""))
+        if where == "environment":
+            given.append(f"{ENV_PREFIX}{name.upper()} (environment)")
+        elif where == "config file":
+            given.append(f"{name} (config file {ctx.meta.get('fedsga_config_file')})")
+        elif where:
+            given.append(f"--{name.replace('_', '-')} (command line)")
+    return given
+
+
+def _config(config: Optional[Path], flags: dict[str, Any], ctx: typer.Context | None = None) -> Any:
+    """``--config`` (a RunConfig JSON, as trial writes it) or the run flags, never both: a run flag
+    set anywhere (flag, environment, config file) next to ``--config`` is an error, not ignored."""
     from fedsga_edge.config import RunConfig
 
     if config is not None:
+        given = _explicit(ctx, RUN_FLAGS)
+        if given:
+            raise typer.BadParameter(f"--config {config} holds the run's settings, but {', '.join(given)} "
+                                     "also set run flags: use one or the other")
         try:
             return RunConfig.from_dict(json.loads(Path(config).read_text()))
         except (OSError, ValueError, TypeError) as exc:
             raise typer.BadParameter(f"--config {config}: {exc}") from None
     return run_config(**{k: v for k, v in flags.items() if k in RUN_FLAGS})
+
+
+def _saved_config(run_dir: Path) -> Any:
+    """The RunConfig a coordinator wrote to RUN/config.json (its extra keys, e.g. client_sizes, dropped)."""
+    import dataclasses
+
+    from fedsga_edge.config import RunConfig
+
+    path = run_dir / "config.json"
+    try:
+        data = json.loads(path.read_text())
+        known = {f.name for f in dataclasses.fields(RunConfig)}
+        return RunConfig.from_dict({k: v for k, v in data.items() if k in known})
+    except FileNotFoundError:
+        raise typer.BadParameter(f"--resume {run_dir}: no config.json there (not a run folder?); pass the run's "
+                                 "flags or --config too") from None
+    except (OSError, ValueError, TypeError) as exc:
+        raise typer.BadParameter(f"--resume {run_dir}: {path}: {exc}") from None
 
 
 FIELD_DEADLINE_S = 600.0
@@ -67,21 +210,41 @@ def _with_deadline(cfg: Any) -> Any:
     return cfg
 
 
-def _transport(broker: str, run: str, client_id: str, max_packet: int) -> Any:
+def _transport(broker: str, run: str, client_id: str, max_packet: int, request_timeout: float = 60.0) -> Any:
     from fedsga_edge.transport.mqtt import MqttTransport
 
     try:
-        return MqttTransport.from_url(broker, run=run, client_id=client_id, max_packet=max_packet)
+        return MqttTransport.from_url(broker, run=run, client_id=client_id, max_packet=max_packet,
+                                      request_timeout=request_timeout)
     except Exception as exc:  # a bad URL or an unreachable broker is the user's to fix, not a traceback
-        typer.secho(f"error: cannot use broker {broker}: {exc}", fg="red", err=True)
+        typer.secho(f"error: cannot use broker {_redacted(broker)}: {exc}", fg="red", err=True)
         raise typer.Exit(2) from None
 
 
+def _redacted(url: str) -> str:
+    """The broker URL without its password: errors land in journals and CI logs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+@_layered
 @_with_run_flags
 def coordinator(
-    broker: str = typer.Option(..., help="mqtt://[user:pass@]host:port or mqtts://..."),
-    run_dir: Path = typer.Option(..., help="Run folder: config, metrics, summary, checkpoint, coordinator.log."),
+    ctx: typer.Context,
+    broker: str = typer.Option(..., help="mqtt://host:port or mqtts://host:port (a login: mqtt://user:pass@host:port)."),
+    run_dir: Optional[Path] = typer.Option(None, help="Run folder: config, metrics, summary, checkpoint, coordinator.log."),
     config: Optional[Path] = typer.Option(None, help="A RunConfig JSON (e.g. RUN/run_config.json) instead of flags."),
+    resume: Optional[Path] = typer.Option(
+        None, help="Continue the run in this folder from its last checkpoint (after a crash or kill); its config.json "
+        "holds the settings unless flags or --config are given. Devices need not restart."),
     min_devices: Optional[int] = typer.Option(None, help="Devices to wait for before round 1 (default: --clients)."),
     register_timeout: float = typer.Option(300.0, help="Seconds to wait for them; then go on with those there are."),
     max_packet: int = typer.Option(256 * 1024, help="Largest MQTT payload; bigger messages are chunked."),
@@ -89,14 +252,23 @@ def coordinator(
     **flags: Any,
 ) -> None:
     """Serve the server side of a run: wait for devices, run every round with a deadline, write the run files."""
+    if run_dir is None and resume is None:
+        raise typer.BadParameter("give --run-dir RUN (a new run) or --resume RUN (continue one)")
+    if run_dir is not None and resume is not None and run_dir.resolve() != resume.resolve():
+        raise typer.BadParameter(f"--run-dir {run_dir} and --resume {resume} name different folders")
+    run_dir = resume if run_dir is None else run_dir
     set_threads(threads)
-    cfg = _with_deadline(_config(config, flags))
+    if resume is not None and config is None and not _explicit(ctx, RUN_FLAGS):
+        cfg = _saved_config(resume)
+    else:
+        cfg = _config(config, flags, ctx)
+    cfg = _with_deadline(cfg)
     from fedsga_edge.runbuild import coordinator_service, default_run_id
 
     transport = _transport(broker, default_run_id(cfg), "coordinator", max_packet)
     try:
         service = coordinator_service(cfg, transport, run_dir, min_devices=min_devices or cfg.clients,
-                                      register_timeout=register_timeout)
+                                      register_timeout=register_timeout, resume=resume is not None)
         signal.signal(signal.SIGTERM, lambda *_: service.stop())
         summary = service.run()
     except ValueError as exc:
@@ -107,27 +279,35 @@ def coordinator(
                f"failures={summary.get('failures')} -> {run_dir}")
 
 
+@_layered
 @_with_run_flags
 def device(
-    broker: str = typer.Option(..., help="mqtt://[user:pass@]host:port or mqtts://..."),
+    ctx: typer.Context,
+    broker: str = typer.Option(..., help="mqtt://host:port or mqtts://host:port (a login: mqtt://user:pass@host:port)."),
     index: int = typer.Option(..., help="Which device of the run this is (0..clients-1): its id and data share."),
     state_dir: Path = typer.Option(..., help="Private state (prompts, r, descriptors) kept across restarts."),
     config: Optional[Path] = typer.Option(None, help="A RunConfig JSON instead of flags."),
-    backend: str = typer.Option("torch", help="torch (the ONNX backend comes with the field issue's next step)."),
+    backend: str = typer.Option("torch", help="torch | onnx (onnxruntime + numpy, no torch: needs --artifacts)."),
+    artifacts: Optional[Path] = typer.Option(None, help="--backend onnx: the folder `fedsga-edge export --train` wrote."),
     max_packet: int = typer.Option(256 * 1024, help="Largest MQTT payload; bigger messages are chunked."),
-    threads: int = typer.Option(0, help="torch intra-op threads (0 = torch's default)."),
+    threads: int = typer.Option(0, help="Intra-op threads of torch or onnxruntime (0 = the library's default)."),
+    request_timeout: float = typer.Option(60.0, help="Seconds to wait for the coordinator's reply to one request."),
     **flags: Any,
 ) -> None:
     """Run one device agent until the coordinator ends the run (or SIGTERM)."""
-    if backend != "torch":
-        raise typer.BadParameter(f"--backend {backend!r} is not available yet; use torch")
-    set_threads(threads)
-    cfg = _config(config, flags)
+    if backend not in ("torch", "onnx"):
+        raise typer.BadParameter(f"--backend must be torch or onnx (got {backend!r})")
+    if backend == "onnx" and artifacts is None:
+        raise typer.BadParameter("--backend onnx needs --artifacts DIR (made by `fedsga-edge export --train`)")
+    if backend == "torch":
+        set_threads(threads)  # the onnx backend passes them to onnxruntime and never imports torch
+    cfg = _config(config, flags, ctx)
     from fedsga_edge.runbuild import client_id, default_run_id, device_agent
 
-    transport = _transport(broker, default_run_id(cfg), client_id(index), max_packet)
+    transport = _transport(broker, default_run_id(cfg), client_id(index), max_packet, request_timeout)
     try:
-        agent = device_agent(cfg, index, transport, state_dir, backend=backend)
+        agent = device_agent(cfg, index, transport, state_dir, backend=backend, artifacts=artifacts,
+                             threads=threads or None)
         stopping = False
 
         def on_term(*_: Any) -> None:
@@ -135,9 +315,21 @@ def device(
             stopping = True
 
         signal.signal(signal.SIGTERM, on_term)
-        agent.start()
+        from fedsga_edge.device.agent import RegistrationRefused
+        from fedsga_edge.device.systemd import Systemd
+
+        sd = Systemd()  # under systemd (Type=notify, WatchdogSec=): READY once registered, then heartbeats
+        try:
+            agent.start()
+        except (RegistrationRefused, TimeoutError) as exc:  # refused by, or never reached, the coordinator
+            agent.stop()
+            typer.secho(f"error: {client_id(index)} is not registered: {exc}", fg="red", err=True)
+            raise typer.Exit(1) from None
+        sd.ready(f"registered as {agent.cid}")
         while not stopping and not agent.finished.is_set():
+            sd.watchdog(agent.health()["alive"])  # a dead worker thread stops the heartbeat: systemd restarts us
             time.sleep(0.2)
+        sd.stopping()
         if stopping:
             agent.leave("stopped by SIGTERM")
         else:
@@ -151,9 +343,14 @@ def device(
 @_with_run_flags
 def trial(
     out: Path = typer.Option(Path("runs/trial"), help="Run folder: simulate's files, one log per process, device state."),
-    broker: Optional[str] = typer.Option(None, help="Use this broker; default: start Mosquitto on a free 127.0.0.1 port."),
+    broker: Optional[str] = typer.Option(
+        None, help="mqtt://HOST:PORT of a running broker (e.g. Mosquitto), or 'mosquitto' to start one here; "
+                   "default ('embedded'): start the broker pip installs (iotcore) on a free 127.0.0.1 port."),
     startup_timeout: float = typer.Option(300.0, help="Seconds the coordinator waits for every device to register."),
     threads: int = typer.Option(1, help="torch threads per process (processes share the cores)."),
+    backend: str = typer.Option("torch", help="The devices' backend: torch | onnx (onnxruntime + numpy, no torch)."),
+    artifacts: Optional[Path] = typer.Option(
+        None, help="--backend onnx: `export --train` artifacts of the run's model; default: export them into OUT/artifacts."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
     **flags: Any,
 ) -> None:
@@ -169,9 +366,14 @@ def trial(
     (out / "logs").mkdir(exist_ok=True)
     cfg_path = out / "run_config.json"
     cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2))
-    broker_proc = None
-    if broker is None:
-        broker, broker_proc = _start_mosquitto(out / "logs")
+    device_args: list[str] = []
+    if backend not in ("torch", "onnx"):
+        raise typer.BadParameter(f"--backend must be torch or onnx (got {backend!r})")
+    if backend == "onnx":
+        artifacts = artifacts or _export_for_devices(cfg, out, quiet)
+        device_args = ["--backend", "onnx", "--artifacts", str(artifacts)]
+    local = _start_broker(broker, out / "logs")
+    broker = local.url if local is not None else str(broker)
     base = [sys.executable, "-m", "fedsga_edge.cli.main"]
     signal.signal(signal.SIGTERM, _raise_interrupt)  # run the cleanup below when the trial is stopped
     common = ["--broker", broker, "--config", str(cfg_path), "--threads", str(threads)]
@@ -187,7 +389,8 @@ def trial(
             log = open(out / "logs" / f"device-{i:03d}.out", "w")
             logs.append(log)
             procs[f"device-{i:03d}"] = subprocess.Popen(
-                base + ["device", "--index", str(i), "--state-dir", str(out / "devices" / f"client-{i:03d}")] + common,
+                base + ["device", "--index", str(i), "--state-dir", str(out / "devices" / f"client-{i:03d}")] + common
+                + device_args,
                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         _follow(out / "metrics.jsonl", procs["coordinator"], cfg.rounds, quiet)
         rc = procs["coordinator"].wait()
@@ -202,15 +405,39 @@ def trial(
                 p.kill()
         for log in logs:
             log.close()
-        if broker_proc is not None:
-            broker_proc.terminate()
-            broker_proc.wait(10)
+        if local is not None:
+            local.stop()
     if rc != 0:
         typer.secho(f"error: the coordinator exited with {rc}; see {out / 'logs' / 'coordinator.out'}", fg="red", err=True)
         raise typer.Exit(1)
     summary = json.loads((out / "summary.json").read_text())
     typer.echo(f"final_acc={summary.get('final_acc')} rounds={summary.get('rounds')} "
                f"failures={summary.get('failures')} -> {out}")
+
+
+def _export_for_devices(cfg: Any, out: Path, quiet: bool) -> Path:
+    """``fedsga-edge export --train`` of the run's model for torch-free devices (weights come each round)."""
+    if cfg.model_args:
+        raise typer.BadParameter("--backend onnx: the export takes no --model-arg; export the artifacts yourself "
+                                 "and pass --artifacts")
+    from fedsga_edge.data import load_dataset
+
+    bundle = load_dataset(cfg.dataset, cfg.data_root, image_size=cfg.img_size)
+    dest = out / "artifacts"
+    cmd = [sys.executable, "-m", "fedsga_edge.cli.main", "export", "--model", cfg.model, "--train",
+           "--num-classes", str(bundle.num_classes), "--prompts", str(cfg.fedsga.prompts), "--out", str(dest)]
+    if cfg.width is not None:
+        cmd += ["--width", str(cfg.width)]
+    if cfg.img_size:
+        cmd += ["--img-size", str(cfg.img_size)]
+    if not quiet:
+        typer.echo(f"exporting the devices' train graphs -> {dest} (log: {out / 'logs' / 'export.out'})")
+    with open(out / "logs" / "export.out", "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        typer.secho(f"error: the export failed; see {out / 'logs' / 'export.out'}", fg="red", err=True)
+        raise typer.Exit(1)
+    return dest
 
 
 def _raise_interrupt(*_: Any) -> None:
@@ -248,36 +475,26 @@ def _follow(metrics: Path, coordinator: subprocess.Popen, rounds: int, quiet: bo
     bar.close()
 
 
-def _mosquitto() -> str | None:
-    return shutil.which("mosquitto") or next((p for p in ("/usr/sbin/mosquitto",) if os.path.exists(p)), None)
+def _start_broker(broker: Optional[str], log_dir: Path) -> Any:
+    """The trial's broker: start the embedded one (None) or Mosquitto ('mosquitto') on a free 127.0.0.1
+    port with its log in ``log_dir``, or check that a given URL answers. Returns the RunningBroker to stop
+    at the end, or None for an external broker. The launchers live in ``fedsga_edge.coordinator.broker``."""
+    from fedsga_edge.coordinator.broker import BrokerError, check_reachable, start_embedded, start_mosquitto
 
-
-def _start_mosquitto(log_dir: Path) -> tuple[str, subprocess.Popen]:
-    """Mosquitto on a free 127.0.0.1 port, anonymous, for this trial only."""
-    exe = _mosquitto()
-    if exe is None:
-        typer.secho("error: no broker: pass --broker mqtt://HOST:PORT or install Mosquitto "
-                    "(Debian/Ubuntu: apt-get install mosquitto)", fg="red", err=True)
-        raise typer.Exit(2)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    conf = Path(tempfile.mkdtemp(prefix="fedsga-broker-")) / "mosquitto.conf"
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\npersistence false\n")
-    proc = subprocess.Popen([exe, "-c", str(conf)], stdout=open(log_dir / "broker.out", "w"), stderr=subprocess.STDOUT,
-                            preexec_fn=_die_with_parent)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return f"mqtt://127.0.0.1:{port}", proc
-        except OSError:
-            if proc.poll() is not None:
-                break
-            time.sleep(0.1)
-    proc.kill()
-    typer.secho(f"error: Mosquitto did not start; see {log_dir / 'broker.out'}", fg="red", err=True)
-    raise typer.Exit(2)
+    try:
+        if broker is None or broker == "embedded":
+            local = start_embedded(log_dir)
+        elif broker == "mosquitto":
+            local = start_mosquitto(log_dir)
+        else:
+            check_reachable(broker)  # before starting N processes that would each time out on it
+            return None
+    except BrokerError as exc:
+        hint = " (omit --broker to use the embedded broker)" if broker not in (None, "embedded", "mosquitto") else ""
+        typer.secho(f"error: {exc}{hint}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"broker: {local.kind} at {local.url} (log: {local.log})", err=True)
+    return local
 
 
 def register(app: typer.Typer) -> None:

@@ -16,7 +16,7 @@ app = typer.Typer(
 
 simulate.register(app)
 
-for _name in ("export_cmd", "profile_cmd", "plot_cmd", "report_cmd", "field_cmd"):  # registered when present
+for _name in ("export_cmd", "profile_cmd", "plot_cmd", "report_cmd", "field_cmd", "broker_cmd"):  # when present
     try:
         _mod = __import__(f"{__package__}.{_name}", fromlist=["register"])
     except ModuleNotFoundError as _exc:  # pragma: no cover - only while a command is absent

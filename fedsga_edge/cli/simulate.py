@@ -62,8 +62,14 @@ def simulate(
     server_copies: str = typer.Option(
         "shared", help="shared: one server copy trained on the clients in turn (SplitFed-v2 style); "
         "per-client: each client trains its own copy, averaged every round (SplitFed-v1 style)."),
+    server_bn: str = typer.Option(
+        "ema", help="Server-side BatchNorm running statistics: ema (torch's momentum 0.1: the last ~10 batches "
+        "dominate) | round (the average over the round's batches, every device weighed by its data)."),
     schedule: str = typer.Option("round-robin", help="How devices interleave: round-robin (one local step each in turn) | random (seeded) | sequential (one device after another)."),
     round_timeout: float = typer.Option(0.0, help="Seconds a round may last; devices still training then are left out of it (0 = no deadline)."),
+    wire_format: str = typer.Option(
+        "fp32", help="Tensor encoding of the per-batch activations and gradients on the wire: fp32 | fp16 (half the "
+        "bytes) | int8 (a quarter, per-tensor scale). Weights always travel fp32 (docs/protocol.md, \"Messages\")."),
     threads: int = typer.Option(0, help="torch intra-op threads (0 = torch's default). Use 1 when other jobs share the cores."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ) -> None:
@@ -127,7 +133,9 @@ def run_config(**flags: Any) -> RunConfig:
         pretrained=str(f.pretrained) if f.pretrained else None, strategy=f.strategy, split=f.split, seed=f.seed,
         device=f.device, train_subset=f.train_subset, eval_every=f.eval_every, speed_sigma=f.speed_sigma,
         profile=str(f.profile) if f.profile else None, server_copies=f.server_copies.replace("-", "_"),
+        server_bn=f.server_bn,
         schedule=f.schedule.replace("-", "_"), round_timeout=f.round_timeout, prox_mu=f.mu,
+        wire_format=f.wire_format,
         model_args=_model_args(f.model_arg),
         train=TrainConfig(local_epochs=f.local_epochs, batch_size=f.batch_size, lr=f.lr, momentum=f.momentum,
                           weight_decay=f.weight_decay, augment=f.augment, max_batches=f.max_batches),

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Harmonizer", "alignment_loss", "server_loss"]
+__all__ = ["Harmonizer", "ShallowHead", "alignment_loss", "phi_s_loss", "server_loss"]
 
 
 class Harmonizer(nn.Module):
@@ -102,3 +102,26 @@ def server_loss(
     align = alignment_loss(Z, labels, prototypes, tau_a)
     loss = ce + lambda_align * align
     return loss, {"ce": ce.detach(), "align": align.detach()}
+
+
+class ShallowHead(nn.Module):
+    """phi_s (Eq. 3): Linear-ReLU-Linear from pooled p_1 features (in_dim) to the prototype space.
+
+    Trained here on the coordinator; devices evaluate it with ``method.heads.shallow_head``.
+    """
+
+    def __init__(self, in_dim: int, proto_dim: int, hidden: int | None = None) -> None:
+        super().__init__()
+        hidden = proto_dim if hidden is None else hidden
+        self.net = nn.Sequential(
+            nn.Linear(in_dim, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, proto_dim)
+        )
+
+    def forward(self, pooled: Tensor) -> Tensor:
+        """(B, in_dim) -> (B, proto_dim)."""
+        return self.net(pooled)
+
+
+def phi_s_loss(phi_s_out: Tensor, labels: Tensor, prototypes: Tensor, tau_a: float = 0.5) -> Tensor:
+    """Training loss of phi_s: the harmonizer's prototype-alignment loss (Eq. 9) on phi_s outputs."""
+    return alignment_loss(phi_s_out, labels, prototypes, tau_a)

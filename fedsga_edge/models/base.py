@@ -20,6 +20,7 @@ class SplitModel(nn.Module):
 
     arch: str = ""
     family: str = ""  # "cnn" or "vit": decides how prompts enter and how activations pool
+    prompt_std: float = 1.0  # scale of a fresh prompt token (init_prompts); in the export manifest too
 
     def __init__(
         self,

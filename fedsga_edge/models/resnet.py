@@ -66,6 +66,9 @@ class ResNetSplit(SplitModel):
     """Blocks: [stem, layer1, layer2, layer3, layer4]; candidate splits after layer1, 2, 3."""
 
     family = "cnn"
+    # std 1: with std 0.02 every token got the same gradient direction (cosine 1.0000),
+    # which makes Eq. 2's per-token contributions meaningless.
+    prompt_std = 1.0
 
     def __init__(self, num_classes: int, width: float, imagenet_stem: bool, input_size: int) -> None:
         if width <= 0:
@@ -91,9 +94,7 @@ class ResNetSplit(SplitModel):
         return h.mean(dim=(2, 3))
 
     def init_prompts(self, m: int, generator: torch.Generator | None = None) -> Tensor:
-        # std 1: with std 0.02 every token got the same gradient direction (cosine 1.0000),
-        # which makes Eq. 2's per-token contributions meaningless.
-        return torch.randn(m, self.prompt_dim, generator=generator)
+        return self.prompt_std * torch.randn(m, self.prompt_dim, generator=generator)
 
     @staticmethod
     def remap_upstream(state: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -48,6 +48,7 @@ class ViTSplit(SplitModel):
     """Blocks: [embed, block_1 .. block_D]; candidate splits after blocks D/4, D/2, 3D/4 (3, 6, 9 for D=12)."""
 
     family = "vit"
+    prompt_std = 0.02
 
     def __init__(self, vit: nn.Module, input_size: int) -> None:
         depth = len(vit.blocks)
@@ -68,7 +69,7 @@ class ViTSplit(SplitModel):
         return h.mean(dim=1)
 
     def init_prompts(self, m: int, generator: torch.Generator | None = None) -> Tensor:
-        return 0.02 * torch.randn(m, self.prompt_dim, generator=generator)
+        return self.prompt_std * torch.randn(m, self.prompt_dim, generator=generator)
 
     def set_fused_attention(self, enabled: bool) -> None:
         """timm's fused attention has no ONNX op and breaks joint-graph export: turn it off there."""

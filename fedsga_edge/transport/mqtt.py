@@ -61,6 +61,10 @@ _MAX_CID = 64
 # so a peer cannot pin 100x its reservation with 1-byte chunks. Honest chunks are >= 2.9 KiB.
 _MIN_PART = 1024
 _MAX_REASON = 1000
+_JOB_COST = 256  # a queued job's bookkeeping, counted with its payload against max_buffer_bytes
+_SEEN_PER_TOPIC = 1024  # request cids remembered per topic (QoS 1 redeliveries), so floods stay their own
+_SEEN_TOPICS = 4096
+_MAX_PARTIAL_PER_SENDER = 64  # chunked messages one sender may have half-sent at once
 _ONLINE, _OFFLINE = b"online", b"offline"
 _BROADCAST = "*"  # the dst recorded in stats for a broadcast
 
@@ -94,8 +98,8 @@ class _Frame:
 
 def _parse_frame(data: bytes) -> _Frame:
     """Validate one MQTT payload as a frame; anything else is RemoteProtocolError."""
-    try:
-        d = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0)
+    try:  # a frame is one flat map: no arrays or big maps, so a hostile one cannot expand in memory
+        d = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0, max_array_len=0, max_map_len=8)
     except Exception as e:  # msgpack's ValueError zoo
         raise RemoteProtocolError(f"not a frame ({len(data)} bytes of non-msgpack)") from e
     if not isinstance(d, dict) or d.get("tf") != FRAME_VERSION or isinstance(d.get("tf"), bool):
@@ -116,7 +120,7 @@ def _parse_frame(data: bytes) -> _Frame:
 def _check_chunk_head(chunk: bytes, want_id: str) -> None:
     """What the Reassembler does not check: whose chunk this is, and that its parts are not tiny."""
     try:
-        head = msgpack.unpackb(chunk, raw=False, strict_map_key=True, max_ext_len=0)
+        head = msgpack.unpackb(chunk, raw=False, strict_map_key=True, max_ext_len=0, max_array_len=0, max_map_len=16)
     except Exception as e:
         raise RemoteProtocolError("chunk is not msgpack") from e
     if not isinstance(head, dict) or head.get("id") != want_id:
@@ -244,13 +248,16 @@ class MqttTransport(Transport):
         self._workers: dict[str, _Worker] = {}
         self._local: set[str] = set()  # addresses this instance speaks for
         self._pending: dict[str, _Pending] = {}
-        self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # (topic, cid) of handled requests
+        # topic -> cids of requests queued or handled, per topic so one publisher's flood evicts only its own
+        self._seen: OrderedDict[str, OrderedDict[str, None]] = OrderedDict()
         self._queued_bytes = 0
         self._cids = itertools.count(1)
         self._cid_prefix = os.urandom(4).hex()
         self._thread_state = threading.local()
-        # Only paho's network thread touches the reassembler.
-        self.reassembler = Reassembler(max_buffer_bytes, reassembly_timeout)
+        # Only paho's network thread touches the reassembler. It counts the part bytes it holds, per
+        # sender too (a flooder is evicted before a sender within its fair share is refused).
+        self.reassembler = Reassembler(max_buffer_bytes, reassembly_timeout,
+                                       max_owner_pending=_MAX_PARTIAL_PER_SENDER)
 
         self._client = mqtt.Client(
             callback_api_version=CallbackAPIVersion.VERSION2,
@@ -625,7 +632,7 @@ class MqttTransport(Transport):
         self.reassembler.expire()
         try:
             _check_chunk_head(frame.chunk, f"{src}#{frame.cid}")
-            return self.reassembler.feed(frame.chunk)
+            return self.reassembler.feed(frame.chunk, owner=src)
         except RemoteProtocolError as e:
             # Raised once per bad message (later chunks of a rejected one are dropped quietly),
             # except for chunks that contradict their siblings: then the requester hears it more
@@ -656,15 +663,21 @@ class MqttTransport(Transport):
         pending.event.set()
 
     def _dispatch(self, src: str, dst: str, frame: _Frame, payload: bytes, topic: str, reply_topic: str) -> None:
-        key = (topic, frame.cid)
         refuse = None
+        cost = len(payload) + _JOB_COST
         with self._lock:
-            if key in self._seen:  # QoS 1 redelivery of a request already queued or handled
+            seen = self._seen.get(topic)
+            if seen is None:
+                seen = self._seen[topic] = OrderedDict()
+                while len(self._seen) > _SEEN_TOPICS:
+                    self._seen.popitem(last=False)
+            self._seen.move_to_end(topic)
+            if frame.cid in seen:  # QoS 1 redelivery of a request already queued or handled
                 self._count("duplicates")
                 return
-            self._seen[key] = None
-            while len(self._seen) > 4096:
-                self._seen.popitem(last=False)
+            seen[frame.cid] = None
+            while len(seen) > _SEEN_PER_TOPIC:
+                seen.popitem(last=False)
             if dst == _BROADCAST:
                 workers = [w for a, w in self._workers.items() if a != self.coordinator]
             else:
@@ -672,11 +685,11 @@ class MqttTransport(Transport):
             if not workers:
                 self._count("no_handler")
                 refuse = f"no handler registered at {dst!r}"
-            elif self._queued_bytes + len(payload) * len(workers) > self.max_buffer_bytes:
+            elif self._queued_bytes + cost * len(workers) > self.max_buffer_bytes:
                 self._count("rejected")
                 refuse = f"{dst!r} is busy: its handler queue holds over {self.max_buffer_bytes} bytes"
             else:
-                self._queued_bytes += len(payload) * len(workers)
+                self._queued_bytes += cost * len(workers)
                 if src not in self._local:
                     self.stats.record(src, dst, len(payload))
         if refuse is not None:
@@ -694,7 +707,7 @@ class MqttTransport(Transport):
             if job is None:
                 return
             with self._lock:
-                self._queued_bytes -= len(job.payload)
+                self._queued_bytes -= len(job.payload) + _JOB_COST
                 current = self._workers.get(w.address) is w
             if not current:  # unregistered while this waited
                 if job.op == "req":

@@ -8,11 +8,24 @@ transport wants, and adds the two things every handler needs on MQTT:
   answered ``(sender, seq)`` with identical bytes gets the cached reply and the
   handler does not run again. Same ``(sender, seq)`` with *different* bytes is
   not a redelivery (e.g. the sender restarted and its seq began again), so it
-  is handled afresh.
+  is handled afresh. The cache is kept per sender, so one sender's traffic
+  never evicts another's entries, and bounded: ``cache_size`` entries per
+  sender, ``cache_bytes`` of large replies per sender and ``cache_total_bytes``
+  in all (over it, the sender holding the most loses its oldest large reply).
+  A repeat whose large reply was dropped that way is refused as a replay (the
+  handler does not run twice); one whose entry is gone entirely (more than
+  ``cache_size`` messages ago) is handled afresh, so side effects need their
+  own guard too (the coordinator refuses a request whose seq does not grow).
+  Error replies are never cached: a refusal changes nothing, so answering a
+  repeat afresh is safe, and senders that only ever get refused (unknown
+  devices) occupy no cache at all.
 * robustness -- bytes that do not decode, a message for another run, or a
   RemoteProtocolError raised by the handler (the role judged the peer wrong)
-  become an ``error`` reply and ``peer.errors += 1``; the handler keeps
-  serving. Anything else a handler raises is our bug and propagates.
+  become an ``error`` reply, ``peer.errors += 1`` and ``peer.rejections[sender]
+  += 1``; ``on_reject(sender, kind, reason)`` (if set) hears of the first 20
+  per sender and then of every power of two, so a flood cannot flood the log.
+  The handler keeps serving. Anything else a handler raises is our bug and
+  propagates.
 * identity -- a transport that knows who really sent the bytes (MQTT: the
   topic they arrived on, which broker ACLs tie to the login) exposes it as
   ``observed_sender()``; a message whose ``sender`` differs is answered with an
@@ -26,25 +39,59 @@ import hashlib
 import itertools
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from ..wire import TENSOR_FORMATS, LocalProtocolError, Message, RemoteProtocolError, decode, encode
 from .base import Handler, Transport, check_address
 
-__all__ = ["MessageHandler", "Peer"]
+__all__ = ["LOSSY_FIELDS", "LOSSY_KINDS", "MessageHandler", "Peer"]
 
 MessageHandler = Callable[[Message], Message | None]
 
 log = logging.getLogger(__name__)
 _MAX_REASON = 1000
+_SMALL_REPLY = 4096  # replies up to this size are never dropped for bytes (only with their entry)
+_ENTRY_COST = 200  # bookkeeping of one cache entry, counted against the byte caps
+RejectHook = Callable[[str, str, str], None]
+
+# A lossy tensor_format (fp16 / int8) touches only the per-batch tensors of these kinds: activations,
+# their gradients and the calibration probe (docs/protocol.md, "Messages"). Weights (round_start,
+# weights, update), prototypes and phi_s always travel exact, and labels are integers, which the
+# codec never encodes lossily. A message of these kinds that holds a floating tensor under any other
+# name is sent raw as a whole, so nothing outside LOSSY_FIELDS is ever rounded.
+LOSSY_KINDS = frozenset({"activation", "gradient", "probe"})
+LOSSY_FIELDS = frozenset({"z", "h1", "dz", "z1", "zref"})
+
+
+@dataclass(slots=True)
+class _Entry:
+    digest: bytes  # of the request bytes
+    reply: bytes | None
+    dropped: bool = False  # the reply was dropped for bytes: a repeat is a replay, refused
+
+
+class _SenderCache:
+    """One sender's answered messages, oldest first, and the bytes their replies hold."""
+
+    __slots__ = ("bytes", "entries")
+
+    def __init__(self) -> None:
+        self.entries: OrderedDict[int, _Entry] = OrderedDict()
+        self.bytes = 0
 
 
 class Peer:
     """One party (coordinator or a device) on a transport, speaking for one run.
 
-    Thread-safe: seq numbers and the reply cache are guarded by a lock.
+    ``tensor_format`` (raw, fp16, int8) is how this peer *sends* the per-batch tensors
+    (``LOSSY_KINDS`` / ``LOSSY_FIELDS``); everything else goes raw. Receiving accepts every
+    encoding whatever this peer's own setting. Thread-safe: seq numbers and the reply cache are
+    guarded by a lock.
     """
 
     def __init__(
@@ -56,23 +103,36 @@ class Peer:
         *,
         cache_size: int = 1024,
         seq_start: int = 1,
+        cache_bytes: int = 64 * 1024 * 1024,
+        cache_total_bytes: int = 256 * 1024 * 1024,
+        max_senders: int = 1024,
+        on_reject: RejectHook | None = None,
     ) -> None:
+        """``cache_size`` entries and ``cache_bytes`` of replies per sender, ``cache_total_bytes`` and
+        ``max_senders`` in all bound the reply cache (see the module doc)."""
         check_address(me)
         if tensor_format not in TENSOR_FORMATS:
             raise LocalProtocolError(f"unknown tensor_format {tensor_format!r}; use one of {TENSOR_FORMATS}")
-        if cache_size < 1:
-            raise LocalProtocolError("cache_size must be >= 1")
+        if cache_size < 1 or cache_bytes < 0 or cache_total_bytes < 0 or max_senders < 1:
+            raise LocalProtocolError("need cache_size >= 1, cache_bytes >= 0, cache_total_bytes >= 0, max_senders >= 1")
         self.transport = transport
         self.me = me
         self.run = run
         self.tensor_format = tensor_format
         self.errors = 0  # garbage received: undecodable, wrong run, or judged wrong by the handler
         self.duplicates = 0  # redeliveries answered from the cache
+        self.replays = 0  # repeats whose reply was dropped from the cache: refused, not handled twice
+        self.rejections: Counter[str] = Counter()  # error replies sent, by (observed) sender
+        self.on_reject = on_reject
         self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
+        self._cache_total_bytes = cache_total_bytes
+        self._max_senders = max_senders
         self._seq = itertools.count(seq_start)
         self._lock = threading.Lock()
-        # (sender, seq) -> (digest of request bytes, encoded reply or None)
-        self._replies: OrderedDict[tuple[str, int], tuple[bytes, bytes | None]] = OrderedDict()
+        # sender -> its answered seqs (digest of the request bytes, encoded reply or None)
+        self._replies: OrderedDict[str, _SenderCache] = OrderedDict()
+        self._cached_bytes = 0
         self._busy: dict[tuple[str, int], bytes] = {}
 
     # ------------------------------------------------------------- outgoing
@@ -95,7 +155,7 @@ class Peer:
         Raises RemoteProtocolError if the reply is garbage or belongs to another
         run, TransportError if it never comes.
         """
-        payload = encode(self.message(kind, round, body), tensor_format=self.tensor_format)
+        payload = self._encode(self.message(kind, round, body))
         raw = self.transport.request(self.me, dst, payload, timeout=timeout)
         try:
             rep = decode(raw)
@@ -108,7 +168,7 @@ class Peer:
 
     def send(self, dst: str, kind: str, round: int, body: dict[str, Any] | None = None) -> None:
         """One-way message; any reply is dropped by the transport."""
-        payload = encode(self.message(kind, round, body), tensor_format=self.tensor_format)
+        payload = self._encode(self.message(kind, round, body))
         self.transport.send(self.me, dst, payload)
 
     # ------------------------------------------------------------- incoming
@@ -123,42 +183,54 @@ class Peer:
         observed = sender_of if sender_of is not None else getattr(self.transport, "observed_sender", None)
 
         def on_bytes(data: bytes) -> bytes | None:
+            seen = observed() if observed is not None else None
             try:
                 msg = decode(data)
                 self._check_run(msg)
-                if observed is not None:
-                    self._check_sender(msg, observed())
+                self._check_sender(msg, seen)
             except RemoteProtocolError as e:
-                return self._error_reply(e, 0)
+                return self._error_reply(e, 0, seen or "?", "?")
             key = (msg.sender, msg.seq)
             digest = hashlib.blake2b(data, digest_size=16).digest()
             with self._lock:
-                hit = self._replies.get(key)
-                if hit is not None and hit[0] == digest:
-                    self._replies.move_to_end(key)
-                    self.duplicates += 1
-                    return hit[1]
-                if self._busy.get(key) == digest:
+                cache = self._replies.get(msg.sender)
+                hit = cache.entries.get(msg.seq) if cache is not None else None
+                if hit is not None and hit.digest == digest:
+                    cache.entries.move_to_end(msg.seq)  # type: ignore[union-attr]
+                    if not hit.dropped:
+                        self.duplicates += 1
+                        return hit.reply
+                    self.replays += 1
+                    replay = True
+                elif self._busy.get(key) == digest:
                     # Redelivered while the first copy is still being handled
                     # (threaded transports): that copy's reply will answer it.
                     self.duplicates += 1
                     return None
-                self._busy[key] = digest
+                else:
+                    replay = False
+                    self._busy[key] = digest
+            if replay:
+                e = RemoteProtocolError(f"{msg.kind!r} seq {msg.seq} from {msg.sender!r} was answered already and "
+                                        f"its reply is no longer held: a replay, not handled again")
+                return self._error_reply(e, msg.round, msg.sender, msg.kind)
             reply: bytes | None
             try:
+                refused = False
                 try:
                     out = handler(msg)
                 except RemoteProtocolError as e:
-                    reply = self._error_reply(e, msg.round)
+                    reply, refused = self._error_reply(e, msg.round, msg.sender, msg.kind), True
                 else:
                     if out is not None and not isinstance(out, Message):
                         raise LocalProtocolError(f"handler returned {type(out).__name__}, not Message or None")
-                    reply = None if out is None else encode(out, tensor_format=self.tensor_format)
-                with self._lock:
-                    self._replies[key] = (digest, reply)
-                    self._replies.move_to_end(key)
-                    while len(self._replies) > self._cache_size:
-                        self._replies.popitem(last=False)
+                    reply = None if out is None else self._encode(out)
+                    if out is not None and out.kind == "error":  # the role refused it (and logs it itself)
+                        refused = True
+                        self._count_rejection(msg.sender, msg.kind, str(out.body.get("reason", "")), notify=False)
+                if not refused:  # a refusal changed nothing: a repeat may be answered afresh
+                    with self._lock:
+                        self._remember(msg.sender, msg.seq, _Entry(digest, reply))
                 return reply
             finally:
                 with self._lock:
@@ -172,9 +244,73 @@ class Peer:
 
     # -------------------------------------------------------------- helpers
 
+    def format_for(self, msg: Message) -> str:
+        """The tensor encoding ``msg`` travels in: ``tensor_format`` for per-batch tensors only, else raw."""
+        fmt = self.tensor_format
+        if fmt == "raw" or msg.kind not in LOSSY_KINDS:
+            return "raw"
+        for name, value in msg.body.items():
+            if name not in LOSSY_FIELDS and _holds_float(value):
+                return "raw"
+        return fmt
+
+    def _encode(self, msg: Message) -> bytes:
+        return encode(msg, tensor_format=self.format_for(msg))
+
     def _check_run(self, msg: Message) -> None:
         if msg.run != self.run:
             raise RemoteProtocolError(f"{msg.kind!r} from {msg.sender!r} is for run {msg.run!r}, not {self.run!r}")
+
+    def _remember(self, sender: str, seq: int, entry: _Entry) -> None:
+        """Cache one answer (under the lock), then enforce the per-sender and global bounds."""
+        cache = self._replies.get(sender)
+        if cache is None:
+            cache = self._replies[sender] = _SenderCache()
+            while len(self._replies) > self._max_senders:
+                _, gone = self._replies.popitem(last=False)
+                self._cached_bytes -= gone.bytes
+        self._replies.move_to_end(sender)
+        old = cache.entries.pop(seq, None)
+        if old is not None:
+            self._forget(cache, old)
+        cache.entries[seq] = entry
+        cost = self._cost(entry)
+        cache.bytes += cost
+        self._cached_bytes += cost
+        while len(cache.entries) > self._cache_size:
+            self._forget(cache, cache.entries.popitem(last=False)[1])
+        while cache.bytes > self._cache_bytes and self._drop_oldest_large(cache):
+            pass
+        while self._cached_bytes > self._cache_total_bytes:
+            biggest = max(self._replies.values(), key=lambda c: c.bytes)
+            if not self._drop_oldest_large(biggest):
+                break
+
+    @staticmethod
+    def _cost(entry: _Entry) -> int:
+        big = entry.reply is not None and len(entry.reply) > _SMALL_REPLY and not entry.dropped
+        return _ENTRY_COST + (len(entry.reply) if big else 0)  # type: ignore[arg-type]
+
+    def _forget(self, cache: _SenderCache, entry: _Entry) -> None:
+        cost = self._cost(entry)
+        cache.bytes -= cost
+        self._cached_bytes -= cost
+
+    def _drop_oldest_large(self, cache: _SenderCache) -> bool:
+        """Drop the oldest large reply of ``cache`` (its digest stays, so a repeat is a replay)."""
+        for entry in cache.entries.values():
+            if entry.reply is not None and len(entry.reply) > _SMALL_REPLY and not entry.dropped:
+                self._forget(cache, entry)
+                entry.reply, entry.dropped = None, True
+                cache.bytes += _ENTRY_COST
+                self._cached_bytes += _ENTRY_COST
+                return True
+        return False
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes the reply cache holds (large replies plus a fixed cost per entry)."""
+        return self._cached_bytes
 
     @staticmethod
     def _check_sender(msg: Message, seen: str | None) -> None:
@@ -183,9 +319,38 @@ class Peer:
                 f"{msg.kind!r} claims sender {msg.sender!r:.140} but arrived from {seen!r}: rejected"
             )
 
-    def _error_reply(self, e: RemoteProtocolError, round: int) -> bytes:
+    def _error_reply(self, e: RemoteProtocolError, round: int, sender: str, kind: str) -> bytes:
         with self._lock:
             self.errors += 1
-        log.warning("%s: rejected a message: %s", self.me, e)
         reason = str(e)[:_MAX_REASON]
+        self._count_rejection(sender, kind, reason)
         return encode(self.message("error", round, {"reason": reason}), tensor_format=self.tensor_format)
+
+    def _count_rejection(self, sender: str, kind: str, reason: str, *, notify: bool = True) -> None:
+        """Count an error reply to ``sender``; log the first 20 per sender, then every power of two."""
+        with self._lock:
+            self.rejections[sender] += 1
+            n = self.rejections[sender]
+            while len(self.rejections) > 4 * self._max_senders:  # unknown senders cannot grow it forever
+                del self.rejections[next(iter(self.rejections))]
+        if notify and (n <= 20 or n & (n - 1) == 0):
+            log.warning("%s: rejected %r from %r (%d so far): %s", self.me, kind, sender, n, reason)
+            hook = self.on_reject
+            if hook is not None:
+                try:
+                    hook(sender, kind, f"{reason} ({n} rejections of this sender so far)" if n > 1 else reason)
+                except Exception:  # a broken log must not turn a refusal into a crash
+                    log.exception("%s: on_reject hook failed", self.me)
+
+
+def _holds_float(v: Any, depth: int = 0) -> bool:
+    """Whether ``v`` is or holds a floating numpy array (which a lossy format would round)."""
+    if isinstance(v, np.ndarray):
+        return v.dtype.kind == "f"
+    if depth > 32:  # the codec refuses deeper bodies anyway
+        return False
+    if isinstance(v, dict):
+        return any(_holds_float(x, depth + 1) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_holds_float(x, depth + 1) for x in v)
+    return False

@@ -95,23 +95,46 @@ class _Partial:
     total: int
     crc: int
     started: float
+    owner: str | None = None
     parts: dict[int, bytes] = field(default_factory=dict)
     size: int = 0
 
 
 class Reassembler:
-    """Collect chunks into whole messages, with a memory cap and a timeout.
+    """Collect chunks into whole messages, with memory caps and a timeout.
 
-    ``max_bytes`` caps the sum of the *declared* sizes of all messages in
-    flight, reserved on a message's first chunk, so memory stays bounded
-    whatever peers claim. Call ``expire()`` periodically (feed does not): it
-    drops partial messages whose first chunk is older than ``timeout_s``.
+    Memory counts what arrived, never what a chunk declares: ``max_bytes``
+    caps the part bytes held by all partial messages together and
+    ``max_owner_bytes`` (default ``max_bytes``) those held for one ``owner``
+    (the sender a transport observed). Declaring a huge ``total`` therefore
+    pins nothing; a message that declares more than a cap is refused on its
+    first chunk (it could never complete), and one whose next part would push
+    its owner past ``max_owner_bytes`` evicts that owner's older partial
+    messages first and is refused (its parts freed) only if that is not enough.
+
+    When a part would push everything past ``max_bytes``, whole partial
+    messages are evicted, oldest first: another owner's if that owner holds
+    more than the newcomer's owner would, else the newcomer's owner's own
+    older ones; only if that frees nothing is the newcomer refused. So one
+    peer's flood cannot starve the others (an owner within its fair share is
+    never refused for others' bytes), and a stale half-sent message gives way
+    to a live one. ``max_pending`` and ``max_owner_pending`` bound the number
+    of partial messages the same way (a new message evicts the oldest partial
+    one of its owner, or of the owner with the most), so their bookkeeping
+    (under 1 KiB each) stays bounded. The per-part overhead (~150 bytes) is
+    bounded by whoever feeds the chunks (``transport/mqtt.py`` demands at
+    least 1 KiB per part but the last). An evicted message's next chunk raises
+    once, so its sender hears why.
+
+    Call ``expire()`` periodically (feed does not): it drops partial messages
+    whose first chunk is older than ``timeout_s``.
 
     ``stats`` counts: completed (messages), duplicates (chunks already held or
     of a just-completed message), expired (messages), rejected (messages
-    refused for size or corrupted at assembly), invalid (chunks refused as
-    malformed or contradicting their siblings), dropped (later chunks of a
-    rejected message, ignored quietly so one bad message raises once).
+    refused for size or corrupted at assembly), evicted (messages dropped to
+    make room), invalid (chunks refused as malformed or contradicting their
+    siblings), dropped (later chunks of a rejected or evicted message, ignored
+    quietly so one bad message raises once).
     """
 
     def __init__(
@@ -121,54 +144,72 @@ class Reassembler:
         clock: Callable[[], float] = time.monotonic,
         *,
         remember: int = 4096,
+        max_owner_bytes: int | None = None,
+        max_pending: int = 4096,
+        max_owner_pending: int | None = None,
     ) -> None:
-        if max_bytes < 0 or timeout_s <= 0 or remember < 1:
-            raise LocalProtocolError("need max_bytes >= 0, timeout_s > 0 and remember >= 1")
+        if max_bytes < 0 or timeout_s <= 0 or remember < 1 or max_pending < 1:
+            raise LocalProtocolError("need max_bytes >= 0, timeout_s > 0, remember >= 1 and max_pending >= 1")
         self.max_bytes = max_bytes
+        self.max_owner_bytes = max_bytes if max_owner_bytes is None else min(max_owner_bytes, max_bytes)
+        self.max_pending = max_pending
+        self.max_owner_pending = max_pending if max_owner_pending is None else max(1, min(max_owner_pending, max_pending))
         self.timeout_s = timeout_s
         self._clock = clock
         self._remember = remember
-        self._partial: dict[str, _Partial] = {}
+        self._partial: dict[str, _Partial] = {}  # oldest first
         self._in_flight = 0
+        self._owner_bytes: dict[str | None, int] = {}
+        self._owner_pending: dict[str | None, int] = {}
         # Recently finished ids -> when; bounded by `remember` and by timeout_s.
         self._completed: OrderedDict[str, float] = OrderedDict()
         self._rejected: OrderedDict[str, float] = OrderedDict()
+        self._evicted: OrderedDict[str, None] = OrderedDict()  # the next chunk of these says so, once
         self.stats: dict[str, int] = dict.fromkeys(
-            ("completed", "duplicates", "expired", "rejected", "invalid", "dropped"), 0
+            ("completed", "duplicates", "expired", "rejected", "evicted", "invalid", "dropped"), 0
         )
 
     @property
     def in_flight_bytes(self) -> int:
-        """Bytes reserved by partial messages (their declared totals)."""
+        """Part bytes held by partial messages (what arrived, not what they declare)."""
         return self._in_flight
+
+    def owner_bytes(self, owner: str | None) -> int:
+        """Part bytes held for ``owner``'s partial messages."""
+        return self._owner_bytes.get(owner, 0)
 
     @property
     def pending(self) -> list[str]:
         """Ids of messages still waiting for chunks."""
         return list(self._partial)
 
-    def feed(self, chunk: bytes | bytearray | memoryview) -> bytes | None:
-        """Take one chunk; return the whole message once its last chunk is in, else None."""
+    def feed(self, chunk: bytes | bytearray | memoryview, owner: str | None = None) -> bytes | None:
+        """Take one chunk; return the whole message once its last chunk is in, else None.
+
+        ``owner`` is who sent it as the transport saw it (None: one shared owner);
+        its messages share the ``max_owner_bytes`` and ``max_owner_pending`` quotas.
+        """
         msg_id, i, n, total, crc, part = self._parse(chunk)
         if msg_id in self._completed:
             self.stats["duplicates"] += 1
             return None
         if msg_id in self._rejected:
             self.stats["dropped"] += 1
+            if self._evicted.pop(msg_id, False) is None:
+                raise RemoteProtocolError(f"message {msg_id!r} was evicted to make room for newer or fairer traffic")
             return None
         p = self._partial.get(msg_id)
         if p is None:
-            if total > self.max_bytes:
+            cap = min(self.max_bytes, self.max_owner_bytes)
+            if total > cap:
                 self._reject(msg_id)
-                raise RemoteProtocolError(f"message {msg_id!r} declares {total} bytes, cap is {self.max_bytes}")
-            if self._in_flight + total > self.max_bytes:
-                self._reject(msg_id)
-                raise RemoteProtocolError(
-                    f"message {msg_id!r} ({total} bytes) would put {self._in_flight + total} bytes "
-                    f"in flight, cap is {self.max_bytes}"
-                )
-            p = self._partial[msg_id] = _Partial(n=n, total=total, crc=crc, started=self._clock())
-            self._in_flight += total
+                raise RemoteProtocolError(f"message {msg_id!r} declares {total} bytes, cap is {cap}")
+            if self._owner_pending.get(owner, 0) >= self.max_owner_pending:
+                self._evict(self._oldest(owner))
+            if len(self._partial) >= self.max_pending:
+                self._evict(self._oldest(max(self._owner_pending, key=self._owner_pending.__getitem__)))
+            p = self._partial[msg_id] = _Partial(n=n, total=total, crc=crc, started=self._clock(), owner=owner)
+            self._owner_pending[owner] = self._owner_pending.get(owner, 0) + 1
         elif (n, total, crc) != (p.n, p.total, p.crc):
             self.stats["invalid"] += 1
             raise RemoteProtocolError(
@@ -185,8 +226,23 @@ class Reassembler:
         if p.size + len(part) > p.total:
             self.stats["invalid"] += 1
             raise RemoteProtocolError(f"chunk {i} of {msg_id!r} overflows the declared {p.total} bytes")
+        wants = self._owner_bytes.get(owner, 0) + len(part)
+        while wants > self.max_owner_bytes and (older := self._oldest(owner, msg_id)) is not None:
+            self._evict(older)  # the owner's own stale half-sent messages give way first
+            wants = self._owner_bytes.get(owner, 0) + len(part)
+        if wants <= self.max_owner_bytes:
+            self._make_room(msg_id, owner, wants, len(part))
+        if self._in_flight + len(part) > self.max_bytes or wants > self.max_owner_bytes:
+            self._drop(msg_id)
+            self._reject(msg_id)
+            raise RemoteProtocolError(
+                f"message {msg_id!r} refused: {len(part)} more bytes would hold {wants} for this sender and "
+                f"{self._in_flight + len(part)} in all in flight, caps are {self.max_owner_bytes} / {self.max_bytes}"
+            )
         p.parts[i] = part
         p.size += len(part)
+        self._in_flight += len(part)
+        self._owner_bytes[owner] = wants
         if len(p.parts) < p.n:
             return None
         return self._assemble(msg_id, p)
@@ -196,18 +252,53 @@ class Reassembler:
         now = self._clock()
         gone = [k for k, p in self._partial.items() if now - p.started > self.timeout_s]
         for k in gone:
-            self._in_flight -= self._partial.pop(k).total
+            self._drop(k)
         self.stats["expired"] += len(gone)
         for memo in (self._completed, self._rejected):
             while memo and now - next(iter(memo.values())) > self.timeout_s:
-                memo.popitem(last=False)
+                self._evicted.pop(memo.popitem(last=False)[0], None)
         return gone
 
     # ---------------------------------------------------------------- helpers
 
+    def _oldest(self, owner: str | None, but: str | None = None) -> str | None:
+        return next((k for k, q in self._partial.items() if q.owner == owner and k != but), None)
+
+    def _make_room(self, msg_id: str, owner: str | None, wants: int, need: int) -> None:
+        """Evict partial messages, oldest first, until ``need`` more bytes fit: another owner's if it
+        holds more than ``owner`` would (``wants``), else ``owner``'s own older ones."""
+        while self._in_flight + need > self.max_bytes:
+            rival = max((o for o in self._owner_bytes if o != owner), key=self._owner_bytes.__getitem__, default=None)
+            victim = self._oldest(rival if rival is not None and self._owner_bytes[rival] > wants else owner, msg_id)
+            if victim is None:
+                return
+            self._evict(victim)
+
+    def _evict(self, msg_id: str | None) -> None:
+        """Drop a partial message to make room; its next chunk hears why (once), later ones are dropped."""
+        if msg_id is None:
+            return
+        self._drop(msg_id)
+        self._memo(self._rejected, msg_id)
+        self._evicted[msg_id] = None
+        while len(self._evicted) > self._remember:
+            self._evicted.popitem(last=False)
+        self.stats["evicted"] += 1
+
+    def _drop(self, msg_id: str) -> _Partial:
+        """Forget a partial message and release what it held."""
+        p = self._partial.pop(msg_id)
+        self._in_flight -= p.size
+        left = self._owner_bytes.pop(p.owner, 0) - p.size
+        if left > 0:
+            self._owner_bytes[p.owner] = left
+        count = self._owner_pending.pop(p.owner, 0) - 1
+        if count > 0:
+            self._owner_pending[p.owner] = count
+        return p
+
     def _assemble(self, msg_id: str, p: _Partial) -> bytes:
-        del self._partial[msg_id]
-        self._in_flight -= p.total
+        self._drop(msg_id)
         data = b"".join(p.parts[k] for k in range(p.n))
         if len(data) != p.total or zlib.crc32(data) != p.crc:
             self._reject(msg_id)
@@ -231,7 +322,8 @@ class Reassembler:
 
     def _parse(self, chunk: Any) -> tuple[str, int, int, int, int, bytes]:
         try:
-            d = msgpack.unpackb(chunk, raw=False, strict_map_key=True, max_ext_len=0)
+            # A chunk is one flat map: no arrays, no big maps, so a hostile one cannot expand in memory.
+            d = msgpack.unpackb(chunk, raw=False, strict_map_key=True, max_ext_len=0, max_array_len=0, max_map_len=16)
         except Exception as e:  # msgpack's ValueError zoo, or not a buffer at all
             self.stats["invalid"] += 1
             raise RemoteProtocolError(f"chunk is not msgpack: {e}") from e

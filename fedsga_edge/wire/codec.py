@@ -38,7 +38,7 @@ import numpy as np
 from .errors import LocalProtocolError, RemoteProtocolError, WireError
 from .messages import KINDS, PROTOCOL_VERSION, Message, check_body
 
-__all__ = ["DTYPES", "MAX_DEPTH", "TENSOR_FORMATS", "TENSOR_MARK", "decode", "encode"]
+__all__ = ["DTYPES", "MAX_DEPTH", "MAX_ITEMS", "TENSOR_FORMATS", "TENSOR_MARK", "decode", "encode"]
 
 TENSOR_FORMATS: tuple[str, ...] = ("raw", "fp16", "int8")
 DTYPES: frozenset[str] = frozenset(
@@ -50,6 +50,10 @@ _TENSOR_KEYS = frozenset({TENSOR_MARK, "dtype", "shape", "data", "enc", "scale"}
 _ENVELOPE_KEYS = frozenset({"v", "kind", "run", "round", "seq", "sender", "body"})
 
 MAX_DEPTH = 32  # nesting of body containers; deeper is a bug or an attack
+# Elements in all lists and maps of one message. msgpack spends 1 byte on an empty list that costs
+# Python ~60, so without a budget a 100 MB message of nested empty lists would take GBs to decode.
+# Honest messages hold a few thousand (a round start: ~6 per tensor plus the configs).
+MAX_ITEMS = 200_000
 _MAX_NDIM = 32
 _MAX_ID_LEN = 256  # run id / sender id
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack can carry
@@ -168,8 +172,17 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     """Parse and validate one message; any defect raises RemoteProtocolError."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise LocalProtocolError(f"decode() takes bytes, got {type(data).__name__}")
+    left = [MAX_ITEMS]
+
+    def budget(container: Any) -> Any:  # called as each list / map is finished
+        left[0] -= len(container)
+        if left[0] < 0:
+            raise ValueError(f"more than {MAX_ITEMS} list and map elements")
+        return container
+
     try:
-        env = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, max_ext_len=0)
+        env = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, max_ext_len=0,
+                              max_array_len=MAX_ITEMS, max_map_len=MAX_ITEMS, list_hook=budget, object_hook=budget)
     except Exception as e:  # msgpack raises a zoo of ValueError subclasses
         raise RemoteProtocolError(f"not a msgpack message ({len(data)} bytes): {e}") from e
     if not isinstance(env, dict):

@@ -1,0 +1,806 @@
+"""A hostile device on the broker of a running field run, and proof that it changes nothing.
+
+    python benchmarks/hostile.py --out runs/hostile [--clients 2] [--rounds 2] [--examples 150] \
+        [--flood-mb 160] [--json runs/hostile/hostile.json]
+
+runs the same tiny field run twice with the same seed, the roles as OS processes (``fedsga-edge
+coordinator`` and ``fedsga-edge device`` x N, as ``fedsga-edge trial`` starts them) on a Mosquitto this
+script starts on a free 127.0.0.1 port: once untouched, once with an ``Intruder`` publishing on the
+coordinator's and a device's topics. Then it checks what docs/protocol.md ("What is rejected and how it
+is counted") promises: every hostile request gets an ``error`` message naming the reason (or is dropped
+and counted when it is not even a frame); the coordinator counts the refusals and logs them
+(``coordinator.log``); no process crashes; the coordinator's memory stays under the stated cap; and the
+run ends with the same accuracy and the same weights, bit for bit.
+
+The processes start in stages so that every attack meets a live receiver: the coordinator alone
+(``attack_idle``: garbage, wrong types in every envelope and required field, disallowed dtypes,
+terabyte shapes, other names, another run, and a hypothesis fuzz of mutated and random messages), then
+device 0 (``attack_device``: orders no coordinator would give, on its down topic), then the other
+devices, whose registration starts round 1 (``attack_rounds``: the must-show below, poisoned
+activations, replays, stale rounds, floods of partial chunked messages). The must-show, in round 1:
+
+* an activation holding a NaN, from a real device, for the running round;
+* the same activation from a device the run does not know (``intruder``);
+* the same activation for another round.
+
+Replays: the same frames (a transport duplicate), the same payload under a new frame id (the Peer's
+reply cache answers; the step is not taken twice), the same (sender, seq) with a changed byte (what a
+turned-over cache lets through: the coordinator's seq check refuses it), and round 1's requests in
+round 2 (stale). Floods: 300 half-sent messages declaring 100 MiB each, then ``--flood-mb`` of real
+part bytes from three made-up senders, more than the 128 MiB reassembly cap.
+
+Bit-identical needs a deterministic run: ``--strategy static --server-copies per-client``. With one
+shared server copy (the default), the server sees the devices' batches in arrival order, which the OS
+decides, so two clean runs already differ in the last bits (docs/protocol.md, "Faults").
+
+A hostile message that is *valid* (a well-formed activation on a device's topic with a fresh seq, or
+a well-formed ``round_start`` on its down topic) is indistinguishable from the device or the
+coordinator on an open broker; only the broker's ACL stops that (docs/protocol.md, "The sender is the
+topic"). The intruder never sends one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import psutil
+
+from fedsga_edge.wire import Message, Reassembler, RemoteProtocolError, decode, encode, split_message
+
+MOSQUITTO = shutil.which("mosquitto") or next(
+    (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None)
+TINY = ["--dataset", "digits", "--model", "resnet18_cifar", "--width", "0.25", "--seed", "0", "--local-epochs", "1",
+        "--max-batches", "2", "--batch-size", "32", "--round-timeout", "300", "--strategy", "static",
+        "--server-copies", "per-client"]
+RSS_SLACK = 64 * 2**20  # what the cap allows beyond the reassembly cap (128 MiB) over the clean run's peak
+REASSEMBLY_CAP = 128 * 2**20  # MqttTransport's max_buffer_bytes default
+
+
+# -- a broker ----------------------------------------------------------------------------------------------
+
+class Broker:
+    """Mosquitto on a free loopback port, anonymous (no ACL: the intruder can publish anywhere)."""
+
+    def __init__(self, folder: Path) -> None:
+        if MOSQUITTO is None:
+            raise RuntimeError("no mosquitto binary (Debian/Ubuntu: apt-get install mosquitto)")
+        folder.mkdir(parents=True, exist_ok=True)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"mqtt://127.0.0.1:{self.port}"
+        conf = folder / "mosquitto.conf"
+        conf.write_text("\n".join([f"listener {self.port} 127.0.0.1", "allow_anonymous true", "persistence false",
+                                   "set_tcp_nodelay true", f"user {pwd.getpwuid(os.geteuid()).pw_name}"]) + "\n")
+        with open(folder / "broker.out", "ab") as log:
+            self.proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"mosquitto did not listen on {self.port}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+# -- the intruder --------------------------------------------------------------------------------------------
+
+def frame(op: str, cid: str, *, p: bytes | None = None, chunk: bytes | None = None) -> bytes:
+    """A transport frame as docs/protocol.md ("Frames") describes it."""
+    d: dict[str, Any] = {"tf": 1, "op": op, "cid": cid}
+    d["chunk" if chunk is not None else "p"] = chunk if chunk is not None else p
+    return msgpack.packb(d, use_bin_type=True)
+
+
+def tensor(arr: np.ndarray, **over: Any) -> dict[str, Any]:
+    return {"__t": 1, "dtype": arr.dtype.name, "shape": list(arr.shape), "data": arr.tobytes()} | over
+
+
+def pack(kind: Any, body: Any, *, run: Any, round: Any, seq: Any, sender: Any, **over: Any) -> bytes:
+    """A message as raw msgpack: no encoder checks, so it can be wrong in any way."""
+    env = {"v": 1, "kind": kind, "run": run, "round": round, "seq": seq, "sender": sender, "body": body} | over
+    return msgpack.packb(env, use_bin_type=True)
+
+
+def wire(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: tensor(v) if isinstance(v, np.ndarray) else v for k, v in body.items()}
+
+
+@dataclass
+class Captured:
+    """An honest request seen on the broker, with the frame it came in and whether it was answered."""
+
+    sender: str
+    cid: str
+    payload: bytes
+    msg: Message
+    frames: list[bytes]
+    answered: threading.Event = field(default_factory=threading.Event)
+
+
+class Intruder:
+    """A raw MQTT client on the trial's broker: it publishes anything on any topic of the run, hears
+    every reply, and records the honest devices' requests (reassembled) for replays and mutations."""
+
+    def __init__(self, host: str, port: int, run: str) -> None:
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        self.run = run
+        self.base = f"fedsga/{run}"
+        self._cids = itertools.count(1)
+        self._lock = threading.Condition()
+        self.replies: dict[str, tuple[str, bytes]] = {}  # our cid -> (op, payload)
+        self.captured: list[Captured] = []
+        self._frames: dict[tuple[str, str], list[bytes]] = {}
+        self._by_cid: dict[str, Captured] = {}
+        self._ours = "evil"
+        self._asm = Reassembler(512 * 2**20, 120)  # honest requests overheard
+        self._mine = Reassembler(64 * 2**20, 120)  # chunked replies to our own requests
+        self.client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=f"intruder-{os.getpid()}")
+        self.client.on_message = self._on_message
+        self.client.connect(host, port)
+        self.client.loop_start()
+        for t in (f"{self.base}/up/+", f"{self.base}/down/+"):
+            self.client.subscribe(t, qos=1)[1]
+        time.sleep(0.3)
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+    def cid(self) -> str:
+        return f"{self._ours}-{next(self._cids)}"
+
+    # network thread
+    def _on_message(self, client: Any, userdata: Any, m: Any) -> None:
+        try:
+            parts = m.topic.split("/")
+            d = msgpack.unpackb(m.payload, raw=False)
+            op, cid = d.get("op"), d.get("cid")
+            if not isinstance(cid, str):
+                return
+            if cid.startswith(self._ours + "-"):
+                if op in ("rep", "err"):
+                    p = d.get("p")
+                    if "chunk" in d:  # a big reply (a gradient answered from the cache) comes in chunks
+                        p = self._mine.feed(d["chunk"], owner=m.topic)
+                    if isinstance(p, bytes):
+                        with self._lock:
+                            self.replies[cid] = (op, p)
+                            self._lock.notify_all()
+                return
+            if parts[2] == "down" and op in ("rep", "err"):
+                got = self._by_cid.get(cid)
+                if got is not None:
+                    got.answered.set()
+                return
+            if parts[2] != "up" or op != "req":
+                return
+            sender = parts[3]
+            key = (sender, cid)
+            self._frames.setdefault(key, []).append(m.payload)
+            payload = d.get("p")
+            if "chunk" in d:
+                payload = self._asm.feed(d["chunk"], owner=sender)
+            if payload is None:
+                return
+            msg = decode(payload)
+            cap = Captured(sender, cid, payload, msg, self._frames.pop(key))
+            with self._lock:
+                self.captured.append(cap)
+                self._by_cid[cid] = cap
+                self._lock.notify_all()
+        except Exception:  # noqa: BLE001, S110 - whatever it overhears, the intruder keeps listening
+            pass
+
+    # publishing
+    def publish(self, topic: str, data: bytes) -> None:
+        self.client.publish(topic, data, qos=1).wait_for_publish(10)
+
+    def request(self, topic: str, payload: bytes, timeout: float = 10.0) -> tuple[str, Any]:
+        """Publish ``payload`` as a whole ``req`` frame on ``topic``; the answer on the reverse topic:
+        ("error", reason) for an error message, ("err", reason) for a transport err frame,
+        (kind, body) for any other message, or ("none", None) if nothing came."""
+        cid = self.cid()
+        self.publish(topic, frame("req", cid, p=payload))
+        return self.wait(cid, timeout)
+
+    def wait(self, cid: str, timeout: float) -> tuple[str, Any]:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while cid not in self.replies:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return "none", None
+                self._lock.wait(left)
+            op, p = self.replies.pop(cid)
+        if op == "err":
+            return "err", p.decode("utf-8", "replace")
+        try:
+            rep = decode(p)
+        except RemoteProtocolError as e:
+            return "undecodable", str(e)
+        return (rep.kind, rep.body.get("reason") if rep.kind == "error" else rep.body)
+
+    def honest(self, kind: str, sender: str | None = None, *, round: int | None = None, answered: bool = False,
+               timeout: float = 120.0) -> Captured:
+        """The first honest request of ``kind`` (from ``sender``, of ``round``) seen on the broker."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                for c in self.captured:
+                    if c.msg.kind == kind and sender in (None, c.sender) and round in (None, c.msg.round):
+                        if answered and not c.answered.wait(0):
+                            continue
+                        return c
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no honest {kind} from {sender or 'any device'} within {timeout:g} s")
+                self._lock.wait(min(left, 0.5))
+
+
+# -- the attack ------------------------------------------------------------------------------------------------
+
+@dataclass
+class Report:
+    """What each hostile message got back, by attack."""
+
+    sent: dict[str, int] = field(default_factory=dict)
+    answers: dict[str, dict[str, int]] = field(default_factory=dict)
+    examples: dict[str, str] = field(default_factory=dict)
+    must_show: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def note(self, attack: str, answer: tuple[str, Any], *, expect: tuple[str, ...] = ("error", "err")) -> None:
+        self.sent[attack] = self.sent.get(attack, 0) + 1
+        kind = answer[0]
+        by = self.answers.setdefault(attack, {})
+        by[kind] = by.get(kind, 0) + 1
+        self.examples.setdefault(f"{attack}/{kind}", str(answer[1])[:200])
+        if kind not in expect:
+            self.problems.append(f"{attack}: expected {'/'.join(expect)}, got {kind}: {str(answer[1])[:200]}")
+
+
+def _spoil_values(arr: np.ndarray, how: str) -> np.ndarray:
+    a = arr.astype(np.float32, copy=True)
+    a.reshape(-1)[len(a.reshape(-1)) // 2] = {"nan": np.nan, "inf": np.inf, "huge": 1e30}[how]
+    return a
+
+
+# A small well-formed activation for the attacks that need no real shapes (they fail before shapes count).
+_SMALL = {"z": np.linspace(-1, 1, 2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3), "y": np.array([1, 2]), "split": 1}
+
+
+def attack_idle(ix: Intruder, rep: Report, *, victim: str, other: str, examples: int, seed: int = 0) -> None:
+    """The coordinator serves, no round runs yet: garbage, wrong types, disallowed dtypes, terabyte
+    shapes, other names, another run, and a hypothesis fuzz of mutated and random messages."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as hseed
+    from hypothesis import strategies as st
+
+    run, up = ix.run, f"{ix.base}/up"
+    seqs = itertools.count(10**9)
+    small = wire(_SMALL)
+    for junk in (b"", b"\x00" * 10, os.urandom(64), msgpack.packb([1, 2, 3]), frame("req", "x" * 100, p=b""),
+                 msgpack.packb({"tf": 1, "op": "req", "cid": "c", "p": [[]] * 1000}),
+                 msgpack.packb({"tf": 1, "op": "req", "cid": "c", "p": b"", "x": 1})):
+        ix.publish(f"{up}/intruder", junk)  # not a frame: nobody to answer, dropped and counted (garbage)
+        rep.sent["garbage_frame"] = rep.sent.get("garbage_frame", 0) + 1
+    rep.note("garbage_payload", ix.request(f"{up}/intruder", os.urandom(200)), expect=("error",))
+    wrong = {"v": "1", "kind": 7, "run": None, "round": "1", "seq": -1, "sender": ["x"], "body": [1]}
+    for key, value in wrong.items():
+        env = {"kind": "activation", "run": run, "round": 1, "seq": next(seqs), "sender": victim} | {key: value}
+        rep.note(f"wrong_type:{key}", ix.request(f"{up}/{victim}", pack(body=env.pop("body", small), **env)),
+                 expect=("error",))
+    for key, value in {"z": "zzz", "y": [1, 2], "split": "2"}.items():
+        rep.note(f"wrong_type:body.{key}", ix.request(f"{up}/{victim}", pack(
+            "activation", small | {key: value}, run=run, round=1, seq=next(seqs), sender=victim)), expect=("error",))
+    for kind, b in (("update", {"weights": "all", "num_samples": "many"}), ("probe", {"z1": 1}),
+                    ("fetch", {"blocks": "everything"}), ("gradient", {}), ("hello", {"backend": 1})):
+        rep.note(f"wrong_type:{kind}", ix.request(f"{up}/{victim}", pack(
+            kind, b, run=run, round=1, seq=next(seqs), sender=victim)), expect=("error",))
+    for name, t in (("disallowed_dtype", tensor(_SMALL["z"], dtype="complex64")),
+                    ("object_dtype", tensor(_SMALL["z"], dtype="object")),
+                    ("terabyte_shape", tensor(_SMALL["z"], shape=[2**20, 2**20, 2**10])),
+                    ("zero_size_giant", tensor(np.zeros(0, np.float32), shape=[0, 2**62]))):
+        rep.note(name, ix.request(f"{up}/{victim}", pack("activation", small | {"z": t}, run=run, round=1,
+                                                         seq=next(seqs), sender=victim)), expect=("error",))
+    rep.note("claims_another_device", ix.request(f"{up}/intruder", pack(
+        "activation", small, run=run, round=1, seq=1, sender=other)), expect=("error",))
+    rep.note("wrong_run", ix.request(f"{up}/{victim}", pack(
+        "activation", small, run="another-run", round=1, seq=next(seqs), sender=victim)), expect=("error",))
+    rep.note("unknown_hello", ix.request(f"{up}/intruder", pack(
+        "hello", {"backend": "torch", "num_samples": 479}, run=run, round=0, seq=1, sender="intruder")),
+        expect=("error",))
+
+    templates = [encode(Message(k, run, 1, 5, "intruder", b)) for k, b in (
+        ("activation", _SMALL), ("update", {"weights": {"blocks.0.w": np.ones((3, 3), np.float32)}, "num_samples": 9,
+                                           "train_loss": 0.1, "depth": 1, "split": 1}),
+        ("fetch", {"blocks": [0, 1]}), ("hello", {"backend": "torch", "num_samples": 479}),
+        ("probe", {"z1": _SMALL["z"], "zref": _SMALL["z"], "y": _SMALL["y"], "o": [0.1, 0.2], "r_prev": 0.3}))]
+    outcome: list[tuple[str, tuple[str, Any]]] = []
+
+    @hseed(seed)
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def fuzz(data: st.DataObject) -> None:
+        what = data.draw(st.sampled_from(["mutated", "mutated", "random_msg", "random_bytes"]))
+        if what == "mutated":  # a well-formed message, bytes flipped, cut or doubled
+            raw = bytearray(data.draw(st.sampled_from(templates)))
+            for _ in range(data.draw(st.integers(1, 4))):
+                pos = data.draw(st.integers(0, len(raw) - 1))
+                op = data.draw(st.sampled_from(["flip", "flip", "cut", "dup"]))
+                if op == "flip":
+                    raw[pos] ^= data.draw(st.integers(1, 255))
+                elif op == "cut":
+                    del raw[pos:]
+                else:
+                    raw += raw[pos:pos + 16]
+                if not raw:
+                    raw = bytearray(b"\xc0")
+            who = data.draw(st.sampled_from(["intruder", "nobody"]))
+            outcome.append((what, ix.request(f"{up}/{who}", bytes(raw), timeout=10)))
+        elif what == "random_msg":  # a random kind and body, from a name the run does not know, or claimed
+            kind = data.draw(st.sampled_from(["activation", "update", "probe", "fetch", "hello", "bye", "error",
+                                              "round_start", "gradient", "ack"]))
+            b = data.draw(st.dictionaries(st.sampled_from(["z", "y", "split", "weights", "blocks", "reason",
+                                                           "backend", "num_samples", "x"]),
+                                          st.one_of(st.none(), st.integers(-9, 9), st.floats(), st.text(max_size=5),
+                                                    st.lists(st.integers(0, 5), max_size=3)), max_size=4))
+            claim = data.draw(st.sampled_from(["intruder", victim, other]))
+            outcome.append((what, ix.request(f"{up}/intruder", pack(
+                kind, b, run=run, round=data.draw(st.integers(0, 3)), seq=data.draw(st.integers(0, 2**40)),
+                sender=claim), timeout=10)))
+        else:
+            ix.publish(data.draw(st.sampled_from([f"{up}/intruder", f"{up}/{victim}"])),
+                       data.draw(st.binary(max_size=300)))
+            outcome.append((what, ("none", None)))
+
+    fuzz()
+    for what, answer in outcome:  # frames always parse here, so every request is answered
+        rep.note(f"fuzz:{what}", answer, expect=("error",) if what != "random_bytes" else ("none",))
+
+
+def attack_device(ix: Intruder, rep: Report, *, victim: str, other: str, examples: int, seed: int = 0) -> None:
+    """The victim device is up: orders no coordinator would give, on its down topic."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as hseed
+    from hypothesis import strategies as st
+
+    run, down = ix.run, f"{ix.base}/down"
+    outcome: list[tuple[str, Any]] = []
+
+    @hseed(seed + 1)
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def fuzz(data: st.DataObject) -> None:
+        if data.draw(st.integers(0, 4)) == 0:
+            ix.publish(f"{down}/{victim}", data.draw(st.binary(max_size=300)))  # not a frame: garbage
+            rep.sent["device:garbage"] = rep.sent.get("device:garbage", 0) + 1
+            return
+        kind = data.draw(st.sampled_from(["round_start", "round_start", "activation", "weights", "hello", "ack"]))
+        b = data.draw(st.sampled_from([{}, {"split": "x"}, {"train": 1, "weights": {}}, {"weights": []},
+                                       {"split": 1, "train": {"lr": "fast"}, "weights": {}},
+                                       {"split": 1, "train": {"warp": 9}, "weights": {}},
+                                       {"full": True, "train": {}, "weights": "all"}]))
+        claim = data.draw(st.sampled_from(["coordinator", "coordinator", other]))
+        run_ = data.draw(st.sampled_from([run, run, "another-run"]))
+        outcome.append(ix.request(f"{down}/{victim}", pack(
+            kind, b, run=run_, round=data.draw(st.sampled_from([0, 1, 2, 3, 2**40])),
+            seq=data.draw(st.integers(0, 2**40)), sender=claim), timeout=10))
+
+    fuzz()
+    for answer in outcome:  # a device answers a refused order with an error message
+        rep.note("device:orders", answer, expect=("error",))
+
+
+def attack_rounds(ix: Intruder, rep: Report, run_dir: Path, *, victim: str, other: str,
+                  flooder: threading.Thread | None = None, log: Any = print) -> None:
+    """Round 1 runs: the must-show, poisoned activations, replays; round 2: round 1's requests again
+    (stale). ``flooder`` (a thread running ``flood``) is joined at the end."""
+    run, up = ix.run, f"{ix.base}/up"
+    act = ix.honest("activation", victim, round=1)  # the template: the victim's first real activation
+    t, body = act.msg.round, dict(act.msg.body)
+    seq = act.msg.seq + 10**9  # refused messages never move a device's seq on
+    nan_body = wire(body | {"z": _spoil_values(body["z"], "nan")})
+    rep.must_show["nan_activation"] = ix.request(f"{up}/{victim}", pack(
+        "activation", nan_body, run=run, round=t, seq=seq, sender=victim))
+    rep.must_show["unknown_device"] = ix.request(f"{up}/intruder", pack(
+        "activation", wire(body), run=run, round=t, seq=1, sender="intruder"))
+    rep.must_show["other_round"] = ix.request(f"{up}/{victim}", pack(
+        "activation", wire(body), run=run, round=t + 1, seq=seq + 1, sender=victim))
+    for name, want in (("nan_activation", "non-finite"), ("unknown_device", "not a device"),
+                       ("other_round", "round")):
+        got = rep.must_show[name]
+        if got[0] != "error" or want not in str(got[1]):
+            rep.problems.append(f"must-show {name}: expected an error naming {want!r}, got {got}")
+    log(f"[hostile] must-show: {rep.must_show}")
+
+    seqs = itertools.count(seq + 2)
+    poison = {
+        "inf_activation": nan_body | {"z": tensor(_spoil_values(body["z"], "inf"))},
+        "huge_activation": nan_body | {"z": tensor(_spoil_values(body["z"], "huge"))},
+        "labels_out_of_range": wire(body | {"y": np.full_like(body["y"], 10**6)}),
+        "negative_labels": wire(body | {"y": -np.ones_like(body["y"])}),
+        "float_labels": wire(body | {"y": body["y"].astype(np.float32)}),
+        "oversized_batch": wire(body | {"z": np.concatenate([body["z"]] * 3), "y": np.concatenate([body["y"]] * 3)}),
+        "split_out_of_range": wire(body | {"split": 99}),
+    }
+    for name, b in poison.items():
+        rep.note(name, ix.request(f"{up}/{victim}", pack("activation", b, run=run, round=t, seq=next(seqs),
+                                                         sender=victim)), expect=("error",))
+    act.answered.wait(60)
+    for f in act.frames:  # the very same frames again: QoS 1 duplicates, dropped by the transport
+        ix.publish(f"{up}/{act.sender}", f)
+    rep.sent["replay_same_frames"] = 1
+    rep.note("replay_new_frame_id", ix.request(f"{up}/{act.sender}", act.payload, timeout=60),
+             expect=("gradient", "error"))  # the cached reply (the step is not taken again), or a refusal
+    changed = bytearray(act.payload)
+    changed[-1] ^= 1  # same (sender, seq), other bytes: the Peer handles it afresh, as after a cache turnover
+    rep.note("replay_changed_byte", ix.request(f"{up}/{act.sender}", bytes(changed), timeout=60), expect=("error",))
+
+    wait_for(lambda: _round_begun(run_dir, 2), 600, "round 2")
+    old = [c for c in ix.captured if c.msg.round == 1 and c.answered.is_set() and c.sender in (victim, other)
+           and c.msg.kind in ("activation", "fetch", "update", "probe")]
+    for c in old[:8]:  # round 1's requests in round 2, a byte changed so the Peer's cache does not answer
+        if logged(run_dir, "run_end"):
+            rep.problems.append("stale-round replays came after the run ended (the run was faster than the intruder)")
+            break
+        changed = bytearray(c.payload)
+        changed[-1] ^= 1
+        rep.note("stale_round", ix.request(f"{up}/{c.sender}", bytes(changed), timeout=30), expect=("error",))
+    if flooder is not None:
+        flooder.join(600)
+
+
+def flood(ix: Intruder, rep: Report, flood_mb: int, *, log: Any = print) -> list[tuple[str, str, bytes]]:
+    """Floods of partial chunked messages from three made-up senders: 300 half-sent ones declaring
+    100 MiB each, then ``flood_mb`` MiB of real part bytes in 8 MiB messages never finished. Returns
+    (topic, cid, first chunk's frame) of each, for ``touch``."""
+    up = f"{ix.base}/up"
+    started = time.monotonic()
+    firsts: list[tuple[str, str, bytes]] = []
+    for k in range(300):
+        cid = ix.cid()
+        f = frame("req", cid, chunk=_partial_chunk(f"flood-{k % 3}#{cid}", total=100 * 2**20, part=os.urandom(2048)))
+        ix.publish(f"{up}/flood-{k % 3}", f)
+        firsts.append((f"{up}/flood-{k % 3}", cid, f))
+    per, junk, chunks = flood_mb * 2**20 // 3, os.urandom(8 * 2**20), 0
+    for k in range(3):
+        sent = 0
+        while sent < per:
+            cid = ix.cid()
+            parts = split_message(junk, max_chunk=200_000, msg_id=f"flood-{k}#{cid}")[:-1]
+            firsts.append((f"{up}/flood-{k}", cid, frame("req", cid, chunk=parts[0])))
+            for c in parts:
+                ix.publish(f"{up}/flood-{k}", frame("req", cid, chunk=c))
+                sent, chunks = sent + len(c), chunks + 1
+                if sent >= per:
+                    break
+    rep.sent["flood:half_sent_messages"] = len(firsts)
+    rep.sent["flood:chunks"] = 300 + chunks
+    log(f"[hostile] flood: {len(firsts)} half-sent messages ({flood_mb} MiB of parts) from 3 made-up senders in "
+        f"{time.monotonic() - started:.1f} s")
+    touch(ix, rep, firsts, "flood:evicted_by_the_flood", log=log)
+    return firsts
+
+
+def touch(ix: Intruder, rep: Report, firsts: list[tuple[str, str, bytes]], tag: str, *, log: Any = print) -> int:
+    """Send each half-sent message's first chunk once more: one the coordinator evicted since answers
+    with an ``err`` frame saying so (once); one it still holds stays silent (a duplicate chunk)."""
+    for topic, _, f in firsts:
+        ix.publish(topic, f)
+    deadline, evicted = time.monotonic() + 10, 0
+    for _, cid, _ in firsts:
+        op, why = ix.wait(cid, max(0.0, deadline - time.monotonic()))
+        evicted += op == "err" and "evicted" in str(why)
+    rep.answers[tag] = {"err": evicted, "silent": len(firsts) - evicted}
+    log(f"[hostile] {tag}: {evicted} of {len(firsts)} half-sent messages")
+    return evicted
+
+
+def _partial_chunk(msg_id: str, *, total: int, part: bytes) -> bytes:
+    """Chunk 0 of a message that will never be finished (passes the transport's chunk checks)."""
+    n = -(-total // 200_000)
+    return msgpack.packb({"v": 1, "id": msg_id, "i": 0, "n": n, "total": total, "crc": zlib.crc32(part),
+                          "part": part}, use_bin_type=True)
+
+
+def _round_begun(run_dir: Path, t: int) -> bool:
+    return any(e.get("event") == "round_begin" and e.get("round") == t for e in read_jsonl(run_dir / "coordinator.log"))
+
+
+def wait_for(probe: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def logged(run_dir: Path, event: str, **fields: Any) -> bool:
+    return any(e.get("event") == event and all(e.get(k) == v for k, v in fields.items())
+               for e in read_jsonl(run_dir / "coordinator.log"))
+
+
+# -- running a field run in stages, with and without the intruder -------------------------------------------
+
+class RssSampler:
+    """Peak resident set size per role, sampled every 0.1 s (psutil)."""
+
+    def __init__(self) -> None:
+        self.procs: dict[int, str] = {}
+        self.peak: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            for pid, role in list(self.procs.items()):
+                try:
+                    self.peak[role] = max(self.peak.get(role, 0), psutil.Process(pid).memory_info().rss)
+                except psutil.Error:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def run_field(out: Path, broker: Broker, flags: list[str], clients: int, *, hostile: dict[str, Any] | None = None,
+              log: Any = print) -> dict[str, Any]:
+    """``fedsga-edge coordinator`` and ``fedsga-edge device`` x ``clients`` on ``broker``, started in
+    stages: the coordinator, then device 0, then the others (their registration starts round 1). With
+    ``hostile`` (``examples``, ``flood_mb``, ``run``) an intruder attacks between the stages and during
+    the rounds. Returns exit codes, summary, metrics, peak RSS per role and the intruder's report."""
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "logs").mkdir(parents=True)
+    base = [sys.executable, "-m", "fedsga_edge.cli.main"]
+    started = time.monotonic()
+    rss = RssSampler()
+    procs: dict[str, subprocess.Popen] = {}
+
+    def spawn(name: str, args: list[str]) -> None:
+        with open(out / "logs" / f"{name}.out", "w") as f:
+            procs[name] = subprocess.Popen(base + args, stdout=f, stderr=subprocess.STDOUT,
+                                           env=os.environ | {"COLUMNS": "200"})
+        rss.procs[procs[name].pid] = "coordinator" if name == "coordinator" else "device"
+
+    def device(i: int) -> None:
+        spawn(f"device-{i:03d}", ["device", "--broker", broker.url, "--index", str(i), "--state-dir",
+                                  str(out / "devices" / f"client-{i:03d}"), "--threads", "1", *flags])
+
+    def alive_wait(what: str, probe: Any, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while not probe():
+            dead = [n for n, p in procs.items() if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"waiting for {what}: " + (f"{dead} exited" if dead else "timed out"))
+            time.sleep(0.1)
+
+    devices = [f"client-{i:03d}" for i in range(clients)]
+    rep = Report() if hostile is not None else None
+    error = None
+    ix = None
+    try:
+        spawn("coordinator", ["coordinator", "--broker", broker.url, "--run-dir", str(out), "--threads", "1",
+                              "--register-timeout", "900", *flags])
+        alive_wait("the coordinator to serve", lambda: logged(out, "service_open"))
+        if hostile is not None:
+            ix = Intruder("127.0.0.1", broker.port, run=hostile["run"])
+            try:
+                attack_idle(ix, rep, victim=devices[0], other=devices[-1], examples=hostile["examples"])
+                log(f"[hostile] before any device: {sum(rep.sent.values())} hostile messages, problems: {rep.problems[:3]}")
+            except Exception as exc:  # noqa: BLE001 - reported as a failed check; the run goes on
+                error = f"attack_idle: {type(exc).__name__}: {exc}"
+        device(0)
+        if ix is not None:
+            alive_wait("device 0 to register", lambda: logged(out, "hello_ack", device=devices[0]))
+        if ix is not None and error is None:
+            try:
+                attack_device(ix, rep, victim=devices[0], other=devices[-1], examples=max(hostile["examples"] // 3, 10))
+                log(f"[hostile] device {devices[0]}'s orders: {rep.answers.get('device:orders')}")
+            except Exception as exc:  # noqa: BLE001 - reported as a failed check; the run goes on
+                error = f"attack_device: {type(exc).__name__}: {exc}"
+        flooder = None
+        if ix is not None and error is None:  # the flood runs while the other devices start and round 1 begins
+            flooder = threading.Thread(target=flood, args=(ix, rep, hostile["flood_mb"]), kwargs={"log": log},
+                                       name="flood", daemon=True)
+            flooder.start()
+        for i in range(1, clients):
+            device(i)
+        if ix is not None and error is None:
+            try:
+                attack_rounds(ix, rep, out, victim=devices[0], other=devices[-1], flooder=flooder, log=log)
+            except Exception as exc:  # noqa: BLE001 - reported as a failed check; the run goes on
+                error = f"attack_rounds: {type(exc).__name__}: {exc}"
+        procs["coordinator"].wait(900)
+        for p in procs.values():
+            p.wait(60)
+    finally:
+        if ix is not None:
+            ix.close()
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        rss.close()
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    return {"rc": {n: p.returncode for n, p in procs.items()}, "summary": summary,
+            "metrics": read_jsonl(out / "metrics.jsonl"), "peak_rss": rss.peak, "report": rep,
+            "attack_error": error, "wall_s": round(time.monotonic() - started, 1)}
+
+
+def compare(clean: Path, hostile: Path) -> dict[str, Any]:
+    """Accuracy per round and every tensor of the final checkpoints, bit for bit."""
+    import torch
+
+    a = torch.load(clean / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
+    b = torch.load(hostile / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
+    differ = [k for k in a if k not in b or not torch.equal(a[k], b[k])]
+    acc_a = [r.get("test_acc") for r in read_jsonl(clean / "metrics.jsonl")]
+    acc_b = [r.get("test_acc") for r in read_jsonl(hostile / "metrics.jsonl")]
+    loss_a = [r.get("train_loss") for r in read_jsonl(clean / "metrics.jsonl")]
+    loss_b = [r.get("train_loss") for r in read_jsonl(hostile / "metrics.jsonl")]
+    return {"acc_clean": acc_a, "acc_hostile": acc_b, "train_loss_equal": loss_a == loss_b,
+            "weights_differ": differ[:10], "bit_identical": not differ and acc_a == acc_b and loss_a == loss_b}
+
+
+def checks(clean: dict[str, Any], hostile: dict[str, Any], cmp: dict[str, Any], run_dir: Path) -> list[dict[str, Any]]:
+    """What docs/protocol.md promises, as named pass/fail checks (every one must hold)."""
+    out = []
+
+    def check(name: str, ok: bool, detail: Any = None) -> None:
+        out.append({"check": name, "ok": bool(ok), "detail": detail})
+
+    rep: Report | None = hostile["report"]
+    check("the attack ran to its end", hostile["attack_error"] is None and rep is not None, hostile["attack_error"])
+    check("every process of both runs exited 0", all(v == 0 for r in (clean, hostile) for v in r["rc"].values()),
+          (clean["rc"], hostile["rc"]))
+    check("every hostile request was refused as expected", rep is not None and not rep.problems,
+          rep.problems[:10] if rep else None)
+    events = read_jsonl(run_dir / "coordinator.log")
+    refused = [e for e in events if e.get("event") == "request_refused"]
+    rejected = [e for e in events if e.get("event") == "message_rejected"]
+    reasons = " | ".join(str(e.get("reason")) for e in refused)
+    check("coordinator.log names the must-show refusals", all(w in reasons for w in
+                                                              ("non-finite", "not a device", "round")), reasons[:300])
+    check("coordinator.log has the Peer's rejections", len(rejected) >= 3, len(rejected))
+    end = next((e for e in reversed(events) if e.get("event") == "run_end"), {})
+    counters = end.get("transport_counters", {})
+    check("the coordinator counted them", end.get("remote_errors", 0) >= len(refused) > 0
+          and end.get("peer_errors", 0) > 0 and counters.get("garbage", 0) > 0, {k: end.get(k) for k in (
+              "remote_errors", "peer_errors", "transport_counters")})
+    flooded = (rep.answers.get("flood:evicted_by_the_flood") or {}) if rep else {}
+    check("the flood hit the reassembly cap: flood messages were evicted (counted as rejected)",
+          flooded.get("err", 0) > 0 and counters.get("rejected", 0) > 0,
+          {"touched": flooded, "rejected": counters.get("rejected")})
+    logs = "".join((run_dir / "logs" / n).read_text(errors="replace") for n in os.listdir(run_dir / "logs")
+                   if n.endswith(".out"))
+    check("no process crashed (no traceback in any log)", "Traceback" not in logs)
+    device_log = (run_dir / "logs" / "device-000.out").read_text(errors="replace")
+    check("the attacked device logged its rejections", "rejected" in device_log)
+    check("every device in every round", all(not r.get("failures") for r in hostile["metrics"])
+          and len(hostile["metrics"]) == len(clean["metrics"]), [r.get("failures") for r in hostile["metrics"]])
+    check("same final accuracy", clean["summary"].get("final_acc") == hostile["summary"].get("final_acc"),
+          (clean["summary"].get("final_acc"), hostile["summary"].get("final_acc")))
+    check("bit-identical weights and metrics", cmp["bit_identical"], cmp)
+    cap = clean["peak_rss"].get("coordinator", 0) + REASSEMBLY_CAP + RSS_SLACK
+    got = hostile["peak_rss"].get("coordinator", 0)
+    check(f"coordinator RSS under the clean peak + {REASSEMBLY_CAP >> 20} + {RSS_SLACK >> 20} MiB", 0 < got <= cap,
+          {"clean_mb": clean["peak_rss"].get("coordinator", 0) >> 20, "hostile_mb": got >> 20, "cap_mb": cap >> 20})
+    return out
+
+
+def run_pair(out: Path, *, clients: int = 2, rounds: int = 2, examples: int = 150, flood_mb: int = 160,
+             concurrent: bool = False, log: Any = print) -> dict[str, Any]:
+    """The clean run and the attacked one (each on its own broker; ``concurrent``: at the same time),
+    compared bit for bit and checked; see the module doc."""
+    flags = [*TINY, "--clients", str(clients), "--rounds", str(rounds)]
+    out.mkdir(parents=True, exist_ok=True)
+    brokers = [Broker(out / "broker-clean"), Broker(out / "broker-hostile")]
+    runs: dict[str, dict[str, Any]] = {}
+    try:
+        def clean() -> None:
+            runs["clean"] = run_field(out / "clean", brokers[0], flags, clients)
+            log(f"[hostile] clean run: exit {runs['clean']['rc']}, acc {runs['clean']['summary'].get('final_acc')}, "
+                f"{runs['clean']['wall_s']} s")
+
+        side = threading.Thread(target=clean, daemon=True) if concurrent else None
+        if side is not None:
+            side.start()
+        else:
+            clean()
+        runs["hostile"] = run_field(out / "hostile", brokers[1], flags, clients, log=log, hostile={
+            "run": "sim-0",  # the run id of seed 0 (fedsga_edge.runbuild.default_run_id)
+            "examples": examples, "flood_mb": flood_mb})
+        if side is not None:
+            side.join()
+    finally:
+        for b in brokers:
+            b.stop()
+    cmp = compare(out / "clean", out / "hostile")
+    return {"clean": runs["clean"], "hostile": runs["hostile"], "compare": cmp,
+            "checks": checks(runs["clean"], runs["hostile"], cmp, out / "hostile")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("runs/hostile"))
+    ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--examples", type=int, default=150, help="hypothesis examples against the coordinator "
+                                                                "(a third of it against a device)")
+    ap.add_argument("--flood-mb", type=int, default=160, help="MiB of half-sent chunks (the reassembly cap is 128)")
+    ap.add_argument("--concurrent", action="store_true", help="run the clean and the attacked run at the same time")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.rounds < 2 or args.clients < 2:
+        ap.error("--rounds and --clients must be >= 2: stale-round replays need a second round, and the "
+                 "device-topic attack a device whose round has not started")
+    res = run_pair(args.out, clients=args.clients, rounds=args.rounds, examples=args.examples, flood_mb=args.flood_mb,
+                   concurrent=args.concurrent, log=lambda s: print(s, flush=True))
+    clean, hostile, cmp, rep = res["clean"], res["hostile"], res["compare"], res["hostile"]["report"]
+    for c in res["checks"]:
+        print(f"[hostile] {'ok    ' if c['ok'] else 'FAILED'} {c['check']}" + ("" if c["ok"] else f": {c['detail']}"))
+    print(f"[hostile] sent {sum(rep.sent.values()) if rep else 0} hostile messages; answers: "
+          f"{json.dumps(rep.answers) if rep else None}")
+    print(f"[hostile] accuracy clean {cmp['acc_clean']} hostile {cmp['acc_hostile']}; peak RSS MiB clean "
+          f"{ {k: v >> 20 for k, v in clean['peak_rss'].items()} } hostile "
+          f"{ {k: v >> 20 for k, v in hostile['peak_rss'].items()} }; wall s {clean['wall_s']} / {hostile['wall_s']}")
+    if args.json:
+        args.json.write_text(json.dumps({"checks": res["checks"], "compare": cmp, "clean": {**clean, "report": None},
+                                         "hostile": {**hostile, "report": vars(rep) if rep else None}},
+                                        indent=2, default=str))
+    return 0 if all(c["ok"] for c in res["checks"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,476 @@
+"""What the wire costs (issue 8): every figure a ratio of two things measured side by side in one run.
+
+1. codec: ``wire.encode`` + ``wire.decode`` of an ``activation`` message vs a memcpy of the same bytes
+   (raw fp32, and the codec's lossy fp16 / int8 tensor encodings).
+2. MQTT: activation throughput through the project's ``MqttTransport`` + ``Peer`` (one-way sends,
+   pipelined; chunked under the default 256 KiB ``max_packet`` and unchunked; and lockstep
+   request/reply as the device does it) vs raw paho-mqtt QoS 1 publishes of the same sizes, on the
+   embedded broker and on Mosquitto; plus a slow subscriber on each broker (held back or dropped).
+3. bytes per sample per split of the activation (and the gradient back) for the fp32 (raw), fp16
+   and int8 tensor encodings of the wire codec (docs/protocol.md, "Messages").
+4. trial round time vs simulate round time on a tiny config (digits, 3 clients, 2 rounds, width
+   0.25, ``--max-batches 2``), the trial on each broker.
+5. what each ``--wire-format`` (fp32, fp16, int8) costs in accuracy and saves in bytes: one short
+   ``simulate`` per format and strategy (digits, 4 clients, 3 rounds, width 0.25, seed 0; static at
+   split 2 and FedSGA), side by side. simulate is deterministic for a seed, so the accuracy
+   difference to fp32 is the encoding's alone.
+
+    python benchmarks/wire.py [--json runs/wire.json] [--mib 48] [--reps 3] [--skip-runs]
+        [--brokers embedded,mosquitto] [--skip-accuracy | --accuracy-only] [--accuracy-strategies static,fedsga]
+
+Brokers are started here on free 127.0.0.1 ports (``fedsga_edge.coordinator.broker``); a broker
+that is not installed is skipped with a note. Nothing leaves 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MiB = 1024 * 1024
+SIZES = (64 * 1024, MiB, 4 * MiB)
+RUN = "bench"
+WIRE_FORMATS = ("fp32", "fp16", "int8")  # --wire-format (fedsga_edge/runbuild.py)
+ACCURACY = ["--dataset", "digits", "--clients", "4", "--rounds", "3", "--model", "resnet18_cifar", "--width", "0.25",
+            "--seed", "0"]
+ACCURACY_STRATEGIES = {"static": ["--strategy", "static", "--split", "2"], "fedsga": ["--strategy", "fedsga"]}
+TINY = ["--dataset", "digits", "--clients", "3", "--rounds", "2", "--model", "resnet18_cifar", "--width", "0.25",
+        "--seed", "0", "--local-epochs", "1", "--max-batches", "2", "--batch-size", "32", "--strategy", "fedsga"]
+
+
+def _label(size: int) -> str:
+    return f"{size // MiB} MiB" if size >= MiB else f"{size // 1024} KiB"
+
+
+def _activation(z: np.ndarray, batch: int = 32) -> Any:
+    from fedsga_edge.wire import Message
+
+    y = np.zeros(batch, dtype=np.int64)
+    return Message(kind="activation", run=RUN, round=1, seq=1, sender="client-000", body={"z": z, "y": y, "split": 1})
+
+
+# ------------------------------------------------------------------ 1. codec vs memcpy
+
+
+def _timed(fn: Callable[[], Any], reps: int) -> float:
+    """Median seconds of ``fn`` over ``reps`` calls (after one warm-up)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_codec(reps: int) -> list[dict[str, Any]]:
+    from fedsga_edge.wire import decode, encode
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for size in SIZES:
+        z = rng.standard_normal(size // 4).astype(np.float32)
+        dst = np.empty_like(z)
+        msg = _activation(z)
+        n = max(3, reps * (4 * MiB // size))  # more calls for small messages: steadier medians
+        memcpy = _timed(lambda: np.copyto(dst, z), n)
+        for fmt in ("raw", "fp16", "int8"):
+            data = encode(msg, tensor_format=fmt)
+            enc = _timed(lambda: encode(msg, tensor_format=fmt), n)  # noqa: B023 - called in this iteration
+            dec = _timed(lambda: decode(data), n)  # noqa: B023
+            rows.append({"size": size, "format": fmt, "wire_bytes": len(data), "encode_s": enc, "decode_s": dec,
+                         "memcpy_s": memcpy, "ratio": (enc + dec) / memcpy,
+                         "codec_mib_s": size / (enc + dec) / MiB, "memcpy_mib_s": size / memcpy / MiB})
+    return rows
+
+
+# ------------------------------------------------------------------ 2. MQTT throughput
+
+
+class _RssPeak:
+    """Samples a process's RSS every 50 ms; ``peak`` in bytes."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self.proc = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, self.proc.memory_info().rss)
+            except Exception:  # the process ended
+                return
+            self._stop.wait(0.05)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def _paho(port: int, client_id: str) -> Any:
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    c = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv311)
+    c.connect("127.0.0.1", port)
+    c.loop_start()
+    return c
+
+
+def raw_paho(port: int, size: int, count: int, timeout: float, slow_s: float = 0.0) -> dict[str, Any]:
+    """``count`` QoS 1 publishes of ``size`` bytes from one paho client to another; MiB/s until the last arrives."""
+    got, last = 0, time.monotonic()
+    done = threading.Event()
+    subscribed = threading.Event()
+
+    def on_message(*_: Any) -> None:
+        nonlocal got, last
+        got += 1
+        last = time.monotonic()
+        if slow_s:
+            time.sleep(slow_s)
+        if got >= count:
+            done.set()
+
+    sub = _paho(port, f"bench-sub-{os.getpid()}")
+    sub.on_message = on_message
+    sub.on_subscribe = lambda *_: subscribed.set()
+    sub.subscribe("bench/raw", qos=1)
+    subscribed.wait(5)
+    pub = _paho(port, f"bench-pub-{os.getpid()}")
+    payload = os.urandom(size)
+    try:
+        t = time.perf_counter()
+        start = time.monotonic()
+        infos = [pub.publish("bench/raw", payload, qos=1) for _ in range(count)]
+        for info in infos:
+            info.wait_for_publish(timeout)
+        # All acknowledged; a broker that dropped some never completes: stop 2 s after the last arrival.
+        while not done.wait(0.1) and time.monotonic() - last < 2 and time.perf_counter() - t < timeout:
+            pass
+        ok = done.is_set()
+        dt = time.monotonic() - start if ok else last - start  # incomplete: until the last arrival
+    finally:
+        for c in (pub, sub):
+            c.loop_stop()
+            c.disconnect()
+    return {"received": got, "sent": count, "complete": ok, "seconds": dt, "mib_s": got * size / dt / MiB}
+
+
+def transport(port: int, size: int, count: int, timeout: float, *, max_packet: int, lockstep: bool) -> dict[str, Any]:
+    """``count`` activations of ``size`` bytes of z from a device Peer to the coordinator's, over MqttTransport.
+
+    One-way ``send``s (pipelined, like the raw publishes) or, with ``lockstep``, ``call``s that wait for
+    a small ``ack`` each, as a device waits for its gradient.
+    """
+    from fedsga_edge.transport import Peer
+    from fedsga_edge.transport.mqtt import MqttTransport
+
+    tag = f"{os.getpid()}-{size}-{max_packet}-{int(lockstep)}"
+    coord_t = MqttTransport("127.0.0.1", port, run=RUN, client_id=f"coordinator-{tag}", max_packet=max_packet,
+                            clean_session=True)
+    dev_t = MqttTransport("127.0.0.1", port, run=RUN, client_id=f"client-000-{tag}", max_packet=max_packet,
+                          clean_session=True)
+    coord, dev = Peer(coord_t, "coordinator", RUN), Peer(dev_t, "client-000", RUN)
+    got = 0
+    done = threading.Event()
+
+    def handler(msg: Any) -> Any:
+        nonlocal got
+        got += 1
+        if got >= count:
+            done.set()
+        return coord.reply(msg, "ack") if lockstep else None
+
+    coord.register(handler)
+    coord_t.wait_ready(5)
+    z = np.random.default_rng(1).standard_normal(size // 4).astype(np.float32)
+    y = np.zeros(32, dtype=np.int64)
+    try:
+        t = time.perf_counter()
+        for _ in range(count):
+            if lockstep:
+                dev.call("coordinator", "activation", 1, {"z": z, "y": y, "split": 1}, timeout=timeout)
+            else:
+                dev.send("coordinator", "activation", 1, {"z": z, "y": y, "split": 1})
+        ok = done.wait(timeout)
+        dt = time.perf_counter() - t
+    finally:
+        dev_t.close()
+        coord_t.close()
+    return {"received": got, "sent": count, "complete": ok, "seconds": dt, "mib_s": got * size / dt / MiB}
+
+
+def bench_mqtt(kind: str, total: int, reps: int, workdir: Path) -> dict[str, Any]:
+    from fedsga_edge.coordinator.broker import BrokerError, start_embedded, start_mosquitto
+
+    try:
+        broker = (start_embedded if kind == "embedded" else start_mosquitto)(workdir / f"broker-{kind}")
+    except BrokerError as exc:
+        return {"broker": kind, "skipped": str(exc)}
+    rss = _RssPeak(broker.pid)
+    rows = []
+    try:
+        for size in SIZES:
+            count = max(4, total // size)
+            modes: dict[str, Callable[[], dict[str, Any]]] = {
+                "paho": lambda: raw_paho(broker.port, size, count, 60),  # noqa: B023 - used in this iteration
+                "transport": lambda: transport(broker.port, size, count, 60, max_packet=256 * 1024, lockstep=False),  # noqa: B023
+                "transport_unchunked": lambda: transport(broker.port, size, count, 60, max_packet=8 * MiB,  # noqa: B023
+                                                         lockstep=False),
+                "transport_lockstep": lambda: transport(broker.port, size, count, 60, max_packet=256 * 1024,  # noqa: B023
+                                                        lockstep=True),
+            }
+            runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+            for _ in range(reps):  # interleaved, so a burst of load elsewhere hits every mode alike
+                for m, fn in modes.items():
+                    runs[m].append(fn())
+            row: dict[str, Any] = {"size": size, "count": count}
+            for m, rs in runs.items():
+                row[m] = statistics.median(r["mib_s"] for r in rs)
+                row[f"{m}_complete"] = all(r["complete"] for r in rs)
+            row["ratio"] = row["transport"] / row["paho"]
+            rows.append(row)
+        # A subscriber that falls behind: 200 x 1 MiB published at full speed, 50 ms of work per message
+        # (10 s to drain). Mosquitto holds everything back for it; the embedded broker's bounded log drops.
+        slow = raw_paho(broker.port, MiB, 200, 60, slow_s=0.05)
+    finally:
+        broker.stop()
+        peak = rss.stop()
+    return {"broker": kind, "rows": rows, "slow_subscriber": slow, "broker_peak_rss": peak}
+
+
+# ------------------------------------------------------------------ 3. bytes per sample per split
+
+
+def bench_sizes(batch: int = 32) -> list[dict[str, Any]]:
+    """Encoded ``activation`` (z, y, split) and ``gradient`` (dz, loss) bytes per sample at each split."""
+    from fedsga_edge.models import create_model
+    from fedsga_edge.wire import Message, encode
+
+    model = create_model("resnet18_cifar", num_classes=10, width=0.25)
+    rows = []
+    rng = np.random.default_rng(0)
+    for k in range(1, model.num_splits + 1):
+        depth = model.depth_of(k)
+        shape = model.interface_shape(depth)
+        z = rng.standard_normal((batch, *shape)).astype(np.float32)
+        row: dict[str, Any] = {"split": k, "depth": depth, "shape": list(shape), "fp32_tensor_bytes": z[0].nbytes}
+        for fmt in ("raw", "fp16", "int8"):
+            act = encode(Message("activation", RUN, 1, 1, "client-000",
+                                 {"z": z, "y": np.zeros(batch, np.int64), "split": k}), tensor_format=fmt)
+            grad = encode(Message("gradient", RUN, 1, 2, "coordinator", {"dz": z, "loss": 0.0}), tensor_format=fmt)
+            row[fmt] = {"activation": len(act) / batch, "gradient": len(grad) / batch}
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------ 4. trial vs simulate
+
+
+def _cli(args: list[str], timeout: float) -> tuple[float, subprocess.CompletedProcess]:
+    t = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "fedsga_edge.cli.main", *args], capture_output=True, text=True,
+                         timeout=timeout)
+    return time.perf_counter() - t, res
+
+
+def bench_runs(brokers: list[str], workdir: Path) -> list[dict[str, Any]]:
+    runs: list[tuple[str, list[str]]] = [("simulate", ["simulate", "--threads", "1"])]
+    runs += [(f"trial ({b})", ["trial", "--broker", b, "--threads", "1"]) for b in brokers]
+    rows = []
+    for name, cmd in runs:
+        out = workdir / name.replace(" ", "_").replace("(", "").replace(")", "")
+        wall, res = _cli([*cmd, "--out", str(out), "--quiet", *TINY], timeout=900)
+        if res.returncode != 0:
+            rows.append({"run": name, "error": (res.stderr or res.stdout)[-500:]})
+            continue
+        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        rows.append({"run": name, "command_s": wall, "round_s": [m["round_s"] for m in metrics],
+                     "failures": [len(m.get("failures", {})) for m in metrics],
+                     "bytes_up": [m.get("bytes_up") for m in metrics], "bytes_down": [m.get("bytes_down") for m in metrics]})
+    base = next((r for r in rows if r["run"] == "simulate" and "round_s" in r), None)
+    for r in rows:
+        if base is not None and "round_s" in r:
+            r["round_ratio"] = [a / b for a, b in zip(r["round_s"], base["round_s"])]
+            r["command_ratio"] = r["command_s"] / base["command_s"]
+    return rows
+
+
+# ------------------------------------------------------------------ 5. accuracy per wire format
+
+
+def bench_accuracy(strategies: list[str], workdir: Path) -> list[dict[str, Any]]:
+    """One ``simulate --wire-format F`` per strategy and format; accuracy and bytes against fp32's."""
+    rows = []
+    for strategy in strategies:
+        for fmt in WIRE_FORMATS:
+            out = workdir / f"accuracy-{strategy}-{fmt}"
+            wall, res = _cli(["simulate", "--threads", "1", "--quiet", "--out", str(out), "--wire-format", fmt,
+                              *ACCURACY, *ACCURACY_STRATEGIES[strategy]], timeout=3600)
+            if res.returncode != 0:
+                rows.append({"strategy": strategy, "format": fmt, "error": (res.stderr or res.stdout)[-500:]})
+                continue
+            summary = json.loads((out / "summary.json").read_text())
+            info = json.loads((out / "config.json").read_text())
+            # samples that went through the split: every client's share (or its --max-batches of it), every
+            # local epoch, every round
+            t = info["train"]
+            cap = t["max_batches"] * t["batch_size"] or None
+            trained = summary["rounds"] * t["local_epochs"] * sum(min(n, cap or n) for n in info["client_sizes"].values())
+            rows.append({"strategy": strategy, "format": fmt, "final_acc": summary["final_acc"],
+                         "final_test_loss": summary["final_test_loss"], "bytes_up": summary["bytes_up"],
+                         "bytes_down": summary["bytes_down"], "samples_trained": trained,
+                         "bytes_up_per_sample": summary["bytes_up"] / trained,
+                         "bytes_down_per_sample": summary["bytes_down"] / trained,
+                         "split_histogram": summary["split_histogram"], "failures": summary["failures"],
+                         "command_s": wall})
+    for r in rows:
+        base = next((b for b in rows if b["strategy"] == r["strategy"] and b["format"] == "fp32" and "error" not in b),
+                    None)
+        if base is not None and "error" not in r:
+            r["acc_diff_vs_fp32"] = r["final_acc"] - base["final_acc"]
+            r["bytes_up_vs_fp32"] = r["bytes_up"] / base["bytes_up"]
+    return rows
+
+
+# ------------------------------------------------------------------ report
+
+
+def _print(result: dict[str, Any]) -> None:
+    print(f"# wire benchmark  ({result['machine']})\n")
+    if result.get("codec"):
+        _print_transport(result)
+    if result.get("accuracy"):
+        _print_accuracy(result["accuracy"])
+
+
+def _print_accuracy(rows: list[dict[str, Any]]) -> None:
+    print("\n## accuracy per --wire-format (simulate: digits, 4 clients, 3 rounds, width 0.25, seed 0, --threads 1;"
+          " static at split 2, and fedsga)")
+    print(f"{'strategy':>8} {'format':>6} {'final acc':>9} {'vs fp32 pp':>10} {'test loss':>9} {'bytes_up MB':>11}"
+          f" {'x fp32':>6} {'up B/sample':>11} {'down B/sample':>13} {'command s':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['strategy']:>8} {r['format']:>6} error: {r['error'][-200:]}")
+            continue
+        diff = f"{100 * r['acc_diff_vs_fp32']:+.2f}" if "acc_diff_vs_fp32" in r else "-"
+        ratio = f"{r['bytes_up_vs_fp32']:.3f}" if "bytes_up_vs_fp32" in r else "-"
+        print(f"{r['strategy']:>8} {r['format']:>6} {r['final_acc']:>9.4f} {diff:>10} {r['final_test_loss']:>9.4f}"
+              f" {r['bytes_up'] / 1e6:>11.1f} {ratio:>6} {r['bytes_up_per_sample']:>11.0f}"
+              f" {r['bytes_down_per_sample']:>13.0f} {r['command_s']:>9.0f}")
+    print("(bytes_up: everything the devices sent, updates included; per sample: over the samples trained through"
+          " the split, every epoch and round. Weights travel fp32 under every format.)")
+
+
+def _print_transport(result: dict[str, Any]) -> None:
+    print("## codec encode+decode vs memcpy of the same bytes (activation message, median)")
+    print(f"{'size':>7} {'format':>6} {'wire bytes':>11} {'enc+dec us':>11} {'memcpy us':>10} {'ratio':>6}"
+          f" {'codec MiB/s':>12} {'memcpy MiB/s':>13}")
+    for r in result["codec"]:
+        print(f"{_label(r['size']):>7} {r['format']:>6} {r['wire_bytes']:>11} {1e6 * (r['encode_s'] + r['decode_s']):>11.0f}"
+              f" {1e6 * r['memcpy_s']:>10.0f} {r['ratio']:>6.1f} {r['codec_mib_s']:>12.0f} {r['memcpy_mib_s']:>13.0f}")
+    for m in result["mqtt"]:
+        print(f"\n## MQTT activation throughput, {m['broker']} broker (MiB/s of z, QoS 1, 127.0.0.1, median)")
+        if "skipped" in m:
+            print(f"skipped: {m['skipped']}")
+            continue
+        print(f"{'size':>7} {'count':>5} {'raw paho':>9} {'transport':>10} {'ratio':>6} {'unchunked':>10}"
+              f" {'lockstep':>9}   (transport: Peer.send, max_packet 256 KiB; unchunked: 8 MiB; lockstep: Peer.call)")
+        for r in m["rows"]:
+            flags = "" if all(r[f"{k}_complete"] for k in ("paho", "transport", "transport_unchunked", "transport_lockstep")) \
+                else "  INCOMPLETE"
+            print(f"{_label(r['size']):>7} {r['count']:>5} {r['paho']:>9.0f} {r['transport']:>10.0f} {r['ratio']:>6.2f}"
+                  f" {r['transport_unchunked']:>10.0f} {r['transport_lockstep']:>9.0f}{flags}")
+        s = m["slow_subscriber"]
+        print(f"slow subscriber (1 MiB publishes, 50 ms per message): received {s['received']}/{s['sent']};"
+              f" broker peak RSS {m['broker_peak_rss'] / MiB:.0f} MiB")
+    print("\n## bytes per sample per split (resnet18_cifar width 0.25, batch 32; the codec's tensor encodings)")
+    print(f"{'split':>5} {'depth':>5} {'shape':>14} {'fp32 act':>9} {'fp16 act':>9} {'int8 act':>9}"
+          f" {'fp32 grad':>10} {'fp16 grad':>10} {'int8 grad':>10}")
+    for r in result["sizes"]:
+        print(f"{r['split']:>5} {r['depth']:>5} {'x'.join(map(str, r['shape'])):>14} {r['raw']['activation']:>9.0f}"
+              f" {r['fp16']['activation']:>9.0f} {r['int8']['activation']:>9.0f} {r['raw']['gradient']:>10.0f}"
+              f" {r['fp16']['gradient']:>10.0f} {r['int8']['gradient']:>10.0f}")
+    print("(the run flag --wire-format fp32 | fp16 | int8 selects these for activations and gradients;"
+          " weights always travel fp32; docs/protocol.md, \"Messages\")")
+    if result.get("runs"):
+        print("\n## trial vs simulate (digits, 3 clients, 2 rounds, width 0.25, --max-batches 2, --threads 1)")
+        print(f"{'run':>20} {'round 1 s':>10} {'round 2 s':>10} {'x simulate':>14} {'command s':>10} {'x simulate':>11}")
+        for r in result["runs"]:
+            if "error" in r:
+                print(f"{r['run']:>20} error: {r['error'][-200:]}")
+                continue
+            ratio = "/".join(f"{x:.1f}" for x in r.get("round_ratio", []))
+            print(f"{r['run']:>20} {r['round_s'][0]:>10.1f} {r['round_s'][-1]:>10.1f} {ratio:>14}"
+                  f" {r['command_s']:>10.1f} {r.get('command_ratio', 1.0):>11.1f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, default=None, help="Write every figure here too.")
+    ap.add_argument("--mib", type=int, default=48, help="MiB per MQTT measurement (below the embedded broker's "
+                    "56 MiB per-filter retention, so a pipelined burst is never dropped).")
+    ap.add_argument("--reps", type=int, default=3, help="Repetitions per figure (the median is reported).")
+    ap.add_argument("--brokers", default="embedded,mosquitto", help="Comma-separated: embedded, mosquitto.")
+    ap.add_argument("--skip-runs", action="store_true", help="Skip the trial vs simulate runs (minutes).")
+    ap.add_argument("--skip-accuracy", action="store_true", help="Skip the accuracy per --wire-format runs (minutes).")
+    ap.add_argument("--accuracy-only", action="store_true", help="Only the accuracy per --wire-format runs.")
+    ap.add_argument("--accuracy-strategies", default="static,fedsga",
+                    help=f"Comma-separated strategies for the accuracy part: {', '.join(ACCURACY_STRATEGIES)}.")
+    args = ap.parse_args(argv)
+    strategies = [x.strip() for x in args.accuracy_strategies.split(",") if x.strip()]
+    unknown = sorted(set(strategies) - set(ACCURACY_STRATEGIES))
+    if unknown or not strategies:
+        ap.error(f"--accuracy-strategies: unknown {unknown}; use {', '.join(ACCURACY_STRATEGIES)}")
+    if args.skip_accuracy and args.accuracy_only:
+        ap.error("--skip-accuracy and --accuracy-only contradict each other")
+    brokers = [b.strip() for b in args.brokers.split(",") if b.strip()]
+    bad = sorted(set(brokers) - {"embedded", "mosquitto"})
+    if bad:
+        ap.error(f"unknown broker(s) {bad}; use embedded, mosquitto")
+    import psutil
+
+    result: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {psutil.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, "
+                   f"Python {platform.python_version()}",
+        "args": vars(args) | {"json": str(args.json) if args.json else None},
+    }
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fedsga-wire-") as tmp:
+        work = Path(tmp)
+        if not args.accuracy_only:
+            result["codec"] = bench_codec(args.reps)
+            result["mqtt"] = [bench_mqtt(b, args.mib * MiB, args.reps, work) for b in brokers]
+            result["sizes"] = bench_sizes()
+            result["runs"] = [] if args.skip_runs else bench_runs(brokers, work)
+        result["accuracy"] = [] if args.skip_accuracy else bench_accuracy(strategies, work)
+    result["seconds"] = time.perf_counter() - t0
+    _print(result)
+    print(f"\n({result['seconds']:.0f} s)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

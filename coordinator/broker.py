@@ -1,0 +1,370 @@
+"""MQTT brokers for a trial on one machine: the embedded one pip installs, and Mosquitto.
+
+``fedsga-edge trial`` needs a broker and should not need a system package, so by default it starts
+the *embedded* broker: rumqttd (Rust) compiled into the ``iotcore`` wheel (no other dependencies,
+part of ``fedsga-edge[train]``). ``start_mosquitto`` runs Mosquitto instead, which a field trial
+with logins, ACLs and TLS needs anyway (docs/protocol.md, "A broker for a field trial").
+
+Both launchers run the broker as a child process bound to 127.0.0.1 on a free port, write its log
+(and its configuration) into ``log_dir``, and return a ``RunningBroker`` whose ``stop()`` ends the
+process and waits for it. A broker never outlives its parent: on Linux the child gets SIGTERM when
+the parent dies (PR_SET_PDEATHSIG), and the embedded one also exits when its stdin pipe closes.
+
+What the embedded broker needs, and gets here (tests/test_trial.py checks all but the memory bound):
+
+* **127.0.0.1 only.** iotcore binds 0.0.0.0 by default; the configuration names 127.0.0.1 and has
+  no console/metrics listener.
+* **Payload limit.** rumqttd's default ``max_payload_size`` is 20 KB and a publisher above it is
+  disconnected; here it is ``max_payload`` (default 8 MiB, far above the transport's 256 KiB
+  chunks, see docs/protocol.md "Chunking").
+* **Bounded memory.** rumqttd keeps every publish in an in-memory log per subscription filter and
+  PUBACKs at once, so a fast publisher is never slowed by a slow subscriber; unbounded, 400 x 4 MiB
+  publishes held ~1.6 GiB. The log here keeps ``segments`` segments of ``segment_bytes`` per filter
+  (default 8 x 8 MiB), and ``inflight`` (default 32) bounds the publishes queued per connection.
+  The price: a subscriber that falls more than about ``(segments - 1) * segment_bytes`` (plus its
+  inflight window) behind on one filter loses the oldest messages (rumqttd jumps its cursor), which
+  the transport sees as a request that times out. Measured (benchmarks/wire.py): 200 x 1 MiB
+  published at full speed to a subscriber that takes 50 ms per message, 164 arrived; Mosquitto
+  delivers all 200 and holds the backlog in memory instead. The protocol is request/reply in
+  lockstep per device, so a filter holds at most about one message per device in flight: the
+  default leaves room for 56 MiB of such messages at once (see benchmarks/wire.py for the sizes).
+* **Quiet log.** rumqttd wraps each packet in a tracing span that reaches Python's ``logging`` as an
+  ERROR record; its logger is muted unless ``FEDSGA_BROKER_DEBUG=1``.
+* **TCP_NODELAY.** rumqttd does not set it, and every small reply then waits ~40 ms for a delayed
+  ACK (47 ms per request/reply round trip measured, 1.6 ms with it). The child sets it on the
+  listening socket, whose accepted connections inherit it (Linux), before it reports ready.
+* **Clean stop.** rumqttd has no shutdown API, so it runs in its own process: ``stop()`` terminates
+  it and the port is free when ``stop()`` returns.
+* **QoS 1, retained messages, last will, persistent sessions** (docs/protocol.md "Status and last
+  will", "Connection, sessions, reconnects"): rumqttd 0.20 supports all four. It has no ACLs: the
+  embedded broker is for trials on one machine; a field trial uses Mosquitto (``--broker URL``).
+
+The broker process runs only ``iotcore``: it is started as ``python -c`` code, because importing this
+package (``fedsga_edge.coordinator``) would load torch into it.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import urlsplit
+
+__all__ = [
+    "BrokerError",
+    "RunningBroker",
+    "check_reachable",
+    "embedded_available",
+    "free_port",
+    "mosquitto_path",
+    "start_embedded",
+    "start_mosquitto",
+]
+
+MiB = 1024 * 1024
+
+
+class BrokerError(RuntimeError):
+    """A broker could not be started or reached; the message says why and what to do."""
+
+
+@dataclass
+class RunningBroker:
+    """A broker child process on 127.0.0.1; ``stop()`` (or leaving a ``with`` block) ends it."""
+
+    kind: str  # "embedded" or "mosquitto"
+    host: str
+    port: int
+    proc: subprocess.Popen
+    log: Path
+    _files: list[IO[Any]] = field(default_factory=list, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Terminate the broker, wait for it (kill after ``timeout``) and close its pipes. Idempotent."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        for f in self._files:
+            f.close()
+        self._files.clear()
+
+    def __enter__(self) -> RunningBroker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM when its parent dies, even by SIGKILL (no orphaned brokers)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def _tail(path: Path, n: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:].strip()
+    except OSError:
+        return ""
+
+
+def check_reachable(url: str, timeout: float = 5.0) -> None:
+    """Fail fast (BrokerError) when nothing accepts TCP connections at ``url``'s host and port."""
+    u = urlsplit(url)
+    if u.scheme not in ("mqtt", "mqtts") or not u.hostname:
+        raise BrokerError(f"broker url must look like mqtt://host:1883 or mqtts://host:8883, got {url!r}")
+    try:
+        port = u.port or (8883 if u.scheme == "mqtts" else 1883)
+    except ValueError:
+        raise BrokerError(f"bad port in broker url {url!r}") from None
+    try:
+        socket.create_connection((u.hostname, port), timeout=timeout).close()
+    except OSError as exc:
+        raise BrokerError(f"cannot reach broker {url}: {exc.strerror or exc}") from None
+
+
+# ------------------------------------------------------------------ embedded (iotcore / rumqttd)
+
+
+def embedded_available() -> bool:
+    """Whether the embedded broker's package (``iotcore``) is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("iotcore") is not None
+
+
+# The broker process: run rumqttd on a thread (run_forever releases the GIL), set TCP_NODELAY on its
+# listening socket, then write the ready file. It exits when the parent closes our stdin.
+# `-c` code, not `-m fedsga_edge...`: importing this package would import torch into the broker.
+_CHILD = r"""
+import logging, os, signal, socket, sys, threading, time
+if sys.platform.startswith("linux"):  # SIGTERM when the parent dies (set here: no preexec_fn in a threaded parent)
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+conf, ready, host, port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+debug = os.environ.get("FEDSGA_BROKER_DEBUG") == "1"
+logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, stream=sys.stdout,
+                    format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+logging.getLogger("rumqttd").setLevel(logging.DEBUG if debug else logging.CRITICAL)
+from iotcore import __version__
+from iotcore.iotcore import IotCoreBroker
+broker = IotCoreBroker(config_path=conf)
+def serve():
+    try:
+        broker.run_forever()
+    except BaseException as exc:
+        print(f"embedded broker stopped: {exc}", flush=True)
+    os._exit(3)
+threading.Thread(target=serve, daemon=True).start()
+def nodelay():
+    for name in os.listdir("/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"):
+        try:
+            s = socket.socket(fileno=int(name))
+        except (OSError, ValueError):
+            continue
+        try:
+            if (s.type == socket.SOCK_STREAM and s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                    and s.getsockname()[:2] == (host, port)):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return True
+        except OSError:
+            pass
+        finally:
+            s.detach()
+    return False
+deadline = time.monotonic() + 10
+while not nodelay():
+    if time.monotonic() > deadline:
+        print("warning: could not set TCP_NODELAY on the listener; round trips wait for delayed ACKs", flush=True)
+        break
+    time.sleep(0.01)
+print(f"embedded broker iotcore {__version__} (rumqttd) listening on {host}:{port}", flush=True)
+open(ready, "w").close()
+try:
+    sys.stdin.buffer.read()  # until the parent closes the pipe or dies
+finally:
+    os._exit(0)
+"""
+
+
+def _embedded_toml(host: str, port: int, *, max_payload: int, segment_bytes: int, segments: int,
+                   inflight: int, max_connections: int) -> str:
+    """rumqttd's configuration: one MQTT 3.1.1 listener, no console, bounded logs (module doc)."""
+    return f"""# written by fedsga_edge.coordinator.broker (see its module doc for why each bound)
+id = 0
+
+[router]
+id = 0
+max_connections = {max_connections}
+max_outgoing_packet_count = {inflight}
+max_segment_size = {segment_bytes}
+max_segment_count = {segments}
+
+[v4.1]
+name = "v4-1"
+listen = "{host}:{port}"
+next_connection_delay_ms = 1
+    [v4.1.connections]
+    connection_timeout_ms = 10000
+    max_payload_size = {max_payload}
+    max_inflight_count = {inflight}
+    dynamic_filters = true
+"""
+
+
+def start_embedded(
+    log_dir: Path,
+    *,
+    port: int | None = None,
+    max_payload: int = 8 * MiB,
+    segment_bytes: int = 8 * MiB,
+    segments: int = 8,
+    inflight: int = 32,
+    max_connections: int = 1000,
+    timeout: float = 10.0,
+) -> RunningBroker:
+    """Start the embedded broker on 127.0.0.1 (``port`` or a free one); its log is ``log_dir/broker.out``.
+
+    ``max_payload`` is the largest MQTT payload it accepts (publishers above it are disconnected);
+    keep every client's ``max_packet`` at or below it. ``segments`` x ``segment_bytes`` bounds what
+    it holds per subscription filter, ``inflight`` the publishes queued per connection (module doc).
+    """
+    if not embedded_available():
+        raise BrokerError('the embedded broker needs the iotcore package: pip install "fedsga-edge[train]" '
+                          "(or pass --broker mqtt://HOST:PORT to use a running broker such as Mosquitto)")
+    for name, value in (("max_payload", max_payload), ("segment_bytes", segment_bytes)):
+        if value < 64 * 1024:
+            raise BrokerError(f"{name}={value} is too small (at least 64 KiB)")
+    if segments < 2 or inflight < 1 or max_connections < 1:
+        raise BrokerError("segments must be >= 2, inflight and max_connections >= 1")
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    host = "127.0.0.1"
+    tries = 1 if port is not None else 3  # a free port may be taken before the broker binds it
+    why = ""
+    for _ in range(tries):
+        p = port if port is not None else free_port(host)
+        conf = log_dir / "broker.toml"
+        conf.write_text(_embedded_toml(host, p, max_payload=max_payload, segment_bytes=segment_bytes,
+                                       segments=segments, inflight=inflight, max_connections=max_connections))
+        ready = log_dir / ".broker-ready"
+        ready.unlink(missing_ok=True)
+        log_path = log_dir / "broker.out"
+        log = open(log_path, "a")
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(conf), str(ready), host, str(p)],
+                                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
+        broker = RunningBroker("embedded", host, p, proc, log_path, [log])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None and not ready.exists():
+            time.sleep(0.02)
+        if ready.exists() and proc.poll() is None:
+            ready.unlink(missing_ok=True)
+            return broker
+        broker.stop()
+        why = _tail(log_path) or "no output"
+        if "in use" not in why:
+            break
+    raise BrokerError(f"the embedded broker did not start within {timeout:g} s: {why} (log: {log_dir / 'broker.out'})")
+
+
+# ------------------------------------------------------------------ Mosquitto
+
+
+def mosquitto_path() -> str | None:
+    """The mosquitto binary (Debian puts it in /usr/sbin, often not on a user's PATH), or None."""
+    return shutil.which("mosquitto") or next(
+        (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None)
+
+
+def start_mosquitto(
+    log_dir: Path,
+    *,
+    port: int | None = None,
+    max_packet_size: int | None = None,
+    extra: tuple[str, ...] = (),
+    timeout: float = 10.0,
+) -> RunningBroker:
+    """Mosquitto on 127.0.0.1 (``port`` or a free one), anonymous unless ``extra`` says otherwise.
+
+    Its configuration is ``log_dir/mosquitto.conf`` and its log ``log_dir/broker.out``.
+    ``set_tcp_nodelay`` is on (docs/protocol.md, "Connection, sessions, reconnects").
+    """
+    exe = mosquitto_path()
+    if exe is None:
+        raise BrokerError("no mosquitto binary: install it (Debian/Ubuntu: apt-get install mosquitto) "
+                          "or use the embedded broker")
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    host = "127.0.0.1"
+    p = port if port is not None else free_port(host)
+    # `user`: run as root, mosquitto would drop to user "mosquitto", who may not read log_dir.
+    lines = [f"listener {p} {host}", "persistence false", "log_dest stderr", "set_tcp_nodelay true",
+             f"user {pwd.getpwuid(os.geteuid()).pw_name}", *(extra or ("allow_anonymous true",))]
+    if max_packet_size:
+        lines.append(f"max_packet_size {max_packet_size}")
+    conf = log_dir / "mosquitto.conf"
+    conf.write_text("\n".join(lines) + "\n")
+    log_path = log_dir / "broker.out"
+    log = open(log_path, "a")
+    proc = subprocess.Popen([exe, "-c", str(conf)], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=_die_with_parent)
+    broker = RunningBroker("mosquitto", host, p, proc, log_path, [log])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if _accepts(host, p):
+            return broker
+        time.sleep(0.05)
+    broker.stop()
+    raise BrokerError(f"Mosquitto did not start within {timeout:g} s: {_tail(log_path) or 'no output'} "
+                      f"(log: {log_path})")

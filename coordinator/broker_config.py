@@ -1,0 +1,449 @@
+"""Mosquitto configuration for a field run: one login per device, an ACL that binds each login to its topics.
+
+docs/protocol.md ("Topics", "The sender is the topic") explains why the broker must enforce who may
+publish where: the topic a payload arrives on *is* its sender. This module writes what Mosquitto
+needs for that, and nothing here talks to a broker (no paho):
+
+* ``mosquitto.conf``: ``allow_anonymous false``, the password file, the ACL, one listener (TLS when
+  a certificate is given; then plaintext only on 127.0.0.1 if asked for);
+* ``acl``: per login, only its own topics (device ``D``: write ``up/D``, read ``down/D`` and
+  ``bcast``, its own ``status/D``; the coordinator: read every ``up/+`` and ``status/+``, write
+  every ``down/+`` and ``bcast``);
+* ``passwd``: random passwords hashed in Mosquitto's own format (by ``mosquitto_passwd -U`` when
+  installed, so the format is the one the installed broker reads; else ``$7$`` PBKDF2-SHA512 as
+  Mosquitto 2.0 writes it);
+* ``credentials/<login>.env``: ``FEDSGA_EDGE_BROKER=mqtts://<login>:<password>@<host>:<port>``,
+  mode 0600, one file to hand to each device (docs/deploy.md).
+
+``fedsga-edge broker-config`` (``fedsga_edge/cli/broker_cmd.py``) is the command around it.
+"""
+
+from __future__ import annotations
+
+import base64
+import grp
+import hashlib
+import hmac
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote
+
+from fedsga_edge.transport.base import TransportError, check_address
+from fedsga_edge.transport.mqtt import TOPIC_ROOT
+
+__all__ = [
+    "COORDINATOR",
+    "BrokerConfigError",
+    "BrokerFiles",
+    "BrokerSpec",
+    "TlsFiles",
+    "acl_text",
+    "broker_url",
+    "check_device_ids",
+    "device_ids",
+    "hash_password",
+    "mosquitto_conf_text",
+    "parse_devices",
+    "read_device_ids",
+    "verify_password",
+    "write_broker_config",
+]
+
+COORDINATOR = "coordinator"  # the coordinator's address and login (fedsga_edge.runbuild.COORDINATOR)
+TLS_PORT, PLAIN_PORT = 8883, 1883
+DEFAULT_MAX_PACKET = 256 * 1024  # >= every client's --max-packet (docs/protocol.md, "Chunking")
+PBKDF2_ITERATIONS = 101  # what mosquitto_passwd 2.0 writes; passwords here are random 192-bit, not guessable
+CREDENTIALS_ENV = "FEDSGA_EDGE_BROKER"  # the device command's --broker, as an environment variable
+_FILE_NAMES = ("mosquitto.conf", "acl", "passwd")
+_MQTT_SPECIAL = {"/": "the topic level separator", "+": "an MQTT wildcard", "#": "an MQTT wildcard"}
+_CONF_VALUE = re.compile(r"\S+")  # one token: Mosquitto splits its config lines on whitespace
+_HOST = re.compile(r"[A-Za-z0-9._:-]{1,253}")  # a name or an IPv4/IPv6 address: safe in a URL and a config line
+
+
+class BrokerConfigError(ValueError):
+    """The operator's input cannot make a safe broker config; the message says what to change."""
+
+
+# ---------------------------------------------------------------------------------------- device ids
+
+
+def device_ids(count: int) -> list[str]:
+    """The ids ``fedsga-edge device --index 0..count-1`` uses (``fedsga_edge.runbuild.client_id``)."""
+    if not 1 <= count <= 100_000:
+        raise BrokerConfigError(f"--devices must be 1-100000 (got {count})")
+    return [f"client-{i:03d}" for i in range(count)]
+
+
+def _why_bad(name: str) -> str | None:
+    try:
+        check_address(name)
+    except TransportError:
+        special = [f"{c!r} ({why})" for c, why in _MQTT_SPECIAL.items() if c in name]
+        if special:
+            return f"contains {', '.join(special)}"
+        if not name:
+            return "is empty"
+        if len(name) > 128:
+            return f"is {len(name)} characters long (at most 128)"
+        return "may use only letters, digits and . _ : - (docs/protocol.md, Topics)"
+    return None
+
+
+def check_device_ids(ids: Iterable[str], *, coordinator: str = COORDINATOR,
+                     where: list[str] | None = None) -> list[str]:
+    """Return ``ids`` as a list, or raise naming every bad id: MQTT-unsafe, a duplicate, or the coordinator's.
+
+    ``where[i]`` says where id ``i`` came from (e.g. ``"devices.txt:3"``) for the message.
+    """
+    ids = list(ids)
+    where = where or [f"id {i + 1}" for i in range(len(ids))]
+    problems, first = [], {}
+    for name, at in zip(ids, where, strict=True):
+        why = _why_bad(name)
+        if why:
+            problems.append(f"{at}: device id {name!r:.60} {why}")
+        elif name == coordinator:
+            problems.append(f"{at}: {name!r} is the coordinator's login, not a device id")
+        elif name in first:
+            problems.append(f"{at}: device id {name!r} repeats {first[name]}")
+        else:
+            first[name] = at
+    if not ids:
+        problems.append("no device ids")
+    if problems:
+        more = f"; and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise BrokerConfigError("; ".join(problems[:20]) + more)
+    return ids
+
+
+def read_device_ids(path: str | Path) -> list[str]:
+    """Ids from a text file, one per line; blank lines and lines starting with ``#`` are skipped."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BrokerConfigError(f"cannot read the device file {path}: {exc}") from None
+    ids, where = [], []
+    for no, line in enumerate(text.splitlines(), 1):
+        name = line.strip()  # no trailing comments: a '#' after an id is an error to report, not to drop
+        if name and not name.startswith("#"):
+            ids.append(name)
+            where.append(f"{path.name}:{no}")
+    if not ids:
+        raise BrokerConfigError(f"the device file {path} lists no device ids (one per line)")
+    return check_device_ids(ids, where=where)
+
+
+def parse_devices(spec: str) -> list[str]:
+    """``--devices``: a count N (ids ``client-000``...) or the path of a file of ids."""
+    spec = spec.strip()
+    if spec.isdigit():
+        return device_ids(int(spec))
+    if not Path(spec).is_file():
+        raise BrokerConfigError(f"--devices takes a number of devices or a file of device ids; {spec!r} is neither")
+    return read_device_ids(spec)
+
+
+# ---------------------------------------------------------------------------------------- the spec
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The broker's certificate and key, and the CA devices use to check it (optional for the broker)."""
+
+    cert: Path
+    key: Path
+    ca: Path | None = None
+
+
+@dataclass(frozen=True)
+class BrokerSpec:
+    """Everything the generated files depend on, checked on construction."""
+
+    devices: tuple[str, ...]
+    run: str | None = None  # None: the logins work for every run (``fedsga/+/...``)
+    tls: TlsFiles | None = None
+    port: int | None = None  # default: 8883 with TLS, 1883 without
+    bind: str | None = None  # None: every interface
+    loopback_port: int | None = None  # an extra plaintext listener on 127.0.0.1 (the coordinator on this host)
+    host: str = field(default_factory=socket.gethostname)  # what devices put in their broker URL
+    coordinator: str = COORDINATOR
+    max_packet: int = DEFAULT_MAX_PACKET
+    persistence: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(check_device_ids(self.devices, coordinator=self.coordinator)))
+        problems = []
+        for what, name in (("--run", self.run), ("coordinator", self.coordinator)):
+            if name is not None and (why := _why_bad(name)):
+                problems.append(f"{what} {name!r:.60} {why}")
+        for what, port in (("--port", self.port), ("--loopback-port", self.loopback_port)):
+            if port is not None and not 1 <= port <= 65535:
+                problems.append(f"{what} must be 1-65535 (got {port})")
+        if self.loopback_port is not None and self.loopback_port == self.listen_port:
+            problems.append(f"--loopback-port {self.loopback_port} is the main listener's port too")
+        for what, value in (("--bind", self.bind), ("--host", self.host)):
+            if value is not None and not _HOST.fullmatch(value):
+                problems.append(f"{what} {value!r:.80} must be a host name or an IP address")
+        if not 1024 <= self.max_packet <= 256 * 1024 * 1024:
+            problems.append(f"--max-packet must be 1024 B - 256 MiB (got {self.max_packet})")
+        for what, path in self.tls_files():
+            if not _CONF_VALUE.fullmatch(str(path)):
+                problems.append(f"{what} {str(path)!r}: Mosquitto cannot read a path with spaces")
+        if problems:
+            raise BrokerConfigError("; ".join(problems))
+        if self.tls is not None:  # the config must name them wherever mosquitto's working directory is
+            object.__setattr__(self, "tls", TlsFiles(*(None if p is None else Path(p).absolute()
+                                                       for p in (self.tls.cert, self.tls.key, self.tls.ca))))
+
+    def tls_files(self) -> list[tuple[str, Path]]:
+        """(flag, path) of every TLS file given."""
+        if self.tls is None:
+            return []
+        return [(what, Path(p)) for what, p in (("--tls-cert", self.tls.cert), ("--tls-key", self.tls.key),
+                                                ("--ca", self.tls.ca)) if p is not None]
+
+    @property
+    def listen_port(self) -> int:
+        return self.port or (TLS_PORT if self.tls else PLAIN_PORT)
+
+    @property
+    def run_level(self) -> str:
+        return self.run or "+"
+
+    def topic(self, *levels: str) -> str:
+        return "/".join((TOPIC_ROOT, self.run_level, *levels))
+
+
+# ---------------------------------------------------------------------------------------- file texts
+
+
+def acl_text(spec: BrokerSpec) -> str:
+    """Mosquitto ``acl_file``: every login gets exactly its topics (docs/protocol.md, Topics)."""
+    t = spec.topic
+    scope = f"run {spec.run!r}" if spec.run else "every run (fedsga/+/...)"
+    lines = [
+        "# fedsga-edge broker ACL, written by `fedsga-edge broker-config` (docs/protocol.md, Topics).",
+        f"# Scope: {scope}. Mosquitto silently drops a publish or a delivery a login is not granted here,",
+        "# so a device can neither speak for another device nor read another device's traffic.",
+        "",
+        f"user {spec.coordinator}",
+        f"topic read {t('up', '+')}",
+        f"topic write {t('down', '+')}",
+        f"topic write {t('bcast')}",
+        f"topic read {t('status', '+')}",
+        f"topic write {t('status', spec.coordinator)}",
+    ]
+    for d in spec.devices:
+        lines += ["", f"user {d}", f"topic write {t('up', d)}", f"topic read {t('down', d)}",
+                  f"topic read {t('bcast')}", f"topic readwrite {t('status', d)}"]
+    return "\n".join(lines) + "\n"
+
+
+def mosquitto_conf_text(spec: BrokerSpec, config_dir: str | Path) -> str:
+    """Mosquitto's config, naming ``passwd`` and ``acl`` in ``config_dir`` (where they will live).
+
+    It works alone (``mosquitto -c mosquitto.conf``) and as a drop-in next to Debian's
+    ``/etc/mosquitto/mosquitto.conf``, which already sets ``persistence_location``, ``log_dest`` and
+    ``pid_file`` (Mosquitto refuses some settings twice, so this file leaves them out).
+    """
+    config_dir = str(config_dir)
+    if not _CONF_VALUE.fullmatch(config_dir):
+        raise BrokerConfigError(f"--out {config_dir!r}: Mosquitto cannot read a path with spaces")
+    scope = f"run {spec.run}" if spec.run else "any run"
+    lines = [
+        "# Mosquitto for fedsga-edge, written by `fedsga-edge broker-config` (docs/deploy.md, docs/protocol.md).",
+        f"# {len(spec.devices)} device login(s) and the coordinator's, for {scope}. Regenerating makes new passwords.",
+        "# Use alone: mosquitto -c <this file>; or as a drop-in: /etc/mosquitto/conf.d/fedsga.conf (Debian).",
+        "",
+        "per_listener_settings false",
+        "allow_anonymous false",
+        f"password_file {config_dir.rstrip('/')}/passwd",
+        f"acl_file {config_dir.rstrip('/')}/acl",
+        "",
+        "# At least every client's --max-packet (bigger messages are chunked to fit it).",
+        f"max_packet_size {spec.max_packet}",
+        "# Without it each small reply waits ~40 ms for a delayed ACK (docs/protocol.md).",
+        "set_tcp_nodelay true",
+        f"persistence {'true' if spec.persistence else 'false'}",
+        "",
+    ]
+    where = f" {spec.bind}" if spec.bind else ""
+    if spec.tls is not None:
+        lines += ["# Devices (and every client on another host): TLS only.", f"listener {spec.listen_port}{where}",
+                  f"certfile {spec.tls.cert}", f"keyfile {spec.tls.key}"]
+        if spec.tls.ca is not None:
+            lines.append(f"cafile {spec.tls.ca}")
+        lines.append("tls_version tlsv1.2")
+    else:
+        lines += ["# Plaintext: logins and payloads cross the network unencrypted. Give --tls-cert/--tls-key for TLS.",
+                  f"listener {spec.listen_port}{where}"]
+    if spec.loopback_port is not None:
+        lines += ["", "# Plaintext for processes on this host only (e.g. the coordinator); logins and the ACL apply.",
+                  f"listener {spec.loopback_port} 127.0.0.1"]
+    return "\n".join(lines) + "\n"
+
+
+def broker_url(spec: BrokerSpec, login: str, password: str, *, loopback: bool = False) -> str:
+    """The ``--broker`` URL for ``login`` (``MqttTransport.from_url`` unquotes the user and password)."""
+    if loopback:
+        scheme, host, port = "mqtt", "127.0.0.1", spec.loopback_port
+    else:
+        scheme, host, port = ("mqtts" if spec.tls else "mqtt"), spec.host, spec.listen_port
+    host = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{quote(login, safe='')}:{quote(password, safe='')}@{host}:{port}"
+
+
+# ---------------------------------------------------------------------------------------- passwords
+
+
+def make_password() -> str:
+    """32 URL-safe characters (192 random bits): nothing to quote in a URL or an env file."""
+    return secrets.token_urlsafe(24)
+
+
+def hash_password(password: str, *, salt: bytes | None = None, iterations: int = PBKDF2_ITERATIONS) -> str:
+    """Mosquitto 2.0's ``$7$`` hash: ``$7$<iterations>$<b64 salt>$<b64 PBKDF2-HMAC-SHA512, 64 bytes>``."""
+    salt = os.urandom(12) if salt is None else salt
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode("utf-8"), salt, iterations, 64)
+    return f"$7${iterations}${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
+
+
+def verify_password(password: str, hashed: str) -> bool:
+    """Check ``password`` against a ``$7$`` (PBKDF2-SHA512) or ``$6$`` (salted SHA-512) Mosquitto hash."""
+    parts = hashed.split("$")
+    try:
+        if len(parts) == 5 and parts[1] == "7":
+            salt, want = base64.b64decode(parts[3]), base64.b64decode(parts[4])
+            got = hashlib.pbkdf2_hmac("sha512", password.encode("utf-8"), salt, int(parts[2]), len(want))
+        elif len(parts) == 4 and parts[1] == "6":
+            salt, want = base64.b64decode(parts[2]), base64.b64decode(parts[3])
+            got = hashlib.sha512(password.encode("utf-8") + salt).digest()
+        else:
+            return False
+    except ValueError:
+        return False
+    return hmac.compare_digest(got, want)
+
+
+def _mosquitto_passwd() -> str | None:
+    return shutil.which("mosquitto_passwd") or next(
+        (p for p in ("/usr/bin/mosquitto_passwd", "/usr/local/bin/mosquitto_passwd") if os.access(p, os.X_OK)), None)
+
+
+def _hash_file(path: Path, passwords: Mapping[str, str], hasher: str) -> str:
+    """Write Mosquitto's password file at ``path``; returns the hasher used.
+
+    ``mosquitto_passwd -U`` hashes a plaintext file in place, so the passwords never appear on a
+    command line (``-b`` would show them to every local user in ``ps``).
+    """
+    tool = _mosquitto_passwd() if hasher in ("auto", "mosquitto_passwd") else None
+    if hasher == "mosquitto_passwd" and tool is None:
+        raise BrokerConfigError("mosquitto_passwd is not installed (Debian: apt-get install mosquitto)")
+    if hasher not in ("auto", "mosquitto_passwd", "python"):
+        raise BrokerConfigError(f"hasher must be auto, mosquitto_passwd or python (got {hasher!r})")
+    if tool is None:
+        _write(path, "".join(f"{u}:{hash_password(p)}\n" for u, p in passwords.items()), 0o640)
+        return "python"
+    tmp = path.with_name(f".{path.name}.plain")
+    _write(tmp, "".join(f"{u}:{p}\n" for u, p in passwords.items()), 0o600)
+    try:
+        res = subprocess.run([tool, "-U", str(tmp)], check=False, capture_output=True, text=True, timeout=60)
+        if res.returncode != 0:
+            raise BrokerConfigError(f"{tool} -U failed: {(res.stderr or res.stdout).strip()[:300]}")
+        text = tmp.read_text()
+    finally:
+        tmp.unlink(missing_ok=True)
+    if any(":$" not in line for line in text.splitlines()):
+        raise BrokerConfigError(f"{tool} -U left a password unhashed")
+    _write(path, text, 0o640)
+    return "mosquitto_passwd"
+
+
+# ---------------------------------------------------------------------------------------- writing
+
+
+@dataclass(frozen=True)
+class BrokerFiles:
+    """What ``write_broker_config`` wrote. ``credentials`` maps each login to its env file."""
+
+    conf: Path
+    acl: Path
+    passwd: Path
+    credentials: dict[str, Path]
+    urls: dict[str, str]  # login -> the URL in its credentials file (secret)
+    hasher: str
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    """Replace ``path`` atomically, with ``mode`` from the first byte (no window with wider permissions)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+
+
+def _share_with_broker(path: Path) -> None:
+    """As root, give the ``mosquitto`` group read access (Debian's broker runs as user mosquitto)."""
+    if os.geteuid() != 0:
+        return
+    try:
+        os.chown(path, 0, grp.getgrnam("mosquitto").gr_gid)
+    except (KeyError, OSError):
+        pass
+
+
+def write_broker_config(spec: BrokerSpec, out: str | Path, *, force: bool = False, hasher: str = "auto",
+                        passwords: Mapping[str, str] | None = None) -> BrokerFiles:
+    """Write ``mosquitto.conf``, ``acl``, ``passwd`` and ``credentials/<login>.env`` into ``out``.
+
+    Refuses to overwrite an earlier config unless ``force`` (that would change every password).
+    ``passwords`` fixes some logins' passwords (the rest are random).
+    """
+    out = Path(out).absolute()
+    logins = [spec.coordinator, *spec.devices]
+    creds_dir = out / "credentials"
+    existing = [out / n for n in _FILE_NAMES if (out / n).exists()]
+    existing += sorted(creds_dir.glob("*.env")) if creds_dir.is_dir() else []
+    if existing and not force:
+        raise BrokerConfigError(f"{out} already holds a broker config ({', '.join(p.name for p in existing[:4])}); "
+                                "regenerating changes every password: pass --force to do it anyway")
+    missing = [f"{what} {path}: no such file" for what, path in spec.tls_files() if not path.is_file()]
+    if missing:
+        raise BrokerConfigError("; ".join(missing))
+    conf = mosquitto_conf_text(spec, out)  # checks the path before anything is written
+    out.mkdir(parents=True, exist_ok=True)
+    creds_dir.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(creds_dir, 0o700)
+    for stale in creds_dir.glob("*.env"):
+        stale.unlink()
+    pw = {login: (passwords or {}).get(login) or make_password() for login in logins}
+    used = _hash_file(out / "passwd", pw, hasher)
+    _write(out / "acl", acl_text(spec), 0o640)
+    _write(out / "mosquitto.conf", conf, 0o644)
+    for p in (out / "passwd", out / "acl"):
+        _share_with_broker(p)
+    urls, creds = {}, {}
+    for login in logins:
+        local = login == spec.coordinator and spec.loopback_port is not None
+        urls[login] = broker_url(spec, login, pw[login], loopback=local)
+        role = "the coordinator" if login == spec.coordinator else f"device {login}"
+        text = (f"# Broker login of {role}, written by `fedsga-edge broker-config`. Secret: keep it mode 0600.\n"
+                f"# On the device: /etc/fedsga-edge/credentials.env (docs/deploy.md).\n"
+                f"{CREDENTIALS_ENV}={urls[login]}\n")
+        creds[login] = creds_dir / f"{login}.env"
+        _write(creds[login], text, 0o600)
+    return BrokerFiles(out / "mosquitto.conf", out / "acl", out / "passwd", creds, urls, used)

@@ -1,0 +1,389 @@
+"""The device role, whatever computes it: the round as a stepped generator over a compute backend.
+
+The role sees messages, never a transport. A ``round_start`` arms the round; each ``step()`` then
+computes up to the next request to the coordinator: missing blocks (``fetch`` -> ``weights``), one
+per local batch (``activation`` -> ``gradient``), on calibration rounds one ``probe`` after local
+training, and finally the ``update`` (-> ``ack``). Everything private (prompts, data, the previous
+descriptor and interface mean, r) stays in this object (docs/method.md).
+
+The method's device side (observation, Gamma, the split policy, the prompt descriptor) is numpy
+(``fedsga_edge.method``), so it runs the same on every device; only the prefix's arithmetic comes
+from a :class:`Backend`: torch autograd (``device.client.TorchBackend``, simulation and Jetson) or
+onnxruntime with the exported train graphs (``device.onnx_backend.OnnxBackend``, a Pi without
+torch). This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from fedsga_edge.config import FedSGAConfig, TrainConfig, from_wire
+from fedsga_edge.method.adaptation import descriptor, descriptor_weights, prompt_contributions, weight_entropy
+from fedsga_edge.method.heads import HeadError, estimate, shallow_head
+from fedsga_edge.method.observation import Observation, alignment, drift, prompt_variation
+from fedsga_edge.method.policy import reference_index, split_index
+from fedsga_edge.wire import Message, RemoteProtocolError
+
+__all__ = ["Backend", "BackendError", "Caller", "ClientData", "PrivateState", "SplitClient"]
+
+
+class Caller(Protocol):
+    """What the device needs of its Peer: requests with replies, and one-way notices."""
+
+    def call(self, dst: str, kind: str, round: int, body: dict[str, Any]) -> Message: ...
+
+    def send(self, dst: str, kind: str, round: int, body: dict[str, Any]) -> None: ...
+
+
+class BackendError(RuntimeError):
+    """The backend cannot do what the round asks (e.g. a FedAvg round on the ONNX backend)."""
+
+
+class Backend(Protocol):
+    """The prefix's arithmetic. Arrays in and out are numpy; the backend keeps the block weights.
+
+    One training step is ``forward`` (returns z and, when asked, the pooled p_1 features h1),
+    then, once the server's dz is back, ``backward`` (one SGD step of the prefix and the prompts;
+    returns the prompts' gradient and their value before the step, for Eq. 2).
+    """
+
+    name: str
+    num_splits: int
+    num_blocks: int
+
+    def depth_of(self, k: int) -> int: ...
+
+    def init_prompts(self, m: int) -> np.ndarray: ...
+
+    def inputs(self, images: np.ndarray, augment: bool) -> Any: ...
+
+    def load(self, weights: dict[str, np.ndarray]) -> None: ...
+
+    def observe(self, x: Any, prompts: np.ndarray | None) -> np.ndarray: ...
+
+    def train_begin(self, cfg: TrainConfig, depth: int, full: bool, prompts: np.ndarray | None) -> None: ...
+
+    def forward(self, x: Any, want_h1: bool) -> tuple[np.ndarray, np.ndarray | None]: ...
+
+    def backward(self, dz: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None: ...
+
+    def full_step(self, x: Any, y: np.ndarray) -> float: ...
+
+    def train_end(self) -> np.ndarray | None: ...
+
+    def probe(self, x: Any, prompts: np.ndarray | None, d1: int, dref: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def weights(self, depth: int, full: bool) -> dict[str, np.ndarray]: ...
+
+    def capabilities(self) -> dict[str, Any]: ...
+
+    def rng_state(self) -> Any: ...
+
+    def set_rng_state(self, state: Any) -> None: ...
+
+
+@dataclass
+class ClientData:
+    """The device's private data: an ImageSet and the indices it owns."""
+
+    images: Any  # fedsga_edge.data.ImageSet
+    indices: np.ndarray
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+@dataclass
+class PrivateState:
+    """What a device keeps between rounds and never sends (numpy, so any backend can persist it)."""
+
+    prompts: np.ndarray | None = None
+    r_prev: float = 0.0  # conservative start: no evidence yet that the shallow split suffices
+    m_prev: np.ndarray | None = None  # descriptor before the last one
+    m_last: np.ndarray | None = None  # descriptor from the last local training
+    H_prev: np.ndarray | None = None  # batch-mean pooled p_1 features at the last observation
+    rounds: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Refused(Exception):
+    """The coordinator refused a request (or answered nonsense): this round cannot go on."""
+
+
+@dataclass
+class _Task:
+    t: int
+    gen: Generator[tuple[str, dict[str, Any]], Message | None, dict[str, Any]]
+    reply: Message | None = None
+
+
+def _expect(reply: Message | None, kind: str) -> Message:
+    if reply is None or reply.kind != kind:
+        reason = reply.body.get("reason") if reply is not None and reply.kind == "error" else None
+        got = reply.kind if reply is not None else "nothing"
+        raise _Refused(f"coordinator answered {got}" + (f": {reason}" if reason else f" where {kind} was expected"))
+    return reply
+
+
+class SplitClient:
+    """A device: its data, private state and backend, driven one request at a time.
+
+    A round is a generator (``_round``) that yields its requests to the coordinator and is sent
+    the replies: ``step()`` advances it by one request, so a scheduler can interleave many devices
+    one local batch at a time, and an agent process simply calls ``step()`` until it returns False.
+    """
+
+    def __init__(
+        self,
+        cid: str,
+        data: ClientData,
+        backend: Backend,
+        peer: Caller,
+        *,
+        rng: np.random.Generator,
+        server: str = "coordinator",
+    ) -> None:
+        self.cid = cid
+        self.data = data
+        self.backend = backend
+        self.peer = peer
+        self.server = server
+        self.rng = rng
+        self.state = PrivateState()
+        self._task: _Task | None = None
+        self.last_error: str | None = None
+
+    # -- message entry point --------------------------------------------------------------------
+    def handle(self, msg: Message) -> Message | None:
+        """A round start arms this round's task; a coordinator that sends nonsense gets an error reply."""
+        if msg.kind != "round_start":
+            raise RemoteProtocolError(f"client {self.cid} does not accept {msg.kind!r}")
+        _check_round_start(msg.body)
+        self._task = _Task(msg.round, self._round(msg.round, msg.body))
+        self.last_error = None
+        return None
+
+    @property
+    def busy(self) -> bool:
+        return self._task is not None
+
+    def step(self) -> bool:
+        """Compute up to the next request, send it and keep the reply; False once the round is done.
+
+        A round the coordinator refuses (an error reply), or one this backend cannot run, ends
+        here: the device tells the coordinator it gives up (so the round need not wait for its
+        deadline) and keeps its state.
+        """
+        task = self._task
+        if task is None:
+            return False
+        try:
+            kind, body = task.gen.send(task.reply)
+        except StopIteration as done:
+            self._task = None
+            reply = self.peer.call(self.server, "update", task.t, done.value)
+            if reply.kind == "error":
+                self.last_error = f"update refused: {reply.body.get('reason')}"
+            return False
+        except (_Refused, BackendError, HeadError) as exc:
+            self._give_up(task, str(exc))
+            return False
+        task.reply = self.peer.call(self.server, kind, task.t, body)
+        return True
+
+    def abort(self) -> None:
+        """Drop the running round (its deadline passed); the device keeps its private state."""
+        if self._task is not None:
+            self._task.gen.close()
+            self._task = None
+
+    def _give_up(self, task: _Task, reason: str) -> None:
+        self._task = None
+        self.last_error = reason
+        self.peer.send(self.server, "error", task.t, {"reason": reason})
+
+    # -- one round --------------------------------------------------------------------------------
+    def _round(self, t: int, body: dict[str, Any]) -> Generator[tuple[str, dict[str, Any]], Message | None, dict[str, Any]]:
+        be = self.backend
+        train = from_wire(TrainConfig, body["train"])
+        fed = from_wire(FedSGAConfig, body["fedsga"]) if body.get("fedsga") else None
+        full = bool(body.get("full"))
+        if full and be.name != "torch":
+            raise BackendError(f"the {be.name} backend trains a prefix only; a full-model round (FedAvg, FedProx) "
+                               "needs --backend torch")
+        be.load(body["weights"])
+        have = {_block_index(n) for n in body["weights"]}
+        use_prompts = fed is not None and fed.adapt and fed.prompts > 0
+        if use_prompts and self.state.prompts is None:
+            self.state.prompts = be.init_prompts(fed.prompts)
+        prompts = self.state.prompts if use_prompts else None
+
+        report: dict[str, Any] = {}
+        calibrate = bool(body.get("calibrate"))
+        K = be.num_splits
+        k_ref = reference_index(K)
+        if full:
+            k = 0
+        elif body.get("split") is not None:
+            k = int(body["split"])
+            if not 1 <= k <= K:
+                raise _Refused(f"split {k} is not a candidate (1..{K})")
+        else:  # FedSGA: observe, estimate r, pick the split (docs/method.md)
+            assert fed is not None  # _check_round_start guarantees it
+            k, report = self._choose_split(body, fed, prompts)
+            if calibrate:  # the probe compares the device's own trained blocks up to p_ref
+                k = max(k, k_ref)
+        depth = be.num_blocks if full else be.depth_of(k)
+        need = [j for j in range(depth) if j not in have]
+        if need or full:
+            reply = yield "fetch", {"blocks": need, "head": full}
+            _expect(reply, "weights")
+            be.load(reply.body["weights"])
+
+        loss_sum, steps = 0.0, 0
+        contrib = np.zeros(len(prompts)) if prompts is not None else None
+        want_h1 = fed is not None and not full  # phi_s trains on pooled p_1 features (docs/method.md)
+        be.train_begin(train, depth, full, prompts)
+        try:
+            for _ in range(train.local_epochs):
+                for idx in self._batches(train.batch_size, train.max_batches):
+                    x, y = self._inputs(idx, train.augment)
+                    if full:
+                        loss_sum += be.full_step(x, y)
+                        steps += 1
+                        continue
+                    z, h1 = be.forward(x, want_h1)
+                    req: dict[str, Any] = {"z": z, "y": y, "split": k}
+                    if h1 is not None:
+                        req["h1"] = h1
+                    reply = yield "activation", req
+                    _expect(reply, "gradient")
+                    dz = np.asarray(reply.body["dz"])
+                    if dz.shape != z.shape or not np.isfinite(dz).all():
+                        raise _Refused(f"gradient of shape {tuple(dz.shape)} for an activation {tuple(z.shape)}, or not finite")
+                    pg = be.backward(dz)
+                    if contrib is not None and pg is not None:
+                        contrib += prompt_contributions(*pg)
+                    loss_sum += float(reply.body["loss"])
+                    steps += 1
+        finally:
+            new_prompts = be.train_end()
+        if prompts is not None and new_prompts is not None:
+            self.state.prompts = prompts = new_prompts
+        if prompts is not None and fed is not None and contrib is not None:
+            mean_c = contrib / max(steps, 1)
+            self.state.m_prev = self.state.m_last
+            self.state.m_last = descriptor(prompts, mean_c, fed.tau_m)
+            report["descriptor_entropy"] = weight_entropy(descriptor_weights(mean_c, fed.tau_m))
+        if calibrate and "r" in report:  # after local training, before aggregation (docs/method.md)
+            probe = self._probe(body, prompts, report["o"], report["r_prev"])
+            reply = yield "probe", probe
+            _expect(reply, "probe_result")
+            report.update(L1=float(reply.body["L1"]), Lref=float(reply.body["Lref"]), s=int(reply.body["s"]),
+                          probe_samples=len(probe["y"]))
+        report.pop("o", None)
+        self.state.rounds += 1
+        report.update(
+            weights=be.weights(depth, full),
+            num_samples=len(self.data),
+            split=None if full else k,
+            depth=depth,
+            train_loss=loss_sum / max(steps, 1),
+            steps=steps,
+        )
+        return report
+
+    # -- pieces -----------------------------------------------------------------------------------
+    def _batches(self, batch_size: int, max_batches: int) -> list[np.ndarray]:
+        order = self.data.indices[self.rng.permutation(len(self.data.indices))]
+        out = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+        if len(out) > 1 and len(out[-1]) < 2:  # BatchNorm cannot train on a batch of one
+            out[-2] = np.concatenate([out[-2], out.pop()])
+        return out[:max_batches] if max_batches else out
+
+    def _inputs(self, idx: np.ndarray, augment: bool) -> tuple[Any, np.ndarray]:
+        x = self.backend.inputs(self.data.images.get_batch(idx), augment)
+        return x, np.asarray(self.data.images.labels[idx], dtype=np.int64)
+
+    def _choose_split(self, body: dict[str, Any], fed: FedSGAConfig, prompts: np.ndarray | None) -> tuple[int, dict[str, Any]]:
+        """Observation at round start (the round's global blocks, eval mode) -> r -> split (Eq. 8)."""
+        K = self.backend.num_splits
+        idx = self._batches(body["train"]["batch_size"], 1)[0]
+        x, y = self._inputs(idx, augment=False)
+        hbar = self.backend.observe(x, prompts)  # (B, C) pooled p_1 features
+        H = hbar.mean(axis=0)
+        obs = Observation(
+            a=alignment(shallow_head(body["phi_s"], hbar), body["prototypes"], y),
+            delta=drift(H, self.state.H_prev),
+            q=prompt_variation(self.state.m_last, self.state.m_prev) if self.state.m_last is not None else 0.0,
+        )
+        self.state.H_prev = H
+        o = obs.values(adapt=fed.adapt)
+        r_prev = self.state.r_prev
+        r = estimate(body["estimator"], o, r_prev)
+        k = split_index(r, K, fed.rho)
+        self.state.r_prev = r
+        report = {"a": obs.a, "delta": obs.delta, "q": obs.q, "r_prev": r_prev, "r": r, "k_policy": k, "o": o}
+        return k, report
+
+    def _probe(self, body: dict[str, Any], prompts: np.ndarray | None, o: list[float], r_prev: float) -> dict[str, Any]:
+        """One batch through the device's own (locally trained) blocks to p_1 and on to p_ref."""
+        be = self.backend
+        d1, dref = be.depth_of(1), be.depth_of(reference_index(be.num_splits))
+        idx = self._batches(body["train"]["batch_size"], 1)[0]
+        x, y = self._inputs(idx, augment=False)
+        z1, zref = be.probe(x, prompts, d1, dref)
+        return {"z1": z1, "zref": zref, "y": y, "o": o, "r_prev": r_prev}
+
+
+def _check_round_start(body: dict[str, Any]) -> None:
+    """Reject a malformed round start before any local state changes."""
+    try:
+        from_wire(TrainConfig, body["train"])
+        if body.get("fedsga"):
+            from_wire(FedSGAConfig, body["fedsga"])
+        if not isinstance(body["weights"], dict):
+            raise TypeError("weights must be a map of arrays")
+        split = body.get("split")
+        if split is not None and (not isinstance(split, int) or isinstance(split, bool)):
+            raise TypeError("split must be an integer")
+        if split is None and not body.get("full") and not body.get("fedsga"):
+            raise ValueError("round_start names no split and carries no FedSGA settings to choose one")
+        if split is None and body.get("fedsga") and not body.get("full"):
+            for key in ("estimator", "phi_s", "prototypes", "proto_dim"):
+                body[key]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RemoteProtocolError(f"malformed round_start: {type(exc).__name__}: {exc}") from None
+
+
+def _block_index(name: str) -> int:
+    """``blocks.3.layer...`` -> 3; anything outside the blocks (the head) sorts after them."""
+    if name.startswith("blocks."):
+        try:
+            return int(name.split(".", 2)[1])
+        except ValueError:
+            pass
+    return 1 << 30
+
+
+def stable_hash(text: str) -> int:
+    """FNV-1a: the same per-device seed on every machine and Python (unlike ``hash``)."""
+    h = 2166136261
+    for ch in text.encode():
+        h = ((h ^ ch) * 16777619) & 0xFFFFFFFF
+    return h
+
+
+def device_rng(seed: int, cid: str) -> tuple[np.random.Generator, int]:
+    """The device's own generator (batch order) and the seed of its backend's (augmentation, prompts).
+
+    Both backends draw the backend seed the same way, so for one seed they see the same batches.
+    """
+    rng = np.random.default_rng([seed, stable_hash(cid)])
+    return rng, int(rng.integers(2**31))

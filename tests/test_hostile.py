@@ -1,0 +1,46 @@
+"""A hostile device against a running field run (real Mosquitto, the coordinator and two device agents as
+OS processes): issue 8's must-show and the fuzz of issue 9, via ``benchmarks/hostile.py``.
+
+A NaN activation, an activation from an unknown device and one for another round each get an ``error``
+message naming the reason, the coordinator counts and logs the refusals (``coordinator.log``), and the
+run ends bit-identical to the same run without the intruder (``--strategy static --server-copies
+per-client`` makes a two-device run deterministic; docs/protocol.md, "What is rejected and how it is
+counted"). Around them, the intruder's hypothesis fuzz, replays, stale rounds and a 150 MiB flood of
+half-sent chunks (over the 128 MiB reassembly cap) must all be refused or dropped and counted, with the
+coordinator's memory under the stated cap.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "hostile.py"
+
+
+@pytest.fixture(scope="module")
+def hostile():
+    spec = importlib.util.spec_from_file_location("hostile_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["hostile_bench"] = mod
+    spec.loader.exec_module(mod)
+    if mod.MOSQUITTO is None:
+        pytest.skip("no mosquitto binary (apt-get install mosquitto): the field run needs a real broker")
+    return mod
+
+
+def test_a_hostile_device_changes_nothing_in_a_running_field_run(hostile, tmp_path) -> None:
+    res = hostile.run_pair(tmp_path, clients=2, rounds=2, examples=40, flood_mb=150, concurrent=True,
+                           log=lambda s: print(s, flush=True))
+    must = res["hostile"]["report"].must_show
+    assert must["nan_activation"][0] == "error" and "non-finite" in must["nan_activation"][1]
+    assert must["unknown_device"][0] == "error" and "not a device" in must["unknown_device"][1]
+    assert must["other_round"][0] == "error" and "round 2, but round 1 is running" in must["other_round"][1]
+    failed = [c for c in res["checks"] if not c["ok"]]
+    assert not failed, failed
+    assert res["compare"]["bit_identical"] and res["compare"]["acc_clean"] == res["compare"]["acc_hostile"]
