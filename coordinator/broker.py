@@ -130,8 +130,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGTERM when its parent dies, even by SIGKILL (no orphaned brokers)."""
+def die_with_parent() -> None:
+    """Linux: the child gets SIGTERM when its parent dies, even by SIGKILL (no orphans: brokers,
+    and the processes of a trial). Pass as ``preexec_fn``."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -358,7 +359,7 @@ def start_mosquitto(
     log_path = log_dir / "broker.out"
     log = open(log_path, "a")
     proc = subprocess.Popen([exe, "-c", str(conf)], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=die_with_parent)
     broker = RunningBroker("mosquitto", host, p, proc, log_path, [log])
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:

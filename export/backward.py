@@ -129,8 +129,8 @@ def _weight_grad(
     The kernel taps are shifted copies, which cost more than the multiply at these sizes:
 
     * stride 1 (unless a small map makes the extra rows dear): the kh row taps go on dy (dy padded
-      down by d u rows, in the padded input's row frame) and the kw column taps on x, so one
-      product of (kh Cout, Hp Wo) by (Hp Wo, Cin kw) yields every (u, v) pair from kh + kw copies
+      down by d u rows, in the padded input's row frame) and the kw column taps on x, so kw
+      products of (kh Cout, Hp Wo) by (Hp Wo, Cin) yield every (u, v) pair from kh + kw copies
       instead of kh kw, for Hp / Ho more multiply-adds;
     * otherwise im2col columns of x (:func:`_im2col`).
 
@@ -151,12 +151,14 @@ def _weight_grad(
         cols = [F.pad(x, (pw - v * dw, wo - w_in - pw + v * dw, ph, ph)) for v in range(kw)]
         hp = cols[0].shape[2]
         rows = [F.pad(dy, (0, 0, u * dh, hp - ho - u * dh)) for u in range(kh)]
-        if batched:  # (B, Cin kw, Hp Wo) and (B, kh Cout, Hp Wo)
-            c = torch.stack(cols, dim=2).flatten(1, 2).flatten(2)
-            g = torch.matmul(torch.stack(rows, dim=1).flatten(1, 2).flatten(2), c.transpose(1, 2)).sum(0)
-        else:  # (Cin kw, B Hp Wo) and (kh Cout, B Hp Wo)
-            c = torch.stack(cols, dim=1).reshape(cin * kw, -1)
-            g = torch.matmul(torch.stack(rows).reshape(kh * cout, -1), c.t())
+        # The row copies stacked (one operand), each column copy its own product: stacking those
+        # too cost more than the matmul re-packing the stacked rows kw times.
+        if batched:  # (B, kh Cout, Hp Wo) by (B, Hp Wo, Cin), summed over B
+            r = torch.stack(rows, dim=1).flatten(1, 2).flatten(2)
+            g = torch.stack([torch.matmul(r, c.flatten(2).transpose(1, 2)).sum(0) for c in cols], dim=-1)
+        else:  # (kh Cout, B Hp Wo) by (B Hp Wo, Cin)
+            r = torch.stack(rows).reshape(kh * cout, -1)
+            g = torch.stack([torch.matmul(r, c.reshape(cin, -1).t()) for c in cols], dim=-1)
         return g.reshape(kh, cout, cin, kw).permute(1, 2, 0, 3)
     if cout * cin * kh * kw < (cin + cout) * ho * wo:  # (B, Cin kh kw, Ho Wo)
         cols = _im2col(inp, [kh, kw], stride, padding, dilation, [ho, wo], batched=True)
@@ -307,6 +309,43 @@ def _joint_decompositions() -> Any:
         decomp.core_aten_decompositions = original
     if not used:
         warnings.warn("torch did not take the custom backward decompositions: slower train graphs", stacklevel=3)
+
+
+def _simplify(gm: torch.fx.GraphModule) -> int:
+    """Two full-size elementwise passes the joint graph spends for nothing (issue 8):
+
+    * dL/dz = expand(1) * dz for L = sum(z * dz): the multiplication by a broadcast one goes;
+    * a mean's backward, expand(g) / n, divides the small g before expanding it.
+    """
+    changed = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or not isinstance(n.meta.get("val"), Tensor):
+            continue
+        if n.target is aten.mul.Tensor and all(isinstance(a, torch.fx.Node) for a in n.args):
+            for one, other in (n.args, n.args[::-1]):
+                src = one.args[0] if one.target is aten.expand.default else None
+                if (
+                    isinstance(src, torch.fx.Node)
+                    and src.target is aten.ones_like.default
+                    and isinstance(other.meta.get("val"), Tensor)
+                    and other.meta["val"].shape == n.meta["val"].shape
+                    and other.meta["val"].dtype == n.meta["val"].dtype
+                ):
+                    n.replace_all_uses_with(other)
+                    changed += 1
+                    break
+        elif n.target is aten.div.Scalar and n.args[0].target is aten.expand.default and len(n.args[0].users) == 1:
+            expand = n.args[0]
+            with gm.graph.inserting_before(n):
+                small = gm.graph.call_function(aten.div.Scalar, (expand.args[0], n.args[1]))
+                big = gm.graph.call_function(aten.expand.default, (small, *expand.args[1:]))
+            small.meta = dict(expand.args[0].meta)  # same shape and dtype: what the split reads
+            big.meta = dict(n.meta)
+            n.replace_all_uses_with(big)
+            changed += 1
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return changed
 
 
 def _cse(gm: torch.fx.GraphModule) -> int:
@@ -664,6 +703,7 @@ def export_train_graphs(
         args = tuple(values[n] for n in names)
         ds = {"args": ({0: batch}, {0: batch}, *([None] * (len(args) - 2)))}
         whole = torch.export.export(lifted, args, dynamic_shapes=ds).run_decompositions(decomp).module()
+        _simplify(whole)
         _cse(whole)
 
         # 3. Split it: the forward keeps what the backward needs, the backward does not recompute.

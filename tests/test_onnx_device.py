@@ -15,6 +15,7 @@ import pytest
 import torch
 from _export_artifacts import device_artifacts
 from _runs import tiny_config
+from test_device_runtime import BLOCK_TORCH
 
 from fedsga_edge.device.runtime import ArtifactError
 from fedsga_edge.simulation import Simulation
@@ -85,14 +86,9 @@ def test_artifacts_of_another_model_are_refused_at_start(digits) -> None:
         Simulation(tiny_config("static", clients=1, width=0.5), digits, backend="onnx", artifacts=device_artifacts())
 
 
-BLOCK_TORCH = textwrap.dedent(
+# A device with only the `device` extra: any torch import raises; the CLI's `device` command runs.
+DEVICE_CLI = BLOCK_TORCH + textwrap.dedent(
     """
-    import sys
-    class _NoTorch:
-        def find_spec(self, name, path=None, target=None):
-            if name == "torch" or name.startswith("torch."):
-                raise ImportError(f"torch is not installed on this device ({name})")
-    sys.meta_path.insert(0, _NoTorch())
     from fedsga_edge.cli.main import app
     try:
         app(sys.argv[1:])
@@ -100,6 +96,7 @@ BLOCK_TORCH = textwrap.dedent(
         assert not any(m == "torch" or m.startswith("torch.") for m in sys.modules)
     """
 )
+
 
 RUN_FLAGS = ["--dataset", "digits", "--clients", "2", "--rounds", "2", "--model", "resnet18_cifar", "--width", "0.25",
              "--strategy", "fedsga", "--local-epochs", "1", "--batch-size", "32", "--max-batches", "2", "--seed", "0",
@@ -115,7 +112,7 @@ def test_a_device_process_without_torch_takes_part_in_a_field_run(tmp_path) -> N
     running = start_embedded(tmp_path)
     url = running.url
     script = tmp_path / "no_torch_device.py"
-    script.write_text(BLOCK_TORCH)
+    script.write_text(DEVICE_CLI)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cli = [sys.executable, "-m", "fedsga_edge.cli.main"]
     procs = []

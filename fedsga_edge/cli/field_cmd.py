@@ -366,6 +366,8 @@ def trial(
     (out / "logs").mkdir(exist_ok=True)
     cfg_path = out / "run_config.json"
     cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2))
+    from fedsga_edge.coordinator.broker import die_with_parent
+
     device_args: list[str] = []
     if backend not in ("torch", "onnx"):
         raise typer.BadParameter(f"--backend must be torch or onnx (got {backend!r})")
@@ -384,14 +386,14 @@ def trial(
         logs.append(log)
         procs["coordinator"] = subprocess.Popen(
             base + ["coordinator", "--run-dir", str(out), "--register-timeout", str(startup_timeout)] + common,
-            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         for i in range(cfg.clients):
             log = open(out / "logs" / f"device-{i:03d}.out", "w")
             logs.append(log)
             procs[f"device-{i:03d}"] = subprocess.Popen(
                 base + ["device", "--index", str(i), "--state-dir", str(out / "devices" / f"client-{i:03d}")] + common
                 + device_args,
-                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         _follow(out / "metrics.jsonl", procs["coordinator"], cfg.rounds, quiet)
         rc = procs["coordinator"].wait()
     finally:
@@ -442,17 +444,6 @@ def _export_for_devices(cfg: Any, out: Path, quiet: bool) -> Path:
 
 def _raise_interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
-
-
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGTERM when the trial process dies, even by SIGKILL (no orphans)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
 
 
 def _follow(metrics: Path, coordinator: subprocess.Popen, rounds: int, quiet: bool) -> None:
