@@ -70,7 +70,8 @@ def test_weight_gradient_arrangements_for_many_channels(size, kernel, stride, pa
     dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
     y.backward(dy)
     s, p = [stride] * 2, [padding] * 2
-    gi, gw, _ = convolution_backward(dy, x.detach(), w.detach(), None, s, p, [1, 1], False, [0, 0], 1, [True, True, False])
+    mask = [True, True, False]
+    gi, gw, _ = convolution_backward(dy, x.detach(), w.detach(), None, s, p, [1, 1], False, [0, 0], 1, mask)
     torch.testing.assert_close(gi, x.grad)
     torch.testing.assert_close(gw, w.grad)
 
