@@ -475,6 +475,7 @@ _VIEWS = {
     aten.expand.default,
     aten.alias.default,
     aten.slice.Tensor,
+    aten._unsafe_view.default,
 }
 # Recomputed in the backward from their saved input rather than saved themselves: a view costs
 # nothing, and a ReLU one elementwise pass; the backward then holds the ReLU nodes whose masks its
@@ -758,11 +759,19 @@ def _batch_dims(names: list[str], batch: Any) -> tuple:
 
 
 def _saved_dims(node: torch.fx.Node, batch: Any) -> dict[int, Any] | None:
-    """The batch axis of a saved tensor, read from its symbolic shape in the joint graph."""
-    shape = node.meta["val"].shape
-    dims = {i: batch for i, d in enumerate(shape) if isinstance(d, torch.SymInt)}
-    if len(dims) > 1 or any(not shape[i].node.expr.is_Symbol for i in dims):
-        raise NotImplementedError(f"saved tensor {node.name} of shape {tuple(shape)}: one plain batch axis expected")
+    """The batch-sized axes of a saved tensor, read from its symbolic shape in the joint graph:
+    the batch itself or a multiple of it plus a constant (ViT attention keeps (batch x heads, ...))."""
+    dims: dict[int, Any] = {}
+    for i, d in enumerate(node.meta["val"].shape):
+        if not isinstance(d, torch.SymInt):
+            continue
+        expr = d.node.expr
+        (sym,) = expr.free_symbols
+        poly = expr.as_poly(sym)
+        if poly is None or poly.degree() != 1 or not all(c.is_Integer for c in poly.all_coeffs()):
+            raise NotImplementedError(f"saved tensor {node.name}: axis {i} of size {expr} is not a * batch + b")
+        a, b = (int(c) for c in poly.all_coeffs())
+        dims[i] = batch if (a, b) == (1, 0) else batch * a + b
     return dims or None
 
 
