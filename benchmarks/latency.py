@@ -359,7 +359,9 @@ TRAIN_SECTION = "## Training step: torch-free ONNX vs torch (issue 8)"
 def train_markdown(args: argparse.Namespace, rows: list, peaks: dict[int, float], command: str) -> str:
     import onnxruntime
     import torch
+    from fedsga_edge.device.profile import device_info
 
+    dev = device_info("onnxruntime", 1)
     peak_text = ", ".join(f"{t} thread{'s' if t > 1 else ''}: {peaks[t] / 1e9:.1f} GFLOP/s" for t in sorted(peaks))
     lines = [
         TRAIN_SECTION,
@@ -367,7 +369,7 @@ def train_markdown(args: argparse.Namespace, rows: list, peaks: dict[int, float]
         f"Command: `{command}`",
         "",
         (
-            f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores; onnxruntime "
+            f"Machine: {dev['cpu']}, {dev['cores_logical']} logical cores ({dev.get('affinity_cores', '?')} usable); onnxruntime "
             f"{onnxruntime.__version__} (CPUExecutionProvider) + numpy SGD, torch {torch.__version__} eager. "
             f"Load average at start: {args.load}. One step = `PrefixRunner.train_forward` + `train_step` (ONNX) or "
             "forward + `backward(dz)` + `SGD.step` (torch), BN statistics updated in both. p50 over "
