@@ -219,11 +219,16 @@ def _contention_note(args: argparse.Namespace, dev: dict, peaks: dict[int, float
     ]
 
 
+def _peak_text(peaks: dict[int, float]) -> str:
+    """The machine's measured matmul peak per thread count, for the tables' header line."""
+    return ", ".join(f"{t} thread{'s' if t > 1 else ''}: {peaks[t] / 1e9:.1f} GFLOP/s" for t in sorted(peaks))
+
+
 def markdown(args: argparse.Namespace, manifest: dict, runs: dict, peaks: dict[int, float], command: str) -> str:
     dev = runs[("onnxruntime", _ints(args.threads)[0])]["device"]
     torch_dev = runs[("torch", _ints(args.threads)[0])]["device"]
     m = manifest["model"]
-    peak_text = ", ".join(f"{t} thread{'s' if t > 1 else ''}: {peaks[t] / 1e9:.1f} GFLOP/s" for t in sorted(peaks))
+    peak_text = _peak_text(peaks)
     lines = [
         SECTION,
         "",
@@ -362,7 +367,7 @@ def train_markdown(args: argparse.Namespace, rows: list, peaks: dict[int, float]
     from fedsga_edge.device.profile import device_info
 
     dev = device_info("onnxruntime", 1)
-    peak_text = ", ".join(f"{t} thread{'s' if t > 1 else ''}: {peaks[t] / 1e9:.1f} GFLOP/s" for t in sorted(peaks))
+    peak_text = _peak_text(peaks)
     lines = [
         TRAIN_SECTION,
         "",

@@ -6,8 +6,7 @@ torch (a broker host runs ``fedsga-edge broker-config`` without it), the server 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from fedsga_edge.lazy import lazy_exports
 
 _WHERE = {
     "Coordinator": "server",
@@ -20,16 +19,4 @@ _WHERE = {
     "resource_splits": "strategy",
 }
 
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _WHERE)

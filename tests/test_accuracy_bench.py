@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "accuracy.py"
+from _bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("accuracy_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["accuracy_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("accuracy")
 
 
 @pytest.mark.slow

@@ -10,27 +10,17 @@ device rejoins from its saved state, everyone reconnects, and every round is rec
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from _bench import load_bench
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-FAULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "faults.py"
 
 
 @pytest.fixture(scope="module")
 def faults():
-    spec = importlib.util.spec_from_file_location("faults_bench", FAULTS)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["faults_bench"] = mod
-    spec.loader.exec_module(mod)
-    if mod.MOSQUITTO is None:
-        pytest.skip("no mosquitto binary (apt-get install mosquitto)")
-    return mod
+    return load_bench("faults", needs_mosquitto=True)
 
 
 def test_a_device_killed_mid_round_rejoins_and_the_run_survives_a_broker_restart(faults, tmp_path) -> None:

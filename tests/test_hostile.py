@@ -12,26 +12,15 @@ coordinator's memory under the stated cap.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from _bench import load_bench
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "hostile.py"
 
 
 @pytest.fixture(scope="module")
 def hostile():
-    spec = importlib.util.spec_from_file_location("hostile_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["hostile_bench"] = mod
-    spec.loader.exec_module(mod)
-    if mod.MOSQUITTO is None:
-        pytest.skip("no mosquitto binary (apt-get install mosquitto): the field run needs a real broker")
-    return mod
+    return load_bench("hostile", needs_mosquitto=True)
 
 
 def test_a_hostile_device_changes_nothing_in_a_running_field_run(hostile, tmp_path) -> None:

@@ -9,19 +9,17 @@ one-device run after round 1, restart it with ``--resume``, and the run's three 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from _bench import load_bench
 
 from fedsga_edge.config import RunConfig, TrainConfig
 from fedsga_edge.runbuild import coordinator_service, device_agent
 from fedsga_edge.transport import LoopbackTransport
 
 WAIT = 180.0
-FAULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "faults.py"
 
 
 def tiny(**kw) -> RunConfig:
@@ -81,18 +79,12 @@ def test_resume_needs_a_resumable_checkpoint(digits, tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def faults():
-    spec = importlib.util.spec_from_file_location("faults_bench", FAULTS)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["faults_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("faults", needs_mosquitto=True)
 
 
 @pytest.mark.slow
 @pytest.mark.integration
 def test_kill_9_the_coordinator_and_resume_matches_simulate(faults, tmp_path) -> None:
-    if faults.MOSQUITTO is None:
-        pytest.skip("no mosquitto binary (apt-get install mosquitto)")
     from typer.testing import CliRunner
 
     from fedsga_edge.cli.main import app

@@ -7,8 +7,7 @@ through the coordinator-side ones (``estimator``, ``harmonizer``, ``prototypes``
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..lazy import lazy_exports
 
 _WHERE = {
     "descriptor": "adaptation", "descriptor_weights": "adaptation", "prompt_contributions": "adaptation",
@@ -23,16 +22,4 @@ _WHERE = {
     "Prototypes": "prototypes",
 }
 
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _WHERE)
