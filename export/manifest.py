@@ -99,5 +99,6 @@ def _listed_files(prefix: dict[str, Any]) -> list[tuple[str, str]]:
             files.append((prefix[key]["file"], prefix[key]["sha256"]))
     if prefix.get("train"):
         t = prefix["train"]
-        files += [(t[k], t["sha256"][k]) for k in ("forward_file", "backward_file", "state_file")]
+        files += [(t[k], t["sha256"][k]) for k in ("forward_file", "backward_file", "state_file", "eval_file")
+                  if t.get(k)]
     return files

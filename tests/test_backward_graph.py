@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from fedsga_edge.export.backward import (
     _onnx_relu_inputs,
     convolution_backward,
 )
-from fedsga_edge.export.manifest import read_manifest
+from fedsga_edge.export.manifest import ManifestError, read_manifest
 from fedsga_edge.export.onnx_prefix import PrefixModule, ort_session
 
 from fedsga_edge.models import create_model
@@ -383,3 +385,19 @@ def test_train_export_validates_at_paper_width(tmp_path) -> None:
     assert all(c["ok"] for c in checks) and entry["train"]["max_rel_grad_err"] < 1e-4, log
     assert any("match autograd" in c["text"] or c["text"].startswith("ReLU kinks") for c in checks), log
     assert "Validating train graphs" in log
+
+
+def test_verify_rehashes_every_train_graph_including_the_eval_one(art, tmp_path) -> None:
+    """A device checks its artifacts before loading them: a changed byte in any listed file, the
+    eval-mode observation graph included, must fail verification and name the file."""
+    copy = tmp_path / "art"
+    shutil.copytree(art, copy)
+    read_manifest(copy, verify=True)  # as exported: passes
+    entry = read_manifest(copy)["prefixes"][0]["train"]
+    for key in ("forward_file", "backward_file", "state_file", "eval_file"):
+        path = copy / entry[key]
+        original = path.read_bytes()
+        path.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+        with pytest.raises(ManifestError, match=re.escape(entry[key])):
+            read_manifest(copy, verify=True)
+        path.write_bytes(original)
