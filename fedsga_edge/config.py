@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -24,6 +25,26 @@ class TrainConfig:
     augment: bool | None = None  # random crop (pad 4) + horizontal flip; None = auto (not for digits)
     max_batches: int = 0  # cap on batches per local epoch (0 = all); for quick smoke runs
 
+    def problems(self) -> list[str]:
+        """What is out of range, each naming its flag: the CLI and a device reading a ``round_start``
+        both check here, so a bad value is refused before any training starts."""
+        out = []
+        if self.local_epochs < 1:
+            out.append("--local-epochs must be >= 1")
+        if self.batch_size < 2:
+            out.append("--batch-size must be >= 2 (BatchNorm needs two samples)")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            out.append("--lr must be a finite number > 0")
+        if not 0 <= self.momentum < 1:
+            out.append("--momentum must lie in [0, 1)")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            out.append("--weight-decay must be a finite number >= 0")
+        if not (self.mu >= 0 and math.isfinite(self.mu)):
+            out.append("--mu must be a finite number >= 0")
+        if self.max_batches < 0:
+            out.append("--max-batches must be >= 0 (0 = all)")
+        return out
+
 
 @dataclass
 class FedSGAConfig:
@@ -41,6 +62,25 @@ class FedSGAConfig:
     estimator: bool = True  # False: every client at p_ref
     harmonizer: bool = True  # False: pooled features straight to the head, no alignment loss
     proto_dim: int = 128  # harmonizer / prototype space
+
+    def problems(self) -> list[str]:
+        """What is out of range, each naming its flag (see ``TrainConfig.problems``)."""
+        out = []
+        for name in ("rho", "beta", "lambda_align"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                out.append(f"--{name.replace('_', '-')} must be a finite number >= 0")
+        if self.cal_every < 1:
+            out.append("--cal-every must be >= 1")
+        if not 0 <= self.mu_proto <= 1:
+            out.append("--mu-proto must lie in [0, 1]")
+        if not (self.tau_a > 0 and self.tau_m > 0 and math.isfinite(self.tau_a) and math.isfinite(self.tau_m)):
+            out.append("--tau-a and --tau-m must be finite numbers > 0")
+        if self.prompts < 0:
+            out.append("--prompts must be >= 0")
+        if self.proto_dim < 1:
+            out.append("--proto-dim must be >= 1")
+        return out
 
 
 @dataclass
@@ -111,4 +151,8 @@ def from_wire(cls: type, data: Any) -> Any:
         )
         if not ok:
             raise TypeError(f"{cls.__name__}.{name} = {value!r} has the wrong type")
-    return cls(**data)
+    obj = cls(**data)
+    bad = obj.problems() if hasattr(obj, "problems") else []
+    if bad:
+        raise ValueError(f"{cls.__name__}: {'; '.join(bad)}")
+    return obj

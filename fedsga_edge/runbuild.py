@@ -19,9 +19,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -79,34 +77,18 @@ def validate_config(cfg: RunConfig) -> None:
         problems.append("--clients must be >= 1")
     if cfg.rounds < 1:
         problems.append("--rounds must be >= 1")
-    t = cfg.train
-    if t.local_epochs < 1:
-        problems.append("--local-epochs must be >= 1")
-    if t.batch_size < 2:
-        problems.append("--batch-size must be >= 2 (BatchNorm needs two samples)")
-    if not t.lr > 0:
-        problems.append("--lr must be > 0")
+    problems += cfg.train.problems()
     if cfg.partition not in ("iid", "dirichlet", "domain"):
         problems.append(f"--partition must be iid, dirichlet or domain (got {cfg.partition!r})")
     if cfg.partition != "iid" and not cfg.alpha > 0:
         problems.append("--alpha must be > 0")
-    f = cfg.fedsga
     if cfg.server_copies not in ("shared", "per_client"):
         problems.append(f"--server-copies must be shared or per-client (got {cfg.server_copies!r})")
     if cfg.server_bn not in ("round", "ema"):
         problems.append(f"--server-bn must be round or ema (got {cfg.server_bn!r})")
-    if f.cal_every < 1:
-        problems.append("--cal-every must be >= 1")
-    if not 0 <= f.mu_proto <= 1:
-        problems.append("--mu-proto must lie in [0, 1]")
-    if f.tau_a <= 0 or f.tau_m <= 0:
-        problems.append("--tau-a and --tau-m must be > 0")
-    if f.prompts < 0:
-        problems.append("--prompts must be >= 0")
+    problems += cfg.fedsga.problems()
     if problems:
         raise ValueError("; ".join(problems))
-
-
 
 
 def client_id(i: int) -> str:

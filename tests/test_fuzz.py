@@ -603,3 +603,21 @@ def test_device_refuses_hostile_orders_without_dropping_its_round(agent, body, r
         while not agent._queue.empty():
             agent._queue.get_nowait()
         agent._latest, agent._newest = latest, newest
+
+
+@pytest.mark.parametrize(("train", "fedsga", "flag"), [
+    ({"lr": -0.1}, None, "--lr"), ({"lr": math.nan}, None, "--lr"), ({"batch_size": 1}, None, "--batch-size"),
+    ({"local_epochs": 0}, None, "--local-epochs"), ({"momentum": 1.5}, None, "--momentum"),
+    ({"mu": -1.0}, None, "--mu"), ({}, {"mu_proto": 2.0}, "--mu-proto"), ({}, {"tau_m": 0.0}, "--tau-a and --tau-m"),
+])
+def test_round_start_settings_out_of_range_are_refused_naming_the_setting(train, fedsga, flag) -> None:
+    """Types alone are not enough: a negative learning rate or a batch of one would fail (or diverge)
+    half-way through local training. The device refuses them up front, with the same words as the CLI."""
+    from fedsga_edge.device.role import _check_round_start
+
+    body: dict[str, Any] = {"split": 1, "train": train, "weights": {}}
+    if fedsga is not None:
+        body["fedsga"] = fedsga
+    with pytest.raises(RemoteProtocolError, match=f"malformed round_start: ValueError: .*{flag}"):
+        _check_round_start(body)
+    _check_round_start({"split": 1, "train": {"lr": 0.05, "batch_size": 2}, "weights": {}})  # in range: accepted
