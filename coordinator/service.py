@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedsga_edge.config import RunConfig
 from fedsga_edge.runfiles import JsonLog, atomic_torch_save, atomic_write
 from fedsga_edge.transport import Peer
 from fedsga_edge.wire import Message
@@ -367,7 +368,11 @@ class CoordinatorService:
                              "another version?): this run cannot be resumed")
         if ck.get("arch") != self.cfg.model:
             raise ValueError(f"{path} is a {ck.get('arch')!r} checkpoint, this run builds {self.cfg.model!r}")
-        changed = _changed(state["config"], self.cfg.to_dict())
+        try:  # settings added since the checkpoint was written take their defaults, as the run then did
+            saved = RunConfig.from_dict(state["config"]).to_dict()
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"cannot resume from {path}: its settings do not load here: {exc}") from None
+        changed = _changed(saved, self.cfg.to_dict())
         if changed:
             raise ValueError(f"cannot resume {self.run_dir}: its checkpoint was made with other settings "
                              f"({'; '.join(changed)}); only {', '.join(RESUMABLE)} may change")
