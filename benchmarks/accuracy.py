@@ -11,7 +11,7 @@ against probing all K depths every round (the O(|T_cal|) vs O(KT) claim), as mar
     python benchmarks/accuracy.py --preset domain       # Office-31 domain skew, 12 runs
 
 The ``domain`` preset is the paper's motivating case, domain skew: real Office-31 (amazon, dslr,
-webcam at 32 px, ../shared/data/office31), 9 clients, 3 per domain (``--partition domain``),
+webcam at 32 px, an npz with domain ids), 9 clients, 3 per domain (``--partition domain``),
 and inside each domain a Dirichlet(0.5) label split among its 3 clients (partition name
 ``domain0.5``). alpha=0.5 rather than the 0.1 of the label-skew runs keeps the label skew mild,
 so the domains, not missing classes, are what separates clients; it also keeps every client of
@@ -46,8 +46,10 @@ import numpy as np
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 DEFAULT_NPZ = Path.home() / ".cache" / "fedsga-edge" / "cifar10.npz"
+# Where the project's own data checkout keeps its copies, beside the repository. A clone without it
+# passes --data (an npz in the layout README.md "Data" describes, or a torchvision dataset).
 MATERIALIZE = REPO.parent / "shared" / "data" / "cifar10" / "materialize.py"
-# Real Office-31 at 32 px with domain ids (d_train, d_test, domains); see its README.md beside it.
+# Real Office-31 at 32 px with domain ids (d_train, d_test, domains).
 OFFICE31_NPZ = REPO.parent / "shared" / "data" / "office31" / "office31_32.npz"
 
 # method name -> (strategy, FedSGAConfig overrides); "static" runs at p_ref (SplitFed),
@@ -170,15 +172,16 @@ def ensure_data(spec: str) -> None:
     if path.exists():
         return
     if path.name == OFFICE31_NPZ.name:  # not CIFAR: materialising CIFAR-10 under this name would mislead
-        raise SystemExit(f"--data: {path} does not exist; the domain preset reads Office-31 from {OFFICE31_NPZ} "
-                         "(see its README.md), or pass --data PATH to a copy")
+        raise SystemExit(f"--data: {path} does not exist; the domain preset reads Office-31 at 32 px as an npz "
+                         "with domain ids (x_train, y_train, x_test, y_test, d_train, d_test, domains: README.md, "
+                         "\"Data\"): pass --data npz:PATH to yours")
     if MATERIALIZE.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         print(f"materialising CIFAR-10 into {path} (about 10 s)", file=sys.stderr)
         subprocess.run([sys.executable, str(MATERIALIZE), str(path)], check=True)
         return
-    raise SystemExit(f"--data: {path} does not exist; write it with "
-                     f"`python ../shared/data/cifar10/materialize.py {path}` or pass --data cifar10 --data-root DIR")
+    raise SystemExit(f"--data: {path} does not exist; pass --data cifar10 --data-root DIR (torchvision's CIFAR-10, "
+                     "downloaded when online) or --data npz:PATH (uint8 NHWC x_train, y_train, x_test, y_test)")
 
 
 def num_splits(model: str, width: float | None) -> int:

@@ -130,7 +130,7 @@ def _load_digits(image_size: int | None) -> DatasetBundle:
 def _load_cifar(name: str, root: Path, download: bool, image_size: int | None) -> DatasetBundle:
     """CIFAR through torchvision's own loader, which verifies the MD5 of every original pickle.
 
-    A copy that fails that check (corrupted, or re-encoded like ../shared/data/cifar10) is refused;
+    A copy that fails that check (corrupted, or re-encoded, e.g. as JPEG) is refused;
     re-encoded copies load through the ``npz:`` spec instead.
     """
     try:
@@ -304,9 +304,9 @@ def _load_domainnet(root: Path, option: str, image_size: int | None) -> DatasetB
 
 
 def _load_npz(path: Path, image_size: int | None) -> DatasetBundle:
-    """A plain array file, e.g. from ../shared/data/cifar10/materialize.py; read without unpickling.
+    """A plain array file (a re-encoded or pre-resized copy of a dataset); read without unpickling.
 
-    Optional ``d_train`` / ``d_test`` carry domain ids (e.g. ../shared/data/office31) so that
+    Optional ``d_train`` / ``d_test`` carry domain ids (e.g. Office-31's three domains) so that
     ``--partition domain`` works on an npz as it does on DomainNet; ``domains`` names the ids.
     """
     layout = (
