@@ -24,7 +24,7 @@ def hostile():
 
 
 def test_a_hostile_device_changes_nothing_in_a_running_field_run(hostile, tmp_path) -> None:
-    res = hostile.run_pair(tmp_path, clients=2, rounds=2, examples=40, flood_mb=150, concurrent=True,
+    res = hostile.run_pair(tmp_path, clients=2, rounds=3, examples=40, flood_mb=150, concurrent=True,
                            log=lambda s: print(s, flush=True))
     must = res["hostile"]["report"].must_show
     assert must["nan_activation"][0] == "error" and "non-finite" in must["nan_activation"][1]
