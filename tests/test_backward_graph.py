@@ -372,12 +372,13 @@ def test_check_fails_batchnorm_exported_as_inference(tmp_path, monkeypatch) -> N
 
 @pytest.mark.slow
 def test_train_export_validates_at_paper_width(tmp_path) -> None:
-    """Width 1.0, split 3 (depth 4), where float32 rounding at a ReLU kink once failed the check (issue 8;
-    whether a mask flips depends on the graph's exact arithmetic): the export validates either way."""
+    """Width 1.0, split 2 (depth 3), one of the two splits where float32 rounding at a ReLU kink once
+    failed the check (issue 8: splits 2 and 3; whether a mask flips depends on the graph's exact
+    arithmetic): the export validates either way. Split 2 rather than 3 to keep the suite short."""
     from fedsga_edge.export.pipeline import ExportConfig, export_prefixes
 
     lines: list[str] = []
-    cfg = ExportConfig(model="resnet18_cifar", width=1.0, out=tmp_path, splits=(3,), train=True)
+    cfg = ExportConfig(model="resnet18_cifar", width=1.0, out=tmp_path, splits=(2,), train=True)
     (entry,) = export_prefixes(cfg, log=lines.append)["prefixes"]
     log = "\n".join(lines)
     assert entry["valid"], log
