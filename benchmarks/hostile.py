@@ -46,9 +46,7 @@ import argparse
 import itertools
 import json
 import os
-import pwd
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -61,11 +59,11 @@ from typing import Any
 import msgpack
 import numpy as np
 import psutil
+from fedsga_edge.coordinator.broker import RunningBroker, mosquitto_path, start_mosquitto
 
 from fedsga_edge.wire import Message, Reassembler, RemoteProtocolError, decode, encode, split_message
 
-MOSQUITTO = shutil.which("mosquitto") or next(
-    (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None)
+MOSQUITTO = mosquitto_path()
 TINY = ["--dataset", "digits", "--model", "resnet18_cifar", "--width", "0.25", "--seed", "0", "--local-epochs", "1",
         "--max-batches", "2", "--batch-size", "32", "--round-timeout", "300", "--strategy", "static",
         "--server-copies", "per-client"]
@@ -75,43 +73,15 @@ REASSEMBLY_CAP = 128 * 2**20  # MqttTransport's max_buffer_bytes default
 
 # -- a broker ----------------------------------------------------------------------------------------------
 
-class Broker:
-    """Mosquitto on a free loopback port, anonymous (no ACL: the intruder can publish anywhere)."""
+def start_broker(folder: Path) -> RunningBroker:
+    """Mosquitto on a free loopback port, anonymous (no ACL: the intruder can publish anywhere).
 
-    def __init__(self, folder: Path) -> None:
-        if MOSQUITTO is None:
-            raise RuntimeError("no mosquitto binary (Debian/Ubuntu: apt-get install mosquitto)")
-        folder.mkdir(parents=True, exist_ok=True)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"mqtt://127.0.0.1:{self.port}"
-        conf = folder / "mosquitto.conf"
-        # max_queued_messages 0: the flood must reach the coordinator. Mosquitto's default (1000 QoS 1 messages
-        # queued per subscriber) drops the rest for a subscriber that lags, and on a loaded machine the
-        # coordinator lags the whole flood: the reassembly cap is then never reached (a CI run saw that).
-        conf.write_text("\n".join([f"listener {self.port} 127.0.0.1", "allow_anonymous true", "persistence false",
-                                   "set_tcp_nodelay true", "max_queued_messages 0",
-                                   f"user {pwd.getpwuid(os.geteuid()).pw_name}"]) + "\n")
-        with open(folder / "broker.out", "ab") as log:
-            self.proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"mosquitto did not listen on {self.port}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+    ``max_queued_messages 0``: the flood must reach the coordinator. Mosquitto's default (1000 QoS 1
+    messages queued per subscriber) drops the rest for a subscriber that lags, and on a loaded machine the
+    coordinator lags the whole flood: the reassembly cap is then never reached."""
+    if MOSQUITTO is None:
+        raise RuntimeError("no mosquitto binary (Debian/Ubuntu: apt-get install mosquitto)")
+    return start_mosquitto(folder, extra=("allow_anonymous true", "max_queued_messages 0"))
 
 
 # -- the intruder --------------------------------------------------------------------------------------------
@@ -595,7 +565,7 @@ class RssSampler:
         self._thread.join(5)
 
 
-def run_field(out: Path, broker: Broker, flags: list[str], clients: int, *, hostile: dict[str, Any] | None = None,
+def run_field(out: Path, broker: RunningBroker, flags: list[str], clients: int, *, hostile: dict[str, Any] | None = None,
               log: Any = print) -> dict[str, Any]:
     """``fedsga-edge coordinator`` and ``fedsga-edge device`` x ``clients`` on ``broker``, started in
     stages: the coordinator, then device 0, then the others (their registration starts round 1). With
@@ -754,7 +724,7 @@ def run_pair(out: Path, *, clients: int = 2, rounds: int = 2, examples: int = 15
     compared bit for bit and checked; see the module doc."""
     flags = [*TINY, "--clients", str(clients), "--rounds", str(rounds)]
     out.mkdir(parents=True, exist_ok=True)
-    brokers = [Broker(out / "broker-clean"), Broker(out / "broker-hostile")]
+    brokers = [start_broker(out / "broker-clean"), start_broker(out / "broker-hostile")]
     runs: dict[str, dict[str, Any]] = {}
     try:
         def clean() -> None:
