@@ -36,10 +36,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -51,9 +49,10 @@ from typing import Any
 
 import psutil
 
+from fedsga_edge.coordinator.broker import mosquitto_path, run_mosquitto, start_mosquitto
+
 HERE = Path(__file__).resolve()
-MOSQUITTO = shutil.which("mosquitto") or next(
-    (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None)
+MOSQUITTO = mosquitto_path()
 
 
 # -- settings and the scenario registry ----------------------------------------------------------
@@ -95,53 +94,18 @@ def scenario(name: str, help: str) -> Callable[[Scenario], Scenario]:
 
 # -- a broker that can restart on its port --------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Mosquitto:
     """Mosquitto on a free loopback port, anonymous, no persistence (as ``fedsga-edge trial`` runs it)."""
 
     def __init__(self, folder: Path, extra: tuple[str, ...] = ()) -> None:
-        if MOSQUITTO is None:
-            raise RuntimeError("no mosquitto binary (Debian/Ubuntu: apt-get install mosquitto)")
-        folder.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.url = f"mqtt://127.0.0.1:{self.port}"
-        self.conf = folder / "mosquitto.conf"
-        # `user`: as root, mosquitto would switch to user "mosquitto", who may not read this folder.
-        self.conf.write_text("\n".join([f"listener {self.port} 127.0.0.1", "allow_anonymous true", "persistence false",
-                                        "set_tcp_nodelay true", f"user {pwd.getpwuid(os.geteuid()).pw_name}",
-                                        *extra]) + "\n")
-        self.log = folder / "broker.out"
-        self.proc: subprocess.Popen | None = None
-        self.start()
+        self.running = start_mosquitto(folder, extra=("allow_anonymous true", *extra))
+        self.conf, self.port, self.log, self.url = folder / "mosquitto.conf", self.running.port, self.running.log, self.running.url
 
-    def start(self, timeout: float = 10.0) -> None:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([MOSQUITTO, "-c", str(self.conf)], stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.05)
-        raise RuntimeError(f"mosquitto did not listen on {self.port}; see {self.log}")
+    def start(self) -> None:
+        self.running = run_mosquitto(self.conf, self.port, log=self.log)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc = None
+        self.running.stop()
 
     def restart(self, down_s: float = 2.0) -> None:
         """Stop, stay down ``down_s`` seconds (clients back off and retry), start on the same port."""

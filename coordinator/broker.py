@@ -65,6 +65,7 @@ __all__ = [
     "embedded_available",
     "free_port",
     "mosquitto_path",
+    "run_mosquitto",
     "start_embedded",
     "start_mosquitto",
 ]
@@ -328,6 +329,14 @@ def mosquitto_path() -> str | None:
         (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None)
 
 
+def _mosquitto_exe() -> str:
+    exe = mosquitto_path()
+    if exe is None:
+        raise BrokerError("no mosquitto binary: install it (Debian/Ubuntu: apt-get install mosquitto) "
+                          "or use the embedded broker")
+    return exe
+
+
 def start_mosquitto(
     log_dir: Path,
     *,
@@ -341,10 +350,7 @@ def start_mosquitto(
     Its configuration is ``log_dir/mosquitto.conf`` and its log ``log_dir/broker.out``.
     ``set_tcp_nodelay`` is on (docs/protocol.md, "Connection, sessions, reconnects").
     """
-    exe = mosquitto_path()
-    if exe is None:
-        raise BrokerError("no mosquitto binary: install it (Debian/Ubuntu: apt-get install mosquitto) "
-                          "or use the embedded broker")
+    _mosquitto_exe()  # before writing anything: a clear error when it is missing
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     host = "127.0.0.1"
@@ -356,14 +362,24 @@ def start_mosquitto(
         lines.append(f"max_packet_size {max_packet_size}")
     conf = log_dir / "mosquitto.conf"
     conf.write_text("\n".join(lines) + "\n")
-    log_path = log_dir / "broker.out"
-    log = open(log_path, "a")
-    proc = subprocess.Popen([exe, "-c", str(conf)], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+    return run_mosquitto(conf, p, log=log_dir / "broker.out", host=host, timeout=timeout)
+
+
+def run_mosquitto(conf: Path, port: int, *, log: Path, host: str = "127.0.0.1", timeout: float = 10.0) -> RunningBroker:
+    """Mosquitto on a config file that already exists (it must listen on ``host:port``).
+
+    Also how a stopped broker comes back on its port with its config (a broker-restart test);
+    the log file is appended to, so both lives stay in one log.
+    """
+    exe = _mosquitto_exe()
+    log_path = Path(log)
+    out = open(log_path, "a")
+    proc = subprocess.Popen([exe, "-c", str(conf)], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                             preexec_fn=die_with_parent)
-    broker = RunningBroker("mosquitto", host, p, proc, log_path, [log])
+    broker = RunningBroker("mosquitto", host, port, proc, log_path, [out])
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if _accepts(host, p):
+        if _accepts(host, port):
             return broker
         time.sleep(0.05)
     broker.stop()

@@ -34,8 +34,9 @@ pytest.importorskip("paho.mqtt", reason="paho-mqtt is an optional dependency (fe
 
 import paho.mqtt.client as paho  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
-from test_mqtt import MOSQUITTO, Broker, _free_port  # noqa: E402  (tests/ is on sys.path, as for _runs)
+from test_mqtt import MOSQUITTO, Broker  # noqa: E402  (tests/ is on sys.path, as for _runs)
 
+from fedsga_edge.coordinator.broker import free_port  # noqa: E402
 from fedsga_edge.transport import TransportError  # noqa: E402
 from fedsga_edge.transport.mqtt import MqttTransport  # noqa: E402
 
@@ -50,14 +51,14 @@ MOSQUITTO_PASSWD = shutil.which("mosquitto_passwd")
 
 
 class GeneratedBroker(Broker):
-    """test_mqtt's Broker (start, stop, wait for the port), but on the config broker-config wrote."""
+    """test_mqtt's Broker (start, stop, restart on its port), but on the config broker-config wrote."""
 
     def __init__(self, files: BrokerFiles, port: int) -> None:
         # Test-only lines appended: as root mosquitto would drop to user "mosquitto", who cannot
-        # enter pytest's 0700 tmp folders; and log to the file Broker.start opens.
+        # enter pytest's 0700 tmp folders; and log to the file Broker.start appends to.
         with open(files.conf, "a") as f:
             f.write(f"\nuser {pwd.getpwuid(os.geteuid()).pw_name}\nlog_dest stderr\n")
-        self.conf, self.port, self.log, self.proc = files.conf, port, files.conf.parent / "mosquitto.log", None
+        self.conf, self.port, self.log = files.conf, port, files.conf.parent / "mosquitto.log"
         self.start()
 
 
@@ -71,7 +72,7 @@ def generated(tmp_path: Path) -> Iterator[Callable[..., tuple[GeneratedBroker, B
     def make(devices: tuple[str, ...] = ("client-000", "client-001"),
              **kw: object) -> tuple[GeneratedBroker, BrokerFiles]:
         hasher = kw.pop("hasher", "auto")
-        port = _free_port()
+        port = free_port()
         kw = {"run": RUN, "bind": "127.0.0.1", "port": port, "host": "127.0.0.1", "persistence": False, **kw}
         spec = BrokerSpec(devices=devices, **kw)  # type: ignore[arg-type]
         files = write_broker_config(spec, tmp_path / f"broker{len(brokers)}", hasher=str(hasher))
@@ -384,7 +385,7 @@ def test_tls_end_to_end_with_the_credentials_files(
     certs = tmp_path / "certs"
     certs.mkdir()
     ca, crt, key = _make_certs(certs)
-    loopback = _free_port()
+    loopback = free_port()
     b, files = generated(devices=("client-000",), tls=TlsFiles(crt, key, ca), loopback_port=loopback)
     assert files.urls["client-000"].startswith("mqtts://client-000:") and files.urls["coordinator"].startswith(
         "mqtt://coordinator:")  # the coordinator on this host uses the loopback listener

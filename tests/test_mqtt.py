@@ -9,10 +9,8 @@ with a reason when no mosquitto binary exists (``apt-get install mosquitto``).
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +26,7 @@ pytest.importorskip("paho.mqtt", reason="paho-mqtt is an optional dependency (fe
 import paho.mqtt.client as paho  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 
+from fedsga_edge.coordinator.broker import mosquitto_path, run_mosquitto, start_mosquitto  # noqa: E402
 from fedsga_edge.transport import Peer, Transport, TransportError  # noqa: E402
 from fedsga_edge.transport.mqtt import MqttTransport, _pack_frame  # noqa: E402
 from fedsga_edge.wire import Message, decode, encode, split_message  # noqa: E402
@@ -35,63 +34,26 @@ from fedsga_edge.wire import Message, decode, encode, split_message  # noqa: E40
 pytestmark = pytest.mark.timeout(60)  # every wait below is bounded; this catches a deadlock
 
 RUN = "run-1"
-MOSQUITTO = shutil.which("mosquitto") or next(
-    (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None
-)
+MOSQUITTO = mosquitto_path()
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------ a broker per test
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.02)
-    raise RuntimeError(f"mosquitto did not open port {port} within {timeout} s")
-
-
 class Broker:
-    """One mosquitto process; ``restart`` keeps the port (retained messages are lost: no persistence)."""
+    """One Mosquitto from the project's own launcher; ``restart`` keeps port and config
+    (retained messages are lost: no persistence)."""
 
     def __init__(self, tmp: Path, max_packet_size: int | None = None, extra: tuple[str, ...] = ()) -> None:
-        self.port = _free_port()
-        self.conf = tmp / "mosquitto.conf"
-        # `user`: when run as root mosquitto would drop to user "mosquitto", who cannot read tmp_path.
-        # `set_tcp_nodelay`: without it every small reply waits ~40 ms for a delayed ACK.
-        lines = [f"listener {self.port} 127.0.0.1", "persistence false", "log_dest stderr", "set_tcp_nodelay true",
-                 f"user {pwd.getpwuid(os.geteuid()).pw_name}", *(extra or ("allow_anonymous true",))]
-        if max_packet_size:
-            lines.append(f"max_packet_size {max_packet_size}")
-        self.conf.write_text("\n".join(lines) + "\n")
-        self.log = tmp / "mosquitto.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
+        self.running = start_mosquitto(tmp, max_packet_size=max_packet_size, extra=extra, timeout=5.0)
+        self.conf, self.port, self.log = tmp / "mosquitto.conf", self.running.port, self.running.log
 
     def start(self) -> None:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([MOSQUITTO, "-c", str(self.conf)], stdout=log, stderr=log)
-        _wait_port(self.port, 5.0)
+        self.running = run_mosquitto(self.conf, self.port, log=self.log, timeout=5.0)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.proc = None
+        self.running.stop(timeout=5.0)
 
     def restart(self) -> None:
         self.stop()
