@@ -57,7 +57,7 @@ def profile_table(report: dict[str, Any]):
         "create ms",
         "RSS MB",
         "FLOPs",
-        "z bytes",
+        "z bytes fp32/fp16/int8",
         "train ms",
     )
     for col in cols:
@@ -78,7 +78,7 @@ def profile_table(report: dict[str, Any]):
             f"{1e3 * r['session_create_s']:.3g}",
             f"{r['rss_peak_mb']:.0f}",
             _si(r["flops_per_sample"]),
-            _si(r["activation_bytes_per_sample"]["fp32"]),
+            "/".join(_si(r["activation_bytes_per_sample"][enc]) for enc in ("fp32", "fp16", "int8")),
             f"{train['p50']:.3g}" if train else "-",
         )
     return table
