@@ -545,6 +545,8 @@ class Coordinator:
         ks = list(range(1, K + 1)) if self.head.harmonizer is not None else [0]
         correct = dict.fromkeys(ks, 0)
         loss_sum = dict.fromkeys(ks, 0.0)
+        # how often each class is predicted: a model collapsing onto few classes shows here first
+        predicted = {k: torch.zeros(self.num_classes, dtype=torch.long) for k in ks}
         n = len(images)
         for start in range(0, n, batch_size):
             idx = np.arange(start, min(n, start + batch_size))
@@ -554,13 +556,16 @@ class Coordinator:
             for k in ks:
                 logits = self.model.head(feats) if k == 0 else self.head.G(self.head.harmonizer(feats, k))
                 loss_sum[k] += float(F.cross_entropy(logits, y, reduction="sum"))
-                correct[k] += int((logits.argmax(1) == y).sum())
+                pred = logits.argmax(1)
+                correct[k] += int((pred == y).sum())
+                predicted[k] += torch.bincount(pred.cpu(), minlength=self.num_classes)
         acc = {k: correct[k] / max(n, 1) for k in ks}
         loss = {k: loss_sum[k] / max(n, 1) for k in ks}
         head = self.headline_split() if ks != [0] else 0
         by_split = {str(k): acc[k] for k in ks} if ks != [0] else {str(k): acc[0] for k in range(1, K + 1)}
+        share = [round(int(c) / max(n, 1), 4) for c in predicted[head]]
         return {"test_acc": acc[head], "test_loss": loss[head], "test_acc_by_split": by_split,
-                "eval_split": head if head else None}
+                "eval_split": head if head else None, "test_pred_share": share}
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -220,6 +220,8 @@ def test_evaluation_under_every_depth_embedding(digits) -> None:
     assert rec["test_acc"] == by_split[str(rec["eval_split"])]
     trained = rec["splits"].values()
     assert rec["eval_split"] in set(trained)
+    share = rec["test_pred_share"]  # the headline model's predictions per class, summing to 1
+    assert len(share) == 10 and sum(share) == pytest.approx(1.0, abs=1e-3) and min(share) >= 0
 
 
 def test_client_flops_are_weighted_by_data(digits) -> None:
