@@ -88,7 +88,8 @@ class _ServerSide:
         self.model, self.head = model, head
         tc = cfg.train
         params = list(model.parameters()) + list(head.parameters())
-        self.opt = torch.optim.SGD(params, lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+        lr = tc.lr if cfg.server_lr is None else cfg.server_lr
+        self.opt = torch.optim.SGD(params, lr=lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
 
 
 class Coordinator:

@@ -16,6 +16,8 @@ builds its agent from here without it (tests/test_onnx_device.py makes torch uni
 
 from __future__ import annotations
 
+import math
+
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +88,8 @@ def validate_config(cfg: RunConfig) -> None:
         problems.append(f"--server-copies must be shared or per-client (got {cfg.server_copies!r})")
     if cfg.server_bn not in ("round", "ema"):
         problems.append(f"--server-bn must be round or ema (got {cfg.server_bn!r})")
+    if cfg.server_lr is not None and not (math.isfinite(cfg.server_lr) and cfg.server_lr > 0):
+        problems.append(f"--server-lr must be a finite number > 0 (got {cfg.server_lr!r})")
     problems += cfg.fedsga.problems()
     if problems:
         raise ValueError("; ".join(problems))
