@@ -9,6 +9,7 @@ against probing all K depths every round (the O(|T_cal|) vs O(KT) claim), as mar
     python benchmarks/accuracy.py --preset paper --device auto --out benchmarks/runs_paper
     python benchmarks/accuracy.py --preset paper --dry-run   # print the plan only
     python benchmarks/accuracy.py --preset domain       # Office-31 domain skew, 12 runs
+    python benchmarks/accuracy.py --preset gpu          # one GPU, ~8 min: FedSGA vs static, Dir(0.1), width 1.0
 
 The ``domain`` preset is the paper's motivating case, domain skew: real Office-31 (amazon, dslr,
 webcam at 32 px, an npz with domain ids), 9 clients, 3 per domain (``--partition domain``),
@@ -108,6 +109,7 @@ class Preset:
     partitions: list[str] = field(default_factory=lambda: ["iid", "dir0.1"])
     threads: int = 1
     device: str = "cpu"
+    server_lr: float | None = None  # the server side's SGD rate (None: lr); docs/method.md, "The server's learning rate"
 
 
 PRESETS: dict[str, Preset] = {
@@ -117,6 +119,13 @@ PRESETS: dict[str, Preset] = {
     # The paper's setting (§4.1.3): ResNet-18, 20 clients, 100 rounds, 5 local epochs, batch 64, lr 0.1.
     "paper": Preset(data=str(DEFAULT_NPZ), width=1.0, clients=20, rounds=100, local_epochs=5,
                     train_subset=0, eval_every=5, eval_subset=0, seeds=[0, 1, 2], threads=0, device="auto"),
+    # One GPU, about 8 minutes: FedSGA against static at p_ref under Dirichlet(0.1) on all of CIFAR-10
+    # at width 1.0. Sized by estimate, not measured (no GPU was lent to the session that wrote it):
+    # ~25 ms per device batch with its wire round trip (8 MB activations at p_ref), 782 batches an
+    # epoch, so ~25 s a round and 8 rounds a run. Record its figures in RESULTS.md with the wall time.
+    "gpu": Preset(data=str(DEFAULT_NPZ), width=1.0, clients=10, rounds=8, local_epochs=1, train_subset=0,
+                  eval_every=4, eval_subset=2000, seeds=[0], methods=["fedsga", "static"], partitions=["dir0.1"],
+                  threads=0, device="auto"),
     # Domain skew on real Office-31 (module docstring). All 3290 train images, 1 local epoch: a
     # round cost 20 s of CPU on one thread (6 ms/sample, shared 2-core machine under load), so 6
     # rounds keep a run near 2 min (calibration in rounds 1 and 5); --rounds 12 doubles it. The
@@ -206,7 +215,7 @@ def method_split(method: str, p_ref: int, K: int) -> int:
 
 
 def make_config(p: Preset, method: str, partition: str, seed: int, split: int, spec: str, data_root: str | None,
-                server_copies: str = "shared", server_bn: str = "ema", server_lr: float | None = None):
+                server_copies: str = "shared", server_bn: str = "ema"):
     from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
 
     strategy, fed = METHODS[method]
@@ -216,7 +225,7 @@ def make_config(p: Preset, method: str, partition: str, seed: int, split: int, s
         dataset=spec, data_root=data_root, partition=kind, alpha=alpha if kind != "iid" else 0.1,
         clients=p.clients, rounds=rounds, model=p.model, width=p.width, strategy=strategy, split=split,
         seed=seed, device=p.device, train_subset=p.train_subset, server_copies=server_copies.replace("-", "_"),
-        server_bn=server_bn, server_lr=server_lr,
+        server_bn=server_bn, server_lr=p.server_lr,
         # the simulation evaluates only the final round (full test set); the benchmark adds subset evals
         eval_every=rounds,
         train=TrainConfig(local_epochs=p.local_epochs, batch_size=p.batch_size, lr=p.lr,
@@ -226,7 +235,7 @@ def make_config(p: Preset, method: str, partition: str, seed: int, split: int, s
 
 
 def plan(p: Preset, spec: str, data_root: str | None, server_copies: str = "shared",
-         server_bn: str = "ema", server_lr: float | None = None) -> list[dict[str, Any]]:
+         server_bn: str = "ema") -> list[dict[str, Any]]:
     K = num_splits(p.model, p.width)
     split = reference_split(p.model, p.width)
     runs = []
@@ -234,7 +243,7 @@ def plan(p: Preset, spec: str, data_root: str | None, server_copies: str = "shar
         for part in p.partitions:
             for method in p.methods:
                 cfg = make_config(p, method, part, seed, method_split(method, split, K), spec, data_root, server_copies,
-                                  server_bn, server_lr)
+                                  server_bn)
                 runs.append({"method": method, "partition": part, "seed": seed,
                              "dir": f"{method}/{part}/seed{seed}", "config": cfg})
     return runs
@@ -525,8 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Server-side BatchNorm running statistics: ema (torch's momentum 0.1, the default) or round "
                          "(averaged over the round's batches; a diagnostic, RESULTS.md compares both).")
     ap.add_argument("--server-lr", type=float, default=None,
-                    help="Learning rate of the server-side SGD (default: the preset's lr). RESULTS.md, \"The shared "
-                         "server copy's learning rate\", measures 0.03 against 0.1 under Dirichlet(0.1).")
+                    help="Learning rate of the server-side SGD (default: the preset's; unset, its lr). RESULTS.md, "
+                         "\"The server's learning rate\", compares 0.03 with 0.1.")
     ap.add_argument("--dry-run", action="store_true", help="Print the plan (runs and per-run config) and exit.")
     ap.add_argument("--tables-only", action="store_true",
                     help="Run nothing: write results.json and tables.md from the plan's runs that exist under --out "
@@ -551,7 +560,8 @@ def resolve(args: argparse.Namespace) -> Preset:
         p.partitions = [s.strip() for s in args.partitions.split(",") if s.strip()]
     for part in p.partitions:
         parse_partition(part)
-    for name in ("rounds", "clients", "width", "train_subset", "local_epochs", "max_batches", "device", "threads"):
+    for name in ("rounds", "clients", "width", "train_subset", "local_epochs", "max_batches", "device", "threads",
+                 "server_lr"):
         if getattr(args, name) is not None:
             setattr(p, name, getattr(args, name))
     if not p.seeds or not p.methods or not p.partitions:
@@ -564,11 +574,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = resolve(args)
     out: Path = args.out or REPO / "benchmarks" / f"runs_{args.preset}"
     spec = data_spec(p.data)
-    runs = plan(p, spec, args.data_root, args.server_copies, args.server_bn, args.server_lr)
+    runs = plan(p, spec, args.data_root, args.server_copies, args.server_bn)
     command = "python benchmarks/accuracy.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     scale = {k: v for k, v in vars(p).items()} | {"data": spec, "static_split": reference_split(p.model, p.width),
-                                                  "server_copies": args.server_copies, "server_bn": args.server_bn,
-                                                  "server_lr": args.server_lr}
+                                                  "server_copies": args.server_copies, "server_bn": args.server_bn}
     if args.dry_run:
         print(f"preset {args.preset}: {len(runs)} runs into {out}")
         print("scale: " + json.dumps(scale))

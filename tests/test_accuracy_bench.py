@@ -67,6 +67,23 @@ def test_paper_preset_dry_run_plans_every_run(bench, tmp_path, capsys):
     assert "per-run config" in capsys.readouterr().out
 
 
+def test_gpu_preset_plans_fedsga_against_static_on_all_of_cifar10_at_full_width(bench, tmp_path):
+    plan = bench.main(["--preset", "gpu", "--dry-run", "--out", str(tmp_path)])
+    scale = plan["scale"]
+    assert (scale["width"], scale["train_subset"], scale["device"]) == (1.0, 0, "auto")
+    assert sorted((r["method"], r["partition"]) for r in plan["plan"]) == [("fedsga", "dir0.1"), ("static", "dir0.1")]
+    assert not any(tmp_path.iterdir())
+
+
+def test_server_lr_reaches_every_run_of_the_plan(bench):
+    def configs(*flags: str) -> list:
+        preset = bench.resolve(bench.build_parser().parse_args(["--preset", "cpu", *flags]))
+        return [r["config"] for r in bench.plan(preset, "digits", None)]
+
+    assert all(c.server_lr is None for c in configs())
+    assert all(c.server_lr == 0.03 for c in configs("--server-lr", "0.03"))
+
+
 def test_domain_preset_dry_run_plans_office31_domain_skew(bench, tmp_path, capsys):
     plan = bench.main(["--preset", "domain", "--dry-run", "--out", str(tmp_path)])
     scale = plan["scale"]
