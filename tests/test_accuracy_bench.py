@@ -80,8 +80,8 @@ def test_server_lr_reaches_every_run_of_the_plan(bench):
         preset = bench.resolve(bench.build_parser().parse_args(["--preset", "cpu", *flags]))
         return [r["config"] for r in bench.plan(preset, "digits", None)]
 
-    assert all(c.server_lr is None for c in configs())
-    assert all(c.server_lr == 0.03 for c in configs("--server-lr", "0.03"))
+    assert all(c.server_lr == 0.03 for c in configs())  # the CPU preset's own (RESULTS.md says why)
+    assert all(c.server_lr == 0.1 for c in configs("--server-lr", "0.1"))
 
 
 def test_domain_preset_dry_run_plans_office31_domain_skew(bench, tmp_path, capsys):
