@@ -49,7 +49,7 @@ from typing import Any
 
 import psutil
 
-from fedsga_edge.coordinator.broker import mosquitto_path, run_mosquitto, start_mosquitto
+from fedsga_edge.coordinator.broker import mosquitto_path, start_mosquitto
 
 HERE = Path(__file__).resolve()
 MOSQUITTO = mosquitto_path()
@@ -90,28 +90,6 @@ def scenario(name: str, help: str) -> Callable[[Scenario], Scenario]:
         SCENARIOS[name] = (fn, help)
         return fn
     return register
-
-
-# -- a broker that can restart on its port --------------------------------------------------------
-
-class Mosquitto:
-    """Mosquitto on a free loopback port, anonymous, no persistence (as ``fedsga-edge trial`` runs it)."""
-
-    def __init__(self, folder: Path, extra: tuple[str, ...] = ()) -> None:
-        self.running = start_mosquitto(folder, extra=("allow_anonymous true", *extra))
-        self.conf, self.port, self.log, self.url = folder / "mosquitto.conf", self.running.port, self.running.log, self.running.url
-
-    def start(self) -> None:
-        self.running = run_mosquitto(self.conf, self.port, log=self.log)
-
-    def stop(self) -> None:
-        self.running.stop()
-
-    def restart(self, down_s: float = 2.0) -> None:
-        """Stop, stay down ``down_s`` seconds (clients back off and retry), start on the same port."""
-        self.stop()
-        time.sleep(down_s)
-        self.start()
 
 
 # -- processes and their memory --------------------------------------------------------------------
@@ -234,7 +212,7 @@ class Harness:
             shutil.rmtree(folder)
         (folder / "logs").mkdir(parents=True)
         self.run_dir = folder / "run"
-        self.broker = Mosquitto(folder / "broker")
+        self.broker = start_mosquitto(folder / "broker")  # anonymous, no persistence, as `trial` runs it
         self.monitor = RssMonitor()
         self.procs: list[Proc] = []
         self.coord: Proc | None = None

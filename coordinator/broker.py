@@ -87,6 +87,7 @@ class RunningBroker:
     proc: subprocess.Popen
     log: Path
     _files: list[IO[Any]] = field(default_factory=list, repr=False)
+    conf: Path | None = None  # Mosquitto's config file: what restart() starts again
 
     @property
     def url(self) -> str:
@@ -113,6 +114,17 @@ class RunningBroker:
         for f in self._files:
             f.close()
         self._files.clear()
+
+    def restart(self, down_s: float = 0.0, timeout: float = 10.0) -> None:
+        """Stop, stay down ``down_s`` seconds, start again on the same port and config (Mosquitto).
+
+        For broker-restart tests; the log is appended to, so both lives stay in one log."""
+        if self.conf is None:
+            raise BrokerError(f"a {self.kind} broker cannot restart here (only a Mosquitto started from a config)")
+        self.stop()
+        time.sleep(down_s)
+        again = run_mosquitto(self.conf, self.port, log=self.log, host=self.host, timeout=timeout)
+        self.proc, self._files = again.proc, again._files
 
     def __enter__(self) -> RunningBroker:
         return self
@@ -366,17 +378,14 @@ def start_mosquitto(
 
 
 def run_mosquitto(conf: Path, port: int, *, log: Path, host: str = "127.0.0.1", timeout: float = 10.0) -> RunningBroker:
-    """Mosquitto on a config file that already exists (it must listen on ``host:port``).
-
-    Also how a stopped broker comes back on its port with its config (a broker-restart test);
-    the log file is appended to, so both lives stay in one log.
-    """
+    """Mosquitto on a config file that already exists (it must listen on ``host:port``); the log is
+    appended to."""
     exe = _mosquitto_exe()
     log_path = Path(log)
     out = open(log_path, "a")
     proc = subprocess.Popen([exe, "-c", str(conf)], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                             preexec_fn=die_with_parent)
-    broker = RunningBroker("mosquitto", host, port, proc, log_path, [out])
+    broker = RunningBroker("mosquitto", host, port, proc, log_path, [out], conf=Path(conf))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         if _accepts(host, port):

@@ -546,8 +546,9 @@ class Coordinator:
         ks = list(range(1, K + 1)) if self.head.harmonizer is not None else [0]
         correct = dict.fromkeys(ks, 0)
         loss_sum = dict.fromkeys(ks, 0.0)
-        # how often each class is predicted: a model collapsing onto few classes shows here first
-        predicted = {k: torch.zeros(self.num_classes, dtype=torch.long) for k in ks}
+        head = self.headline_split() if ks != [0] else 0
+        # how often the headline model predicts each class: a collapse onto few classes shows here first
+        predicted = torch.zeros(self.num_classes, dtype=torch.long)
         n = len(images)
         for start in range(0, n, batch_size):
             idx = np.arange(start, min(n, start + batch_size))
@@ -559,12 +560,12 @@ class Coordinator:
                 loss_sum[k] += float(F.cross_entropy(logits, y, reduction="sum"))
                 pred = logits.argmax(1)
                 correct[k] += int((pred == y).sum())
-                predicted[k] += torch.bincount(pred.cpu(), minlength=self.num_classes)
+                if k == head:
+                    predicted += torch.bincount(pred.cpu(), minlength=self.num_classes)
         acc = {k: correct[k] / max(n, 1) for k in ks}
         loss = {k: loss_sum[k] / max(n, 1) for k in ks}
-        head = self.headline_split() if ks != [0] else 0
         by_split = {str(k): acc[k] for k in ks} if ks != [0] else {str(k): acc[0] for k in range(1, K + 1)}
-        share = [round(int(c) / max(n, 1), 4) for c in predicted[head]]
+        share = [round(int(c) / max(n, 1), 4) for c in predicted]
         return {"test_acc": acc[head], "test_loss": loss[head], "test_acc_by_split": by_split,
                 "eval_split": head if head else None, "test_pred_share": share}
 

@@ -17,7 +17,6 @@ builds its agent from here without it (tests/test_onnx_device.py makes torch uni
 from __future__ import annotations
 
 import math
-
 import random
 from dataclasses import dataclass
 from pathlib import Path

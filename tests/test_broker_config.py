@@ -36,7 +36,7 @@ import paho.mqtt.client as paho  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 from test_mqtt import MOSQUITTO, Broker  # noqa: E402  (tests/ is on sys.path, as for _runs)
 
-from fedsga_edge.coordinator.broker import free_port  # noqa: E402
+from fedsga_edge.coordinator.broker import free_port, run_mosquitto  # noqa: E402
 from fedsga_edge.transport import TransportError  # noqa: E402
 from fedsga_edge.transport.mqtt import MqttTransport  # noqa: E402
 
@@ -50,33 +50,30 @@ MOSQUITTO_PASSWD = shutil.which("mosquitto_passwd")
 # ------------------------------------------------------------------ a broker running the generated config
 
 
-class GeneratedBroker(Broker):
-    """test_mqtt's Broker (start, stop, restart on its port), but on the config broker-config wrote."""
-
-    def __init__(self, files: BrokerFiles, port: int) -> None:
-        # Test-only lines appended: as root mosquitto would drop to user "mosquitto", who cannot
-        # enter pytest's 0700 tmp folders; and log to the file Broker.start appends to.
-        with open(files.conf, "a") as f:
-            f.write(f"\nuser {pwd.getpwuid(os.geteuid()).pw_name}\nlog_dest stderr\n")
-        self.conf, self.port, self.log = files.conf, port, files.conf.parent / "mosquitto.log"
-        self.start()
+def run_generated(files: BrokerFiles, port: int) -> Broker:
+    """Mosquitto on the config broker-config wrote, with two test-only lines appended: as root
+    mosquitto would drop to user "mosquitto", who cannot enter pytest's 0700 tmp folders; and log
+    to the file we read."""
+    with open(files.conf, "a") as f:
+        f.write(f"\nuser {pwd.getpwuid(os.geteuid()).pw_name}\nlog_dest stderr\n")
+    return run_mosquitto(files.conf, port, log=files.conf.parent / "mosquitto.log", timeout=5.0)
 
 
 @pytest.fixture
-def generated(tmp_path: Path) -> Iterator[Callable[..., tuple[GeneratedBroker, BrokerFiles]]]:
+def generated(tmp_path: Path) -> Iterator[Callable[..., tuple[Broker, BrokerFiles]]]:
     """Write a config for ``devices`` listening on 127.0.0.1:<free port> and start Mosquitto on it."""
     if MOSQUITTO is None:
         pytest.skip("no mosquitto binary (apt-get install mosquitto): broker tests need a real broker")
-    brokers: list[GeneratedBroker] = []
+    brokers: list[Broker] = []
 
     def make(devices: tuple[str, ...] = ("client-000", "client-001"),
-             **kw: object) -> tuple[GeneratedBroker, BrokerFiles]:
+             **kw: object) -> tuple[Broker, BrokerFiles]:
         hasher = kw.pop("hasher", "auto")
         port = free_port()
         kw = {"run": RUN, "bind": "127.0.0.1", "port": port, "host": "127.0.0.1", "persistence": False, **kw}
         spec = BrokerSpec(devices=devices, **kw)  # type: ignore[arg-type]
         files = write_broker_config(spec, tmp_path / f"broker{len(brokers)}", hasher=str(hasher))
-        brokers.append(GeneratedBroker(files, port))
+        brokers.append(run_generated(files, port))
         return brokers[-1], files
 
     yield make
@@ -286,7 +283,7 @@ def _flat(output: str) -> str:
 
 
 @pytest.mark.parametrize("hasher", ["python", "mosquitto_passwd"])
-def test_anonymous_and_wrong_passwords_are_refused(generated: Callable[..., tuple[GeneratedBroker, BrokerFiles]],
+def test_anonymous_and_wrong_passwords_are_refused(generated: Callable[..., tuple[Broker, BrokerFiles]],
                                                    hasher: str) -> None:
     if hasher == "mosquitto_passwd" and MOSQUITTO_PASSWD is None:
         pytest.skip("no mosquitto_passwd")
@@ -302,7 +299,7 @@ def test_anonymous_and_wrong_passwords_are_refused(generated: Callable[..., tupl
 
 
 def test_a_device_can_neither_speak_for_nor_listen_to_another(
-        generated: Callable[..., tuple[GeneratedBroker, BrokerFiles]]) -> None:
+        generated: Callable[..., tuple[Broker, BrokerFiles]]) -> None:
     b, files = generated(devices=("dev-a", "dev-b"))
     up, down, bcast = f"fedsga/{RUN}/up", f"fedsga/{RUN}/down", f"fedsga/{RUN}/bcast"
     coord = Client(b.port, files, "coordinator", (f"{up}/+",))
@@ -381,7 +378,7 @@ def _make_certs(d: Path) -> tuple[Path, Path, Path]:
 
 
 def test_tls_end_to_end_with_the_credentials_files(
-        tmp_path: Path, generated: Callable[..., tuple[GeneratedBroker, BrokerFiles]]) -> None:
+        tmp_path: Path, generated: Callable[..., tuple[Broker, BrokerFiles]]) -> None:
     certs = tmp_path / "certs"
     certs.mkdir()
     ca, crt, key = _make_certs(certs)

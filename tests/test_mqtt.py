@@ -26,7 +26,8 @@ pytest.importorskip("paho.mqtt", reason="paho-mqtt is an optional dependency (fe
 import paho.mqtt.client as paho  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 
-from fedsga_edge.coordinator.broker import mosquitto_path, run_mosquitto, start_mosquitto  # noqa: E402
+from fedsga_edge.coordinator.broker import RunningBroker as Broker  # noqa: E402  (restart() keeps port and config)
+from fedsga_edge.coordinator.broker import mosquitto_path, start_mosquitto  # noqa: E402
 from fedsga_edge.transport import Peer, Transport, TransportError  # noqa: E402
 from fedsga_edge.transport.mqtt import MqttTransport, _pack_frame  # noqa: E402
 from fedsga_edge.wire import Message, decode, encode, split_message  # noqa: E402
@@ -41,25 +42,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # ------------------------------------------------------------------ a broker per test
 
 
-class Broker:
-    """One Mosquitto from the project's own launcher; ``restart`` keeps port and config
-    (retained messages are lost: no persistence)."""
-
-    def __init__(self, tmp: Path, max_packet_size: int | None = None, extra: tuple[str, ...] = ()) -> None:
-        self.running = start_mosquitto(tmp, max_packet_size=max_packet_size, extra=extra, timeout=5.0)
-        self.conf, self.port, self.log = tmp / "mosquitto.conf", self.running.port, self.running.log
-
-    def start(self) -> None:
-        self.running = run_mosquitto(self.conf, self.port, log=self.log, timeout=5.0)
-
-    def stop(self) -> None:
-        self.running.stop(timeout=5.0)
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-
 @pytest.fixture
 def make_broker(tmp_path: Path) -> Iterator[Callable[..., Broker]]:
     if MOSQUITTO is None:
@@ -69,7 +51,7 @@ def make_broker(tmp_path: Path) -> Iterator[Callable[..., Broker]]:
     def make(max_packet_size: int | None = None, extra: tuple[str, ...] = ()) -> Broker:
         d = tmp_path / f"broker{len(brokers)}"
         d.mkdir(exist_ok=True)
-        brokers.append(Broker(d, max_packet_size, extra))
+        brokers.append(start_mosquitto(d, max_packet_size=max_packet_size, extra=extra, timeout=5.0))
         return brokers[-1]
 
     yield make
