@@ -100,6 +100,33 @@ time.sleep(60)
 """
 
 
+def _first_delivery(port: int, topic: str, *, until: tuple[bytes, bool], timeout: float = 10.0) -> tuple[bytes, bool] | None:
+    """What a new subscriber to ``topic`` gets first (payload, retain flag), asking again with a fresh
+    subscriber until that is ``until`` or ``timeout`` passes; the last answer (None: nothing came)."""
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    deadline = time.monotonic() + timeout
+    got: tuple[bytes, bool] | None = None
+    while time.monotonic() < deadline:
+        first: list[tuple[bytes, bool]] = []
+        came = threading.Event()
+        c = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=f"late-{time.monotonic_ns()}")
+        c.on_message = lambda _c, _u, m: (first.append((m.payload, bool(m.retain))), came.set())
+        c.connect("127.0.0.1", port)
+        c.subscribe(topic, qos=1)
+        c.loop_start()
+        try:
+            came.wait(1.0)
+        finally:
+            c.loop_stop()
+            c.disconnect()
+        got = first[0] if first else None
+        if got == until:
+            break
+    return got
+
+
 @needs_embedded
 @pytest.mark.timeout(120)
 def test_embedded_broker_is_loopback_only_carries_big_messages_keeps_status_and_will_and_stops(tmp_path) -> None:
@@ -167,42 +194,27 @@ def test_embedded_broker_is_loopback_only_carries_big_messages_keeps_status_and_
         # retained status and the last will (docs/protocol.md, "Status and last will")
         child = subprocess.Popen([sys.executable, "-c", _WILL_CHILD, str(broker.port)], stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "up"
-        seen: dict[str, tuple[bytes, bool]] = {}  # the first delivery per topic (a reconnect of the child under
-        offline = threading.Event()                  # load republishes "online" live, retain flag 0)
-
-        def on_message(_c: object, _u: object, msg: paho.MQTTMessage) -> None:
-            seen.setdefault(msg.topic, (msg.payload, msg.retain))
-            if msg.topic.endswith("client-9") and msg.payload == b"offline":
-                offline.set()
-
+        status = "fedsga/r/status/client-9"
+        # the transport publishes "online" after connecting without waiting for its PUBACK, so a
+        # subscriber can come before the broker holds it: ask fresh subscribers until one gets it
+        assert _first_delivery(broker.port, status, until=(b"online", True)) == (b"online", True)  # retained
+        offline = threading.Event()
         watcher = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="watcher")
-        watcher.on_message = on_message
+        watcher.on_message = lambda _c, _u, m: offline.set() if m.payload == b"offline" else None
+        subscribed = threading.Event()
+        watcher.on_subscribe = lambda *_a: subscribed.set()
         watcher.connect("127.0.0.1", broker.port)
-        watcher.subscribe("fedsga/r/status/+", qos=1)
+        watcher.subscribe(status, qos=1)
         watcher.loop_start()
         try:
-            deadline = time.monotonic() + 10
-            while "fedsga/r/status/client-9" not in seen and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert seen["fedsga/r/status/client-9"] == (b"online", True)  # retained, for a late subscriber
+            assert subscribed.wait(10)
             child.kill()
             child.wait(10)
-            assert offline.wait(10), seen  # the broker published the will when the connection dropped
+            assert offline.wait(10)  # the broker published the will when the connection dropped
         finally:
             watcher.loop_stop()
             watcher.disconnect()
-        late: list[tuple[bytes, bool]] = []
-        got = threading.Event()
-        late_client = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="late")
-        late_client.on_message = lambda _c, _u, m: (late.append((m.payload, m.retain)), got.set())
-        late_client.connect("127.0.0.1", broker.port)
-        late_client.subscribe("fedsga/r/status/client-9", qos=1)
-        late_client.loop_start()
-        try:
-            assert got.wait(10) and late[0] == (b"offline", True)  # the will was retained
-        finally:
-            late_client.loop_stop()
-            late_client.disconnect()
+        assert _first_delivery(broker.port, status, until=(b"offline", True)) == (b"offline", True)  # the will, retained
     finally:
         for t in made:
             t.close()
