@@ -8,7 +8,6 @@ with a reason when no mosquitto binary exists (``apt-get install mosquitto``).
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -31,6 +30,8 @@ from fedsga_edge.coordinator.broker import mosquitto_path, start_mosquitto  # no
 from fedsga_edge.transport import Peer, Transport, TransportError  # noqa: E402
 from fedsga_edge.transport.mqtt import MqttTransport, _pack_frame  # noqa: E402
 from fedsga_edge.wire import Message, decode, encode, split_message  # noqa: E402
+
+from _broker_probe import retained, wait_retained  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)  # every wait below is bounded; this catches a deadlock
 
@@ -94,41 +95,6 @@ def _echo_peers(coord_t: MqttTransport, dev_t: MqttTransport) -> tuple[Peer, Pee
 
     coord.register(on_coord)
     return coord, dev, seen
-
-
-def _retained(port: int, topic: str, timeout: float = 3.0) -> bytes | None:
-    """The retained payload of ``topic`` as a fresh subscriber sees it (None if there is none)."""
-    got: list[bytes] = []
-    done = threading.Event()
-    c = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=f"probe-{os.urandom(3).hex()}")
-    c.on_connect = lambda cl, u, f, rc, p: cl.subscribe(topic, qos=1)
-    c.on_subscribe = lambda cl, u, mid, rc, p: threading.Timer(0.3, done.set).start()  # retained comes first
-
-    def on_message(cl: paho.Client, u: object, m: paho.MQTTMessage) -> None:
-        if m.retain:
-            got.append(m.payload)
-            done.set()
-
-    c.on_message = on_message
-    c.connect("127.0.0.1", port)
-    c.loop_start()
-    try:
-        done.wait(timeout)
-    finally:
-        c.disconnect()
-        c.loop_stop()
-    return got[-1] if got else None
-
-
-def _wait_retained(port: int, topic: str, want: bytes, timeout: float = 5.0) -> bytes | None:
-    """Poll the retained status until it reads ``want`` (the broker publishes a will asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while (got := _retained(port, topic, timeout=1)) != want and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return got
-
-
-# ------------------------------------------------------------------ tests without a broker
 
 
 def test_transport_package_does_not_import_paho() -> None:
@@ -342,16 +308,16 @@ def test_status_is_online_then_offline_by_last_will_when_killed(
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready", proc.stderr
-        assert _wait_retained(broker.port, topic, b"online") == b"online"
+        assert wait_retained(broker.port, topic, b"online") == b"online"
     finally:
         proc.send_signal(signal.SIGKILL)  # no DISCONNECT: the broker publishes the will
         proc.wait(5)
-    assert _wait_retained(broker.port, topic, b"offline") == b"offline"
+    assert wait_retained(broker.port, topic, b"offline") == b"offline"
     # A clean close says offline too (the will is not sent on a clean DISCONNECT, so close publishes it).
     t = transports(broker, client_id="dev-c")
-    assert _wait_retained(broker.port, f"fedsga/{RUN}/status/dev-c", b"online") == b"online"
+    assert wait_retained(broker.port, f"fedsga/{RUN}/status/dev-c", b"online") == b"online"
     t.close()
-    assert _retained(broker.port, f"fedsga/{RUN}/status/dev-c") == b"offline"
+    assert retained(broker.port, f"fedsga/{RUN}/status/dev-c") == b"offline"
 
 
 def test_requests_succeed_again_after_the_broker_restarts(
@@ -366,7 +332,7 @@ def test_requests_succeed_again_after_the_broker_restarts(
     assert ct.wait_ready(10) and dt.wait_ready(10)
     assert dev.call("coordinator", "hello", 1, timeout=5).kind == "ack"
     assert time.monotonic() - t0 < 8 and len(seen) == 2
-    assert _wait_retained(broker.port, f"fedsga/{RUN}/status/coord", b"online") == b"online"  # re-announced
+    assert wait_retained(broker.port, f"fedsga/{RUN}/status/coord", b"online") == b"online"  # re-announced
 
 
 # The ACL of docs/protocol.md: the topic a device may publish on is its login.

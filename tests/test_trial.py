@@ -100,37 +100,11 @@ time.sleep(60)
 """
 
 
-def _first_delivery(port: int, topic: str, *, until: tuple[bytes, bool], timeout: float = 10.0) -> tuple[bytes, bool] | None:
-    """What a new subscriber to ``topic`` gets first (payload, retain flag), asking again with a fresh
-    subscriber until that is ``until`` or ``timeout`` passes; the last answer (None: nothing came)."""
-    import paho.mqtt.client as paho
-    from paho.mqtt.enums import CallbackAPIVersion
-
-    deadline = time.monotonic() + timeout
-    got: tuple[bytes, bool] | None = None
-    while time.monotonic() < deadline:
-        first: list[tuple[bytes, bool]] = []
-        came = threading.Event()
-        c = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=f"late-{time.monotonic_ns()}")
-        c.on_message = lambda _c, _u, m: (first.append((m.payload, bool(m.retain))), came.set())
-        c.connect("127.0.0.1", port)
-        c.subscribe(topic, qos=1)
-        c.loop_start()
-        try:
-            came.wait(1.0)
-        finally:
-            c.loop_stop()
-            c.disconnect()
-        got = first[0] if first else None
-        if got == until:
-            break
-    return got
-
-
 @needs_embedded
 @pytest.mark.timeout(120)
 def test_embedded_broker_is_loopback_only_carries_big_messages_keeps_status_and_will_and_stops(tmp_path) -> None:
     import paho.mqtt.client as paho
+    from _broker_probe import wait_retained
     from paho.mqtt.enums import CallbackAPIVersion
 
     from fedsga_edge.transport import Peer
@@ -196,8 +170,8 @@ def test_embedded_broker_is_loopback_only_carries_big_messages_keeps_status_and_
         assert child.stdout.readline().strip() == "up"
         status = "fedsga/r/status/client-9"
         # the transport publishes "online" after connecting without waiting for its PUBACK, so a
-        # subscriber can come before the broker holds it: ask fresh subscribers until one gets it
-        assert _first_delivery(broker.port, status, until=(b"online", True)) == (b"online", True)  # retained
+        # subscriber can come before the broker holds it: wait_retained asks fresh subscribers
+        assert wait_retained(broker.port, status, b"online") == b"online"  # retained, for a late subscriber
         offline = threading.Event()
         watcher = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="watcher")
         watcher.on_message = lambda _c, _u, m: offline.set() if m.payload == b"offline" else None
@@ -214,7 +188,7 @@ def test_embedded_broker_is_loopback_only_carries_big_messages_keeps_status_and_
         finally:
             watcher.loop_stop()
             watcher.disconnect()
-        assert _first_delivery(broker.port, status, until=(b"offline", True)) == (b"offline", True)  # the will, retained
+        assert wait_retained(broker.port, status, b"offline") == b"offline"  # the will was retained
     finally:
         for t in made:
             t.close()
