@@ -217,7 +217,7 @@ def method_split(method: str, p_ref: int, K: int) -> int:
 
 
 def make_config(p: Preset, method: str, partition: str, seed: int, split: int, spec: str, data_root: str | None,
-                server_copies: str = "shared", server_bn: str = "ema"):
+                server_copies: str = "shared", server_bn: str = "ema", schedule: str = "round-robin"):
     from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
 
     strategy, fed = METHODS[method]
@@ -227,7 +227,7 @@ def make_config(p: Preset, method: str, partition: str, seed: int, split: int, s
         dataset=spec, data_root=data_root, partition=kind, alpha=alpha if kind != "iid" else 0.1,
         clients=p.clients, rounds=rounds, model=p.model, width=p.width, strategy=strategy, split=split,
         seed=seed, device=p.device, train_subset=p.train_subset, server_copies=server_copies.replace("-", "_"),
-        server_bn=server_bn, server_lr=p.server_lr,
+        server_bn=server_bn, server_lr=p.server_lr, schedule=schedule.replace("-", "_"),
         # the simulation evaluates only the final round (full test set); the benchmark adds subset evals
         eval_every=rounds,
         train=TrainConfig(local_epochs=p.local_epochs, batch_size=p.batch_size, lr=p.lr,
@@ -237,7 +237,7 @@ def make_config(p: Preset, method: str, partition: str, seed: int, split: int, s
 
 
 def plan(p: Preset, spec: str, data_root: str | None, server_copies: str = "shared",
-         server_bn: str = "ema") -> list[dict[str, Any]]:
+         server_bn: str = "ema", schedule: str = "round-robin") -> list[dict[str, Any]]:
     K = num_splits(p.model, p.width)
     split = reference_split(p.model, p.width)
     runs = []
@@ -245,7 +245,7 @@ def plan(p: Preset, spec: str, data_root: str | None, server_copies: str = "shar
         for part in p.partitions:
             for method in p.methods:
                 cfg = make_config(p, method, part, seed, method_split(method, split, K), spec, data_root, server_copies,
-                                  server_bn)
+                                  server_bn, schedule)
                 runs.append({"method": method, "partition": part, "seed": seed,
                              "dir": f"{method}/{part}/seed{seed}", "config": cfg})
     return runs
@@ -535,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--server-bn", choices=["ema", "round"], default="ema",
                     help="Server-side BatchNorm running statistics: ema (torch's momentum 0.1, the default) or round "
                          "(averaged over the round's batches; a diagnostic, RESULTS.md compares both).")
+    ap.add_argument("--schedule", choices=["round-robin", "random", "sequential"], default="round-robin",
+                    help="How the simulation interleaves the devices' requests (fedsga-edge simulate --schedule); "
+                         "RESULTS.md, \"Thirty rounds\", compares random with round-robin.")
     ap.add_argument("--server-lr", type=float, default=None,
                     help="Learning rate of the server-side SGD (default: the preset's; unset, its lr). RESULTS.md, "
                          "\"The server's learning rate\", compares 0.03 with 0.1.")
@@ -576,10 +579,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = resolve(args)
     out: Path = args.out or REPO / "benchmarks" / f"runs_{args.preset}"
     spec = data_spec(p.data)
-    runs = plan(p, spec, args.data_root, args.server_copies, args.server_bn)
+    runs = plan(p, spec, args.data_root, args.server_copies, args.server_bn, args.schedule)
     command = "python benchmarks/accuracy.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     scale = {k: v for k, v in vars(p).items()} | {"data": spec, "static_split": reference_split(p.model, p.width),
-                                                  "server_copies": args.server_copies, "server_bn": args.server_bn}
+                                                  "server_copies": args.server_copies, "server_bn": args.server_bn,
+                                                  "schedule": args.schedule}
     if args.dry_run:
         print(f"preset {args.preset}: {len(runs)} runs into {out}")
         print("scale: " + json.dumps(scale))
