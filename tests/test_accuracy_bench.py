@@ -84,6 +84,14 @@ def test_server_lr_reaches_every_run_of_the_plan(bench):
     assert all(c.server_lr == 0.1 for c in configs("--server-lr", "0.1"))
 
 
+def test_schedule_reaches_every_run_of_the_plan(bench, tmp_path):
+    preset = bench.resolve(bench.build_parser().parse_args(["--preset", "cpu"]))
+    assert {r["config"].schedule for r in bench.plan(preset, "digits", None)} == {"round_robin"}
+    assert {r["config"].schedule for r in bench.plan(preset, "digits", None, schedule="random")} == {"random"}
+    plan = bench.main(["--preset", "cpu", "--schedule", "sequential", "--dry-run", "--out", str(tmp_path)])
+    assert plan["scale"]["schedule"] == "sequential"
+
+
 def test_domain_preset_dry_run_plans_office31_domain_skew(bench, tmp_path, capsys):
     plan = bench.main(["--preset", "domain", "--dry-run", "--out", str(tmp_path)])
     scale = plan["scale"]
