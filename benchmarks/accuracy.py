@@ -25,7 +25,8 @@ run whose ``summary.json`` exists is skipped, so a killed benchmark continues wh
 
 Evaluation: the final round is evaluated on the full test set (that is the reported accuracy);
 intermediate evaluations (every ``eval_every`` rounds) use a fixed, class-stratified test subset
-of ``eval_subset`` images and are stored as ``test_acc_subset`` in metrics.jsonl, for curves only.
+of ``eval_subset`` images and are stored as ``test_acc_subset`` (and ``test_loss_subset``,
+``test_pred_share_subset``) in metrics.jsonl, for curves only.
 Nothing is tuned here: every hyperparameter is the paper's default or a stated scale choice, so
 the test set selects nothing (``best_acc`` is not reported).
 """
@@ -295,7 +296,7 @@ def run_one(cfg: Any, out: Path, bundle: Any, p: Preset, eval_set: Any, bar: Any
         for rec in sim.rounds():
             t = rec["round"]
             if t < cfg.rounds and p.eval_every > 0 and t % p.eval_every == 0:
-                rec["test_acc_subset"], rec["test_loss_subset"] = subset_eval(sim, eval_set, bundle)
+                rec.update(subset_eval(sim, eval_set, bundle))
             records.append(rec)
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
@@ -311,10 +312,11 @@ def run_one(cfg: Any, out: Path, bundle: Any, p: Preset, eval_set: Any, bar: Any
     return summary
 
 
-def subset_eval(sim: Any, eval_set: Any, bundle: Any) -> tuple[float, float]:
-    """(accuracy, loss) on the eval subset, at the same depth embedding as the headline figure."""
+def subset_eval(sim: Any, eval_set: Any, bundle: Any) -> dict[str, Any]:
+    """Accuracy, loss and prediction share per class on the eval subset, at the headline depth
+    embedding (the share shows a collapse onto few classes between the full evaluations)."""
     result = sim.coordinator.evaluate(eval_set, bundle.mean, bundle.std)
-    return result["test_acc"], result["test_loss"]
+    return {f"{k}_subset": result[k] for k in ("test_acc", "test_loss", "test_pred_share")}
 
 
 def train_client_flops(sim: Any, records: list[dict[str, Any]]) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from _bench import load_bench
 
@@ -161,3 +162,18 @@ def test_per_client_server_copies_is_the_engine_with_one_client(bench, tmp_path)
 
     assert losses("a", "shared", 1) == losses("b", "per-client", 1)
     assert losses("c", "shared", 2) != losses("d", "per-client", 2)
+
+
+def test_subset_evaluations_record_the_prediction_share(bench, digits):
+    from _runs import tiny_config
+
+    from fedsga_edge.simulation import Simulation
+
+    sim = Simulation(tiny_config("static", rounds=1), digits)
+    next(sim.rounds())
+    subset = bench.SubsetImages(digits.test, np.arange(60))
+    out = bench.subset_eval(sim, subset, digits)
+    assert set(out) == {"test_acc_subset", "test_loss_subset", "test_pred_share_subset"}
+    share = out["test_pred_share_subset"]
+    assert len(share) == len(digits.classes) and abs(sum(share) - 1) < 1e-3
+    assert out == bench.subset_eval(sim, subset, digits)  # evaluating changes nothing

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--test-subset", type=int, default=2000, help="Test images per evaluation (fixed, seeded).")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    raw = json.loads(open(f"{args.run_dir}/config.json").read())
+    raw = json.loads(Path(args.run_dir, "config.json").read_text())
     keys = {f.name for f in dataclasses.fields(RunConfig)}
     cfg = RunConfig.from_dict({k: v for k, v in raw.items() if k in keys})
     cfg.eval_every = cfg.rounds + 1  # no evaluation inside the rounds: this script does its own
