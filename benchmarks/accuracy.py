@@ -111,6 +111,7 @@ class Preset:
     threads: int = 1
     device: str = "cpu"
     server_lr: float | None = None  # the server side's SGD rate (None: lr); docs/method.md, "The server's learning rate"
+    server_bn_context: int = 0  # other devices' latest activations in the server's BatchNorm statistics (docs/method.md)
 
 
 PRESETS: dict[str, Preset] = {
@@ -228,7 +229,8 @@ def make_config(p: Preset, method: str, partition: str, seed: int, split: int, s
         dataset=spec, data_root=data_root, partition=kind, alpha=alpha if kind != "iid" else 0.1,
         clients=p.clients, rounds=rounds, model=p.model, width=p.width, strategy=strategy, split=split,
         seed=seed, device=p.device, train_subset=p.train_subset, server_copies=server_copies.replace("-", "_"),
-        server_bn=server_bn, server_lr=p.server_lr, schedule=schedule.replace("-", "_"),
+        server_bn=server_bn, server_lr=p.server_lr, server_bn_context=p.server_bn_context,
+        schedule=schedule.replace("-", "_"),
         # the simulation evaluates only the final round (full test set); the benchmark adds subset evals
         eval_every=rounds,
         train=TrainConfig(local_epochs=p.local_epochs, batch_size=p.batch_size, lr=p.lr,
@@ -543,6 +545,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--server-lr", type=float, default=None,
                     help="Learning rate of the server-side SGD (default: the preset's; unset, its lr). RESULTS.md, "
                          "\"The server's learning rate\", compares 0.03 with 0.1.")
+    ap.add_argument("--server-bn-context", type=int, default=None,
+                    help="Other devices' latest activations in each server batch's BatchNorm statistics (default: the "
+                         "preset's). RESULTS.md, \"BatchNorm context\", measures it.")
     ap.add_argument("--dry-run", action="store_true", help="Print the plan (runs and per-run config) and exit.")
     ap.add_argument("--tables-only", action="store_true",
                     help="Run nothing: write results.json and tables.md from the plan's runs that exist under --out "
@@ -568,7 +573,7 @@ def resolve(args: argparse.Namespace) -> Preset:
     for part in p.partitions:
         parse_partition(part)
     for name in ("rounds", "clients", "width", "train_subset", "local_epochs", "max_batches", "device", "threads",
-                 "server_lr"):
+                 "server_lr", "server_bn_context"):
         if getattr(args, name) is not None:
             setattr(p, name, getattr(args, name))
     if not p.seeds or not p.methods or not p.partitions:

@@ -137,6 +137,9 @@ class Coordinator:
         self._copies: dict[str, _ServerSide] = {}
         self._copy_sums: dict[str, Tensor] = {}
         self._copy_weights: dict[str, float] = {}
+        # --server-bn-context: split -> device -> its latest accepted activation, most recent last
+        # (docs/method.md, "Server-side BatchNorm statistics"); kept across rounds, checkpointed by the service
+        self.bn_context: dict[int, dict[str, Tensor]] = {}
 
     # -- server-side computation ----------------------------------------------------------------
     def server_forward(self, z: Tensor, k: int, side: _ServerSide | None = None) -> tuple[Tensor, Tensor | None]:
@@ -356,7 +359,10 @@ class Coordinator:
         side.opt.zero_grad(set_to_none=True)
         buffers = [b for m in (side.model, side.head) for b in m.buffers()]
         saved = [b.detach().clone() for b in buffers]  # BatchNorm statistics move in forward
-        logits, Z = self.server_forward(z, k, side)
+        context = self._context_rows(msg.sender, k) if side is self.shared else []
+        logits, Z = self.server_forward(torch.cat([z, *context]) if context else z, k, side)
+        if context:  # the other devices' rows only shape the batch statistics: no loss, no step of theirs
+            logits, Z = logits[: len(y)], (Z[: len(y)] if Z is not None else None)
         loss = self._loss(logits, Z, y)
         loss.backward()
         params = [p for g in side.opt.param_groups for p in g["params"] if p.grad is not None]
@@ -368,6 +374,8 @@ class Coordinator:
             side.opt.zero_grad(set_to_none=True)
             raise ValueError("the activation gives a non-finite loss or gradient: refused, nothing changed")
         side.opt.step()
+        if self.cfg.server_bn_context and side is self.shared:
+            self._remember(msg.sender, k, z)
         if Z is not None:
             self.prototypes.accumulate(Z.detach(), y)
         if h1 is not None:
@@ -375,6 +383,21 @@ class Coordinator:
         samples = self._stats["server_samples"]
         samples[k] = samples.get(k, 0) + len(y)
         return "gradient", {"dz": to_numpy(z.grad), "loss": float(loss.detach())}
+
+    def _context_rows(self, device: str, k: int) -> list[Tensor]:
+        """The latest accepted activations of up to ``server_bn_context`` other devices at split k."""
+        n = self.cfg.server_bn_context
+        if not n:
+            return []
+        return [z for d, z in self.bn_context.get(k, {}).items() if d != device][-n:]
+
+    def _remember(self, device: str, k: int, z: Tensor) -> None:
+        """Keep ``z`` as the device's latest at split k; n + 1 entries per split are all n others need."""
+        rows = self.bn_context.setdefault(k, {})
+        rows.pop(device, None)
+        rows[device] = z.detach().clone()
+        while len(rows) > self.cfg.server_bn_context + 1:
+            rows.pop(next(iter(rows)))
 
     @staticmethod
     def _check_report(body: dict[str, Any]) -> None:

@@ -336,6 +336,7 @@ class CoordinatorService:
                                 "registered": self.registered, "elapsed_s": elapsed_s,
                                 "opt": co.shared.opt.state_dict(), "phi_opt": co.phi_opt.state_dict(),
                                 "split_samples": dict(co.split_samples), "remote_errors": co.remote_errors,
+                                "bn_context": co.bn_context,
                                 "strategy_rngs": {name: g.bit_generator.state for name, g in vars(co.strategy).items()
                                                   if isinstance(g, np.random.Generator)},
                                 "rng": _global_rngs()}}
@@ -387,6 +388,7 @@ class CoordinatorService:
         co.phi_opt.load_state_dict(state["phi_opt"])
         co.split_samples = {int(k): int(v) for k, v in state["split_samples"].items()}
         co.remote_errors = int(state["remote_errors"])
+        co.bn_context = {int(k): dict(rows) for k, rows in state.get("bn_context", {}).items()}
         for name, rng_state in state["strategy_rngs"].items():
             getattr(co.strategy, name).bit_generator.state = rng_state
         _set_global_rngs(state["rng"])

@@ -107,6 +107,7 @@ class RunConfig:
     server_copies: str = "shared"  # "shared": one server copy, batches interleaved; "per_client": averaged copies
     server_bn: str = "ema"  # server BN running stats: "ema" = torch's momentum 0.1; "round" = the round's batches averaged
     server_lr: float | None = None  # server-side SGD rate (None: train.lr); docs/method.md, "The server's learning rate"
+    server_bn_context: int = 0  # shared copy: other devices' latest activations in each batch's BN statistics (docs/method.md)
     schedule: str = "round_robin"  # simulation only: SCHEDULES
     round_timeout: float = 0.0  # seconds a round may last before missing devices are dropped (0 = no deadline)
     prox_mu: float = 0.01  # FedProx's proximal weight (the CLI's --mu)

@@ -89,6 +89,10 @@ def validate_config(cfg: RunConfig) -> None:
         problems.append(f"--server-bn must be round or ema (got {cfg.server_bn!r})")
     if cfg.server_lr is not None and not (math.isfinite(cfg.server_lr) and cfg.server_lr > 0):
         problems.append(f"--server-lr must be a finite number > 0 (got {cfg.server_lr!r})")
+    if isinstance(cfg.server_bn_context, bool) or not isinstance(cfg.server_bn_context, int) or cfg.server_bn_context < 0:
+        problems.append(f"--server-bn-context must be an integer >= 0 (got {cfg.server_bn_context!r})")
+    elif cfg.server_bn_context and cfg.server_copies == "per_client":
+        problems.append("--server-bn-context needs --server-copies shared (a per-client copy sees one device only)")
     problems += cfg.fedsga.problems()
     if problems:
         raise ValueError("; ".join(problems))

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import copy
+import math
+
+import numpy as np
+import pytest
 import torch
+import torch.nn.functional as F
 from _runs import tiny_config
 
+from fedsga_edge.runbuild import validate_config
 from fedsga_edge.simulation import Simulation
 from fedsga_edge.tensors import round_average_bn
+from fedsga_edge.wire import Message
 
 
 def test_round_average_bn_is_the_plain_mean_of_the_batch_means() -> None:
@@ -33,3 +41,57 @@ def test_a_round_restarts_the_server_statistics_and_counts_its_batches(digits) -
     next(ema.rounds())
     bn_ema = next(m for m in ema.model.blocks[-1].modules() if isinstance(m, torch.nn.BatchNorm2d))
     assert bn_ema.momentum == 0.1 and not torch.allclose(bn_ema.running_mean, bn.running_mean)
+
+
+# -- --server-bn-context (docs/method.md, "Server-side BatchNorm statistics") ---------------------------
+def _activation(co, sender: str, seq: int, z: np.ndarray, y: np.ndarray) -> Message:
+    return Message("activation", "sim-0", co.round.t, seq, sender, {"z": z, "y": y, "split": 2})
+
+
+def _dz_by_hand(co, z: np.ndarray, y: np.ndarray, context: list[torch.Tensor]) -> torch.Tensor:
+    """What the reply's gradient must be: the batch with the context rows, loss on the batch's rows only."""
+    model = copy.deepcopy(co.model)
+    model.train()
+    x = torch.from_numpy(z).requires_grad_(True)
+    logits = model.head(model.suffix(torch.cat([x, *context]), model.depth_of(2)))[: len(y)]
+    F.cross_entropy(logits, torch.from_numpy(y)).backward()
+    return x.grad
+
+
+def test_bn_context_puts_other_devices_rows_in_the_batch_statistics_and_charges_them_nothing(digits) -> None:
+    sim = Simulation(tiny_config("static", clients=3, rounds=1, server_bn_context=1), digits)
+    co = sim.coordinator
+    co.begin_round(1)
+    shape = co.model.interface_shape(co.model.depth_of(2))
+    rng = np.random.default_rng(0)
+    za, zb, zc = (rng.standard_normal((4, *shape)).astype(np.float32) + m for m in (0.0, 3.0, -3.0))
+    y = np.array([0, 1, 2, 3], np.int64)
+
+    # the first activation has no context: the plain gradient
+    expect = _dz_by_hand(co, za, y, [])
+    reply = co.receive(_activation(co, "client-000", 1, za, y))
+    assert reply.kind == "gradient" and torch.allclose(torch.from_numpy(reply.body["dz"]), expect, atol=1e-6)
+    # client-001's batch is normalised together with client-000's latest rows (one other device)
+    with_context = _dz_by_hand(co, zb, y, [torch.from_numpy(za)])
+    alone = _dz_by_hand(co, zb, y, [])
+    dz = torch.from_numpy(co.receive(_activation(co, "client-001", 1, zb, y)).body["dz"])
+    assert torch.allclose(dz, with_context, atol=1e-6) and not torch.allclose(dz, alone, atol=1e-3)
+    # at most one other device: client-002 gets client-001's rows (the latest), not client-000's
+    expect = _dz_by_hand(co, zc, y, [torch.from_numpy(zb)])
+    assert torch.allclose(torch.from_numpy(co.receive(_activation(co, "client-002", 1, zc, y)).body["dz"]), expect, atol=1e-6)
+    assert list(co.bn_context[2]) == ["client-001", "client-002"]  # n + 1 kept per split, most recent last
+
+    # a refused activation changes nothing and never enters anyone's statistics
+    held = {d: z.clone() for d, z in co.bn_context[2].items()}
+    bad = co.receive(_activation(co, "client-000", 2, np.full_like(za, np.nan), y))
+    assert bad.kind == "error" and co.bn_context[2].keys() == held.keys()
+    assert all(torch.equal(co.bn_context[2][d], z) for d, z in held.items())
+
+
+def test_bn_context_runs_and_is_refused_where_it_means_nothing(digits) -> None:
+    rec = next(Simulation(tiny_config("static", clients=3, rounds=1, server_bn_context=2), digits).rounds())
+    assert not rec["failures"] and math.isfinite(rec["train_loss"])
+    with pytest.raises(ValueError, match="--server-bn-context"):
+        validate_config(tiny_config("static", server_bn_context=-1))
+    with pytest.raises(ValueError, match="--server-bn-context needs --server-copies shared"):
+        validate_config(tiny_config("static", server_bn_context=2, server_copies="per_client"))

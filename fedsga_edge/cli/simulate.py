@@ -68,6 +68,10 @@ def simulate(
     server_lr: Optional[float] = typer.Option(
         None, help="Learning rate of the server-side SGD (default: --lr). The shared copy takes every device's "
         "steps, so it moves ~N times as far per round as an averaged copy (docs/method.md, \"The server's learning rate\")."),
+    server_bn_context: int = typer.Option(
+        0, help="Shared server copy: normalise each device's batch in the server's BatchNorm layers together with "
+        "the latest activations of up to N other devices at the same split (no loss on their rows). Under label "
+        "skew a single device's batch is nearly one class (docs/method.md, \"Server-side BatchNorm statistics\")."),
     schedule: str = typer.Option("round-robin", help="How devices interleave: round-robin (one local step each in turn) | random (seeded) | sequential (one device after another)."),
     round_timeout: float = typer.Option(0.0, help="Seconds a round may last; devices still training then are left out of it (0 = no deadline)."),
     wire_format: str = typer.Option(
@@ -136,7 +140,7 @@ def run_config(**flags: Any) -> RunConfig:
         pretrained=str(f.pretrained) if f.pretrained else None, strategy=f.strategy, split=f.split, seed=f.seed,
         device=f.device, train_subset=f.train_subset, eval_every=f.eval_every, speed_sigma=f.speed_sigma,
         profile=str(f.profile) if f.profile else None, server_copies=f.server_copies.replace("-", "_"),
-        server_bn=f.server_bn, server_lr=f.server_lr,
+        server_bn=f.server_bn, server_lr=f.server_lr, server_bn_context=f.server_bn_context,
         schedule=f.schedule.replace("-", "_"), round_timeout=f.round_timeout, prox_mu=f.mu,
         wire_format=f.wire_format,
         model_args=_model_args(f.model_arg),
