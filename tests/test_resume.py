@@ -30,17 +30,20 @@ def tiny(**kw) -> RunConfig:
 
 
 def _run(cfg: RunConfig, digits, run_dir: Path, state_dir: Path, *, resume: bool = False):
-    """One coordinator service and one agent over a fresh loopback, to the end of ``cfg.rounds``."""
+    """One coordinator service and ``cfg.clients`` agents over a fresh loopback, to the end of ``cfg.rounds``."""
     transport = LoopbackTransport()
-    agent = device_agent(cfg, 0, transport, state_dir, bundle=digits)
-    agent.start(register=False)  # serving before the coordinator: a resumed one starts its round at once
+    agents = [device_agent(cfg, i, transport, state_dir / str(i), bundle=digits) for i in range(cfg.clients)]
+    for agent in agents:
+        agent.start(register=False)  # serving before the coordinator: a resumed one starts its round at once
     service = coordinator_service(cfg, transport, run_dir, bundle=digits, register_timeout=60, resume=resume)
     service.start()
     if not resume:  # a resumed coordinator knows its devices from devices.json: no hello needed
-        agent.register(timeout=30)
+        for agent in agents:
+            agent.register(timeout=30)
     service.wait(WAIT)
-    assert agent.finished.wait(10)
-    agent.stop()
+    for agent in agents:
+        assert agent.finished.wait(10)
+        agent.stop()
     return service
 
 
@@ -73,6 +76,21 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(digits, tmp_path
     events = [json.loads(line) for line in (run / "coordinator.log").read_text().splitlines()]
     resume = next(e for e in events if e["event"] == "resume")
     assert resume["from_round"] == 1 and resume["dropped_metrics_lines"] == 1 and resume["registered"] == ["client-000"]
+
+
+def test_a_resumed_run_keeps_the_servers_batchnorm_context(digits, tmp_path) -> None:
+    """--server-bn-context rows outlive the round, so the checkpoint carries them (docs/method.md).
+    (Two agents in threads arrive in no fixed order, so this compares the state, not the next round.)"""
+    cfg = tiny(rounds=1, clients=2, strategy="static", server_bn_context=1)
+    _run(cfg, digits, tmp_path / "run", tmp_path / "d0")
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["resume"]["bn_context"]
+    assert sorted(saved[cfg.split]) == ["client-000", "client-001"]  # n + 1 rows kept at the split
+    resumed = coordinator_service(tiny(clients=2, strategy="static", server_bn_context=1), LoopbackTransport(),
+                                  tmp_path / "run", bundle=digits, resume=True)
+    back = resumed.co.bn_context
+    assert back.keys() == saved.keys() and all(
+        back[k].keys() == rows.keys() and all(torch.equal(back[k][d], z) for d, z in rows.items())
+        for k, rows in saved.items())
 
 
 def test_resume_needs_a_resumable_checkpoint(digits, tmp_path) -> None:
