@@ -40,6 +40,3 @@ def wait_retained(port: int, topic: str, want: bytes, timeout: float = 5.0) -> b
     while (got := retained(port, topic, timeout=1)) != want and time.monotonic() < deadline:
         time.sleep(0.05)
     return got
-
-
-# ------------------------------------------------------------------ tests without a broker

@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("paho.mqtt", reason="paho-mqtt is an optional dependency (fedsga-edge[device])")
 
 import paho.mqtt.client as paho  # noqa: E402
+from _broker_probe import retained, wait_retained  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 
 from fedsga_edge.coordinator.broker import RunningBroker as Broker  # noqa: E402  (restart() keeps port and config)
@@ -30,8 +31,6 @@ from fedsga_edge.coordinator.broker import mosquitto_path, start_mosquitto  # no
 from fedsga_edge.transport import Peer, Transport, TransportError  # noqa: E402
 from fedsga_edge.transport.mqtt import MqttTransport, _pack_frame  # noqa: E402
 from fedsga_edge.wire import Message, decode, encode, split_message  # noqa: E402
-
-from _broker_probe import retained, wait_retained  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)  # every wait below is bounded; this catches a deadlock
 
@@ -95,6 +94,9 @@ def _echo_peers(coord_t: MqttTransport, dev_t: MqttTransport) -> tuple[Peer, Pee
 
     coord.register(on_coord)
     return coord, dev, seen
+
+
+# ------------------------------------------------------------------ tests without a broker
 
 
 def test_transport_package_does_not_import_paho() -> None:
