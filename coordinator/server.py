@@ -374,7 +374,7 @@ class Coordinator:
             side.opt.zero_grad(set_to_none=True)
             raise ValueError("the activation gives a non-finite loss or gradient: refused, nothing changed")
         side.opt.step()
-        if self.cfg.server_bn_context and side is self.shared:
+        if side is self.shared:
             self._remember(msg.sender, k, z)
         if Z is not None:
             self.prototypes.accumulate(Z.detach(), y)
@@ -393,6 +393,8 @@ class Coordinator:
 
     def _remember(self, device: str, k: int, z: Tensor) -> None:
         """Keep ``z`` as the device's latest at split k; n + 1 entries per split are all n others need."""
+        if not self.cfg.server_bn_context:
+            return
         rows = self.bn_context.setdefault(k, {})
         rows.pop(device, None)
         rows[device] = z.detach().clone()

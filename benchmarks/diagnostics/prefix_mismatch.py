@@ -44,17 +44,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     test_idx = np.sort(np.random.default_rng(0).choice(len(b.test), min(args.test_subset, len(b.test)), replace=False))
     labels = np.asarray(b.test.labels)[test_idx]
 
-    updates: dict[str, dict[str, np.ndarray]] = {}
-    receive = co.receive
-
-    def keep_updates(msg: Any, now: float | None = None) -> Any:
-        if msg.kind == "update" and isinstance(msg.body.get("weights"), dict):
-            updates[msg.sender] = {n: np.array(v) for n, v in msg.body["weights"].items()}
-        return receive(msg, now)
-
-    co.receive = keep_updates
-    sim.transport._handlers["coordinator"] = sim.peer.serve(keep_updates)
-
     @torch.no_grad()
     def accuracy() -> tuple[float, float]:
         """Accuracy and the largest class's share of the predictions."""
@@ -68,15 +57,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     rows = []
     for t in range(1, cfg.rounds + 1):
-        updates.clear()
         rec = sim.run_round(t)
         if t % args.every and t != cfg.rounds:
             continue
         state = {n: v.clone() for n, v in co.model.state_dict().items()}
         acc, top = accuracy()
         per_device = {}
-        for cid, w in sorted(updates.items()):
-            co.model.load_state_dict({n: torch.as_tensor(v) for n, v in w.items()}, strict=False)
+        for cid, update in sorted(co.round.updates.items()):  # the round's accepted updates, kept until the next
+            w = update["weights"]                                 # begin_round
+            co.model.load_state_dict({n: torch.as_tensor(np.array(v)) for n, v in w.items()}, strict=False)
             per_device[cid] = accuracy()
             co.model.load_state_dict(state)
         accs = [a for a, _ in per_device.values()]
