@@ -594,6 +594,31 @@ class Coordinator:
         return {"test_acc": acc[head], "test_loss": loss[head], "test_acc_by_split": by_split,
                 "eval_split": head if head else None, "test_pred_share": share}
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything the next round needs to go on as if never stopped (the one checkpoint writer's input)."""
+        return {"coordinator": self.state_dict(), "opt": self.shared.opt.state_dict(),
+                "phi_opt": self.phi_opt.state_dict(), "split_samples": dict(self.split_samples),
+                "remote_errors": self.remote_errors, "bn_context": self.bn_context,
+                "strategy_rngs": {name: g.bit_generator.state for name, g in vars(self.strategy).items()
+                                  if isinstance(g, np.random.Generator)}}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Load what ``checkpoint_state`` returned (``resume``)."""
+        c = state["coordinator"]
+        self.model.load_state_dict(c["model"])
+        self.head.load_state_dict(c["head"])
+        self.prototypes.load_state_dict(c["prototypes"])
+        self.phi_s.load_state_dict(c["phi_s"])
+        self.estimator.load_state_dict(c["estimator"])
+        self.cal_buffer.load_state_dict(c["cal_buffer"])
+        self.shared.opt.load_state_dict(state["opt"])
+        self.phi_opt.load_state_dict(state["phi_opt"])
+        self.split_samples = {int(k): int(v) for k, v in state["split_samples"].items()}
+        self.remote_errors = int(state["remote_errors"])
+        self.bn_context = {int(k): dict(rows) for k, rows in state.get("bn_context", {}).items()}
+        for name, rng_state in state["strategy_rngs"].items():
+            getattr(self.strategy, name).bit_generator.state = rng_state
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "model": self.model.state_dict(),

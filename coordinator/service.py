@@ -330,15 +330,11 @@ class CoordinatorService:
         go on as if never stopped, replaced atomically after every round."""
         co = self.co
         with self._cond:
+            full = co.checkpoint_state()
             state = {"round": t, "model": co.model.state_dict(), "arch": self.cfg.model,
-                     "coordinator": co.state_dict(),
+                     "coordinator": full.pop("coordinator"),
                      "resume": {"version": RESUME_VERSION, "config": self.cfg.to_dict(), "records": self.records,
-                                "registered": self.registered, "elapsed_s": elapsed_s,
-                                "opt": co.shared.opt.state_dict(), "phi_opt": co.phi_opt.state_dict(),
-                                "split_samples": dict(co.split_samples), "remote_errors": co.remote_errors,
-                                "bn_context": co.bn_context,
-                                "strategy_rngs": {name: g.bit_generator.state for name, g in vars(co.strategy).items()
-                                                  if isinstance(g, np.random.Generator)},
+                                "registered": self.registered, "elapsed_s": elapsed_s, **full,
                                 "rng": _global_rngs()}}
             atomic_torch_save(state, self.run_dir / "checkpoint.pt")
         self.log.info("checkpoint", round=t, path=str(self.run_dir / "checkpoint.pt"))
@@ -377,20 +373,7 @@ class CoordinatorService:
         if changed:
             raise ValueError(f"cannot resume {self.run_dir}: its checkpoint was made with other settings "
                              f"({'; '.join(changed)}); only {', '.join(RESUMABLE)} may change")
-        co, c = self.co, ck["coordinator"]
-        co.model.load_state_dict(c["model"])
-        co.head.load_state_dict(c["head"])
-        co.prototypes.load_state_dict(c["prototypes"])
-        co.phi_s.load_state_dict(c["phi_s"])
-        co.estimator.load_state_dict(c["estimator"])
-        co.cal_buffer.load_state_dict(c["cal_buffer"])
-        co.shared.opt.load_state_dict(state["opt"])
-        co.phi_opt.load_state_dict(state["phi_opt"])
-        co.split_samples = {int(k): int(v) for k, v in state["split_samples"].items()}
-        co.remote_errors = int(state["remote_errors"])
-        co.bn_context = {int(k): dict(rows) for k, rows in state.get("bn_context", {}).items()}
-        for name, rng_state in state["strategy_rngs"].items():
-            getattr(co.strategy, name).bit_generator.state = rng_state
+        self.co.restore({**state, "coordinator": ck["coordinator"]})
         _set_global_rngs(state["rng"])
         self.records = list(state["records"])
         self.registered = self._load_devices(state["registered"])
