@@ -2,7 +2,9 @@
 
 A backbone is a sequence of L *blocks* (the unit of depth-wise aggregation, docs/method.md "Aggregation") followed
 by a final pooling and a linear head. ``blocks[0]`` consumes the image and the client's private
-prompts; every later block maps an activation to an activation. A *split depth* ``d`` means the
+prompts; every later block maps an activation to an activation. Blocks and head are the *units*
+of aggregation: unit j is block j, unit L the head, and :meth:`SplitModel.unit_of` is the one
+place that maps a state-dict key to its unit (nothing else parses parameter names). A *split depth* ``d`` means the
 client runs ``blocks[:d]`` and the server ``blocks[d:]``; the candidate depths (``splits``) sit at
 block boundaries, and the 1-based *split index* ``k`` names ``splits[k - 1]``.
 """
@@ -19,8 +21,11 @@ class SplitModel(nn.Module):
     """Backbone + head with exact prefix / suffix execution at any block boundary."""
 
     arch: str = ""
-    family: str = ""  # "cnn" or "vit": decides how prompts enter and how activations pool
+    family: str = ""  # "cnn" or "vit": a label for reports and manifests only; behaviour asks the model
     prompt_std: float = 1.0  # scale of a fresh prompt token (init_prompts); in the export manifest too
+    head_name: str = "head"  # attribute (and state-dict prefix) the head is registered under
+    interface_pool_axes: tuple[int, ...] = ()  # activation axes interface_pool averages (batch is axis 0)
+    prompts_as_tokens: bool = False  # True: each prompt adds one sequence position (ViT); False: a bias (CNN)
 
     def __init__(
         self,
@@ -33,13 +38,46 @@ class SplitModel(nn.Module):
     ) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
-        self.head = head
+        setattr(self, self.head_name, head)  # nn.Module.__setattr__ registers it; ``head`` reads it back
         if not splits or list(splits) != sorted(set(splits)) or splits[0] < 1 or splits[-1] >= len(blocks):
             raise ValueError(f"candidate splits {splits} must be increasing block boundaries in 1..{len(blocks) - 1}")
         self.splits = tuple(splits)
         self.feature_dim = feature_dim
         self.prompt_dim = prompt_dim
         self.input_size = input_size
+
+    @property
+    def head(self) -> nn.Linear:
+        """The classifier, whatever attribute name the backbone registers it under (``head_name``)."""
+        module = self._modules.get(self.head_name)
+        if module is None:
+            raise AttributeError(f"{type(self).__name__} has no head registered as {self.head_name!r}")
+        return module  # type: ignore[return-value]
+
+    # -- units (the aggregation contract) ------------------------------------------------------
+    def unit_of(self, name: str) -> int:
+        """Aggregation unit of state-dict key ``name``: j for block j, ``num_blocks`` for the head.
+
+        Derived from which module owns the key, not from its spelling, so a backbone may name its
+        modules as it likes; a key outside every unit raises rather than silently dropping out.
+        """
+        unit = self._unit_table().get(name)
+        if unit is None:
+            raise ValueError(f"{name!r} is not a parameter or buffer of any unit of {self.arch or type(self).__name__}")
+        return unit
+
+    def _unit_table(self) -> dict[str, int]:
+        """State-dict key -> unit, built once from the module tree (cached like the shapes)."""
+        table: dict[str, int] | None = self.__dict__.get("_unit_cache")
+        if table is None:
+            owner = {id(m): j for j, m in enumerate([*self.blocks, self.head])}
+            table = {}
+            for prefix, module in self.named_modules(remove_duplicate=False):
+                j = owner.get(id(module))
+                if j is not None:
+                    table.update((f"{prefix}.{key}", j) for key in module.state_dict(keep_vars=True))
+            self.__dict__["_unit_cache"] = table
+        return table
 
     # -- geometry -------------------------------------------------------------------------------
     @property
@@ -81,10 +119,27 @@ class SplitModel(nn.Module):
         raise NotImplementedError
 
     def interface_pool(self, h: Tensor) -> Tensor:
-        """Pooled intermediate activation (``hbar`` in Eqs. 3 and 5): one vector per sample."""
-        raise NotImplementedError  # pragma: no cover - abstract
+        """Pooled intermediate activation (``hbar`` in Eqs. 3 and 5): the mean over ``interface_pool_axes``.
+
+        Declared as axes rather than code so the torch-free ONNX device pools the same way from
+        the export manifest.
+        """
+        if not self.interface_pool_axes:
+            raise NotImplementedError(f"{type(self).__name__} declares no interface_pool_axes")
+        return h.mean(dim=self.interface_pool_axes)
+
+    @property
+    def phi_input_dim(self) -> int:
+        """Width of the pooled p_1 features (interface_pool at split 1) that FedSGA's shallow head phi_s takes."""
+        ref = next(self.parameters())
+        h = torch.zeros(1, *self.interface_shape(self.depth_of(1)), device=ref.device, dtype=ref.dtype)
+        return int(self.interface_pool(h).shape[-1])
 
     # -- prompts --------------------------------------------------------------------------------
+    def prompt_positions(self, m: int) -> int:
+        """Extra sequence positions ``m`` prompts add to an activation: m as tokens, 0 as a bias."""
+        return m if self.prompts_as_tokens else 0
+
     def init_prompts(self, m: int, generator: torch.Generator | None = None) -> Tensor:
         """A fresh private prompt set (m, prompt_dim); never aggregated."""
         raise NotImplementedError  # pragma: no cover - abstract

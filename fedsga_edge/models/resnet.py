@@ -66,6 +66,7 @@ class ResNetSplit(SplitModel):
     """Blocks: [stem, layer1, layer2, layer3, layer4]; candidate splits after layer1, 2, 3."""
 
     family = "cnn"
+    interface_pool_axes = (2, 3)  # global average over H, W
     # std 1: with std 0.02 every token got the same gradient direction (cosine 1.0000),
     # which makes Eq. 2's per-token contributions meaningless.
     prompt_std = 1.0
@@ -88,9 +89,6 @@ class ResNetSplit(SplitModel):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
     def pool(self, h: Tensor) -> Tensor:
-        return h.mean(dim=(2, 3))
-
-    def interface_pool(self, h: Tensor) -> Tensor:
         return h.mean(dim=(2, 3))
 
     def init_prompts(self, m: int, generator: torch.Generator | None = None) -> Tensor:

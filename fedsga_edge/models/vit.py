@@ -48,6 +48,9 @@ class ViTSplit(SplitModel):
     """Blocks: [embed, block_1 .. block_D]; candidate splits after blocks D/4, D/2, 3D/4 (3, 6, 9 for D=12)."""
 
     family = "vit"
+    # Mean over all tokens: at shallow depths the class token has gathered little yet.
+    interface_pool_axes = (1,)
+    prompts_as_tokens = True  # inserted after CLS, so the sequence grows by m
     prompt_std = 0.02
 
     def __init__(self, vit: nn.Module, input_size: int) -> None:
@@ -63,10 +66,6 @@ class ViTSplit(SplitModel):
 
     def pool(self, h: Tensor) -> Tensor:
         return h[:, 0]  # class token (timm's "token" pooling, after the final norm)
-
-    def interface_pool(self, h: Tensor) -> Tensor:
-        # Mean over all tokens: at shallow depths the class token has gathered little yet.
-        return h.mean(dim=1)
 
     def init_prompts(self, m: int, generator: torch.Generator | None = None) -> Tensor:
         return self.prompt_std * torch.randn(m, self.prompt_dim, generator=generator)
