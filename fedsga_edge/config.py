@@ -1,122 +1,150 @@
-"""Run configuration: plain data shared by the roles, the simulation and the CLI."""
+"""Run configuration: plain data shared by the roles, the simulation and the CLI.
+
+Each field is also its option's one declaration (``opt``: help, range, CLI spelling); the CLI, the
+checks and the benchmark derive theirs from it (``fedsga_edge.options``).
+"""
 
 from __future__ import annotations
 
-import math
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["SCHEDULES", "FedSGAConfig", "TrainConfig", "RunConfig", "from_wire"]
+from fedsga_edge.options import Opt, declared, opt, problems, to_config
+
+__all__ = ["SCHEDULES", "FedSGAConfig", "TrainConfig", "RunConfig", "from_wire", "run_options",
+           "parse_model_args"]
 
 # How the in-process simulation interleaves its devices (docs/method.md, "Rounds").
 SCHEDULES = ("round_robin", "random", "sequential")
+# Activations / gradients on the wire (weights stay fp32): runbuild.WIRE_FORMATS maps them to codecs.
+WIRE_FORMATS = ("fp32", "fp16", "int8")
 
 
 @dataclass
 class TrainConfig:
     """What a client needs to run its local epochs; travels in every ``round_start``."""
 
-    local_epochs: int = 5
-    batch_size: int = 64
-    lr: float = 0.1
-    momentum: float = 0.0
-    weight_decay: float = 5e-4
-    mu: float = 0.0  # proximal weight the device applies (the strategy sets it: FedProx sends prox_mu)
-    augment: bool | None = None  # random crop (pad 4) + horizontal flip; None = auto (not for digits)
-    max_batches: int = 0  # cap on batches per local epoch (0 = all); for quick smoke runs
+    local_epochs: int = opt(5, "Local epochs per round.", ge=1)
+    batch_size: int = opt(64, "Batch size.", ge=2, note="BatchNorm needs two samples")
+    lr: float = opt(0.1, "SGD learning rate (paper: 0.1 on CIFAR-10, 0.01 elsewhere).", gt=0, finite=True)
+    momentum: float = opt(0.0, "SGD momentum (not stated in the paper: 0).", ge=0, lt=1)
+    weight_decay: float = opt(5e-4, "SGD weight decay (not stated in the paper: 5e-4).", ge=0, finite=True)
+    # proximal weight the device applies (the strategy sets it: FedProx sends prox_mu)
+    mu: float = opt(0.0, "Proximal weight the device applies.", flag="--mu", cli=False, ge=0, finite=True)
+    augment: bool | None = opt(None, "Crop+flip (default: on except for digits).", flag="--augment/--no-augment")
+    max_batches: int = opt(0, "Cap on batches per local epoch (0 = all).", ge=0, note="0 = all")
 
     def problems(self) -> list[str]:
         """What is out of range, each naming its flag: the CLI and a device reading a ``round_start``
         both check here, so a bad value is refused before any training starts."""
-        out = []
-        if self.local_epochs < 1:
-            out.append("--local-epochs must be >= 1")
-        if self.batch_size < 2:
-            out.append("--batch-size must be >= 2 (BatchNorm needs two samples)")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            out.append("--lr must be a finite number > 0")
-        if not 0 <= self.momentum < 1:
-            out.append("--momentum must lie in [0, 1)")
-        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
-            out.append("--weight-decay must be a finite number >= 0")
-        if not (self.mu >= 0 and math.isfinite(self.mu)):
-            out.append("--mu must be a finite number >= 0")
-        if self.max_batches < 0:
-            out.append("--max-batches must be >= 0 (0 = all)")
-        return out
+        return problems(self)
+
+
+_TAU = "--tau-a and --tau-m must be finite numbers > 0"
 
 
 @dataclass
 class FedSGAConfig:
     """Hyperparameters of the method (paper §4.1.3 defaults)."""
 
-    rho: float = 0.1
-    beta: float = 0.05
-    lambda_align: float = 0.1
-    tau_a: float = 0.5
-    tau_m: float = 0.5
-    prompts: int = 4
-    mu_proto: float = 0.9
-    cal_every: int = 5
-    adapt: bool = True  # False: the no-adapt ablation, o = [a, delta] and no prompts
-    estimator: bool = True  # False: every client at p_ref
-    harmonizer: bool = True  # False: pooled features straight to the head, no alignment loss
-    proto_dim: int = 128  # harmonizer / prototype space
+    rho: float = opt(0.1, "FedSGA split-policy budget rho (Eq. 8).", ge=0, finite=True)
+    beta: float = opt(0.05, "FedSGA sufficiency margin beta (Eq. 7).", ge=0, finite=True)
+    lambda_align: float = opt(0.1, "Prototype alignment weight lambda (Eq. 10).", ge=0, finite=True)
+    tau_a: float = opt(0.5, "Prototype temperature tau_a (Eq. 9).", gt=0, finite=True, message=_TAU)
+    tau_m: float = opt(0.5, "Prompt contribution temperature tau_m (Eq. 2).", gt=0, finite=True, message=_TAU)
+    prompts: int = opt(4, "Prompt tokens per client m.", ge=0)
+    mu_proto: float = opt(0.9, "Prototype EMA coefficient mu.", ge=0, le=1)
+    cal_every: int = opt(5, "Calibrate the estimator every this many rounds (and round 1).", ge=1)
+    adapt: bool = opt(True, "Ablation: no adaptation channel, o = [a, delta].", flag="--no-adapt", negated=True)
+    estimator: bool = opt(True, "Ablation: every client at p_ref.", flag="--no-estimator", negated=True)
+    harmonizer: bool = opt(True, "Ablation: pooled features straight to the head.", flag="--no-harmonizer",
+                           negated=True)
+    proto_dim: int = opt(128, "Harmonizer / prototype space.", ge=1, cli=False)  # not a flag today
 
     def problems(self) -> list[str]:
         """What is out of range, each naming its flag (see ``TrainConfig.problems``)."""
-        out = []
-        for name in ("rho", "beta", "lambda_align"):
-            value = getattr(self, name)
-            if not (value >= 0 and math.isfinite(value)):
-                out.append(f"--{name.replace('_', '-')} must be a finite number >= 0")
-        if self.cal_every < 1:
-            out.append("--cal-every must be >= 1")
-        if not 0 <= self.mu_proto <= 1:
-            out.append("--mu-proto must lie in [0, 1]")
-        if not (self.tau_a > 0 and self.tau_m > 0 and math.isfinite(self.tau_a) and math.isfinite(self.tau_m)):
-            out.append("--tau-a and --tau-m must be finite numbers > 0")
-        if self.prompts < 0:
-            out.append("--prompts must be >= 0")
-        if self.proto_dim < 1:
-            out.append("--proto-dim must be >= 1")
-        return out
+        return problems(self)
+
+
+def parse_model_args(items: list[str]) -> dict[str, Any]:
+    """``--model-arg KEY=VALUE`` pairs; values parse as JSON when they can (numbers, booleans), else stay strings."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--model-arg {item!r} is not KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
 
 
 @dataclass
 class RunConfig:
-    dataset: str = "digits"
-    data_root: str | None = None
-    partition: str = "iid"
-    alpha: float = 0.1
-    clients: int = 20
-    rounds: int = 100
-    model: str = "resnet18_cifar"
-    width: float | None = None  # shorthand for model_args["width"] (ResNets)
-    model_args: dict[str, Any] = field(default_factory=dict)  # passed to the model factory as keywords
-    img_size: int | None = None
-    pretrained: str | None = None
-    strategy: str = "static"
-    split: int = 2  # 1-based split index for `static`
-    seed: int = 0
-    device: str = "auto"
-    train_subset: int = 0  # use only this many training samples (0 = all), stratified by the seed
-    eval_every: int = 1
-    speed_sigma: float = 0.5  # `resource`: log-normal spread of client speed factors
-    profile: str | None = None  # `resource`: a measured latency profile (fedsga-edge profile --json)
-    server_copies: str = "shared"  # "shared": one server copy, batches interleaved; "per_client": averaged copies
-    server_bn: str = "ema"  # server BN running stats: "ema" = torch's momentum 0.1; "round" = the round's batches averaged
-    server_lr: float | None = None  # server-side SGD rate (None: train.lr); docs/method.md, "The server's learning rate"
-    server_bn_context: int = 0  # shared copy: other devices' latest activations in each batch's BN statistics (docs/method.md)
-    schedule: str = "round_robin"  # simulation only: SCHEDULES
-    round_timeout: float = 0.0  # seconds a round may last before missing devices are dropped (0 = no deadline)
-    prox_mu: float = 0.01  # FedProx's proximal weight (the CLI's --mu)
-    wire_format: str = "fp32"  # activations / gradients on the wire: fp32 | fp16 | int8 (weights stay fp32)
+    dataset: str = opt("digits", "digits | cifar10 | cifar100 | tinyimagenet | domainnet[:d1,d2] | npz:PATH")
+    data_root: str | None = opt(None, "Folder holding the dataset in its official layout.", path=True)
+    partition: str = opt("iid", "iid | dirichlet | domain", choices=("iid", "dirichlet", "domain"))
+    alpha: float = opt(0.1, "Dirichlet concentration (paper: 0.1).", gt=0, when=lambda c: c.partition != "iid")
+    clients: int = opt(20, "Number of clients N (all participate every round).", ge=1)
+    rounds: int = opt(100, "Communication rounds T (paper: 100 on CIFAR-10).", ge=1)
+    model: str = opt("resnet18_cifar", "resnet18 | resnet18_cifar | vit_b16 | vit_tiny_c32")
+    width: float | None = opt(None, "ResNet width multiplier (1.0 standard; 0.25 for CPU runs).")  # model_args["width"]
+    model_args: dict[str, Any] = opt(
+        help="Extra model option KEY=VALUE (repeatable), passed to the model factory.", factory=dict,
+        flag="--model-arg", parse=parse_model_args, cli_type=list[str], cli_default=[])
+    img_size: int | None = opt(None, "Input size (default: the dataset's).")
+    pretrained: str | None = opt(None, "Local weights file (torchvision / timm / fedsga-edge).", path=True)
+    strategy: str = opt("static", "The method that runs")  # the CLI lists the registered strategies
+    split: int = opt(2, "1-based split index for --strategy static (ResNet: 1=after layer1 .. 3=after layer3).")
+    seed: int = opt(0, "Seed for partitions, initialisation and batching.")
+    device: str = opt("auto", "auto (CUDA when present) | cpu | cuda | cuda:N")
+    train_subset: int = opt(0, "Use only this many training samples, stratified (0 = all).")
+    eval_every: int = opt(1, "Evaluate every this many rounds (and the last).")
+    speed_sigma: float = opt(0.5, "--strategy resource: log-normal spread of device speeds.")
+    profile: str | None = opt(None, "--strategy resource: a measured `fedsga-edge profile --json`.", path=True)
+    server_copies: str = opt(
+        "shared", "shared: one server copy trained on the clients in turn (SplitFed-v2 style); "
+        "per-client: each client trains its own copy, averaged every round (SplitFed-v1 style).",
+        choices=("shared", "per_client"), dashed=True)
+    server_bn: str = opt(
+        "ema", "Server-side BatchNorm running statistics: ema (torch's momentum 0.1: the last ~10 batches "
+        "dominate) | round (the average over the round's batches, every device weighed by its data).",
+        choices=("ema", "round"))
+    server_lr: float | None = opt(
+        None, "Learning rate of the server-side SGD (default: --lr). The shared copy takes every device's "
+        "steps, so it moves ~N times as far per round as an averaged copy (docs/method.md, \"The server's learning "
+        "rate\").", gt=0, finite=True)
+    server_bn_context: int = opt(
+        0, "Shared server copy: normalise each device's batch in the server's BatchNorm layers together with "
+        "the latest activations of up to N other devices at the same split (no loss on their rows). Under label "
+        "skew a single device's batch is nearly one class (docs/method.md, \"Server-side BatchNorm statistics\").",
+        ge=0)
+    schedule: str = opt(
+        "round_robin", "How devices interleave: round-robin (one local step each in turn) | random (seeded) | "
+        "sequential (one device after another).", choices=SCHEDULES, dashed=True)  # simulation only
+    round_timeout: float = opt(
+        0.0, "Seconds a round may last; devices still training then are left out of it (0 = no deadline).",
+        ge=0, note="0 = no deadline")
+    prox_mu: float = opt(0.01, "FedProx proximal weight (used by --strategy fedprox).", flag="--mu", ge=0)
+    wire_format: str = opt(
+        "fp32", "Tensor encoding of the per-batch activations and gradients on the wire: fp32 | fp16 (half the "
+        "bytes) | int8 (a quarter, per-tensor scale). Weights always travel fp32 (docs/protocol.md, \"Messages\").",
+        choices=WIRE_FORMATS)
     train: TrainConfig = field(default_factory=TrainConfig)
     fedsga: FedSGAConfig = field(default_factory=FedSGAConfig)
+    # the chosen strategy's own options (``Strategy.options``), by name; the CLI fills in their defaults
+    strategy_args: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def problems(self) -> list[str]:
+        """Every declared option out of range, each naming its flag (strategy and cross-option rules:
+        ``runbuild.validate_config``)."""
+        return problems(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
@@ -128,6 +156,28 @@ class RunConfig:
         data["train"] = TrainConfig(**data.get("train", {}))
         data["fedsga"] = FedSGAConfig(**data.get("fedsga", {}))
         return cls(**data)
+
+    @classmethod
+    def from_flags(cls, flags: Mapping[str, Any], strategy_options: Sequence[Opt] = ()) -> "RunConfig":
+        """The config that command-line values describe (keys: parameter names such as ``mu``,
+        ``no_adapt``; absent ones take their defaults). ``strategy_options``: the chosen strategy's
+        declarations, whose values go to ``strategy_args``. Raises ValueError for a value that does
+        not parse (``--model-arg``)."""
+        flags = dict(flags)
+        sections: dict[str, dict[str, Any]] = {"": {}, "train.": {}, "fedsga.": {}}
+        for o in run_options():
+            if o.cli and o.param in flags:
+                sections[o.key[: len(o.key) - len(o.name)]][o.name] = to_config(o, flags.pop(o.param))
+        args = {o.name: to_config(o, flags.pop(o.param, o.command_line_default())) for o in strategy_options}
+        if flags:
+            raise TypeError(f"not run options: {sorted(flags)}")
+        return cls(**sections[""], train=TrainConfig(**sections["train."]), fedsga=FedSGAConfig(**sections["fedsga."]),
+                   strategy_args=args)
+
+
+def run_options() -> tuple[Opt, ...]:
+    """Every declared run option, ``train.*`` and ``fedsga.*`` included, in field order."""
+    return declared(RunConfig)
 
 
 def from_wire(cls: type, data: Any) -> Any:

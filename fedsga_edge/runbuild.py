@@ -16,7 +16,6 @@ builds its agent from here without it (tests/test_onnx_device.py makes torch uni
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedsga_edge.config import SCHEDULES, RunConfig
+from fedsga_edge.config import RunConfig
 from fedsga_edge.data import DatasetBundle, load_dataset, partition
 from fedsga_edge.transport import Peer, Transport
 
@@ -60,40 +59,24 @@ def resolve_device(name: str) -> "torch.device":
 
 
 def validate_config(cfg: RunConfig) -> None:
-    """Reject bad settings with a message that names the flag, before any work starts."""
-    from fedsga_edge.coordinator.strategy import list_strategies  # torch-free: a device validates too
+    """Reject bad settings with a message that names the flag, before any work starts.
+
+    The ranges and choices are the options' declarations (``RunConfig.problems``); here are the
+    rules that need the registry or tie two options together."""
+    from fedsga_edge.coordinator.strategy import get_strategy, list_strategies  # torch-free: a device validates too
+    from fedsga_edge.options import resolve_args
 
     problems = []
     if cfg.strategy not in list_strategies():
         problems.append(f"--strategy must be one of {', '.join(list_strategies())} (got {cfg.strategy!r})")
-    if cfg.schedule not in SCHEDULES:
-        problems.append(f"--schedule must be one of {', '.join(s.replace('_', '-') for s in SCHEDULES)} (got {cfg.schedule!r})")
-    if cfg.round_timeout < 0:
-        problems.append("--round-timeout must be >= 0 (0 = no deadline)")
-    if cfg.prox_mu < 0:
-        problems.append("--mu must be >= 0")
-    if cfg.wire_format not in WIRE_FORMATS:
-        problems.append(f"--wire-format must be one of {', '.join(WIRE_FORMATS)} (got {cfg.wire_format!r})")
-    if cfg.clients < 1:
-        problems.append("--clients must be >= 1")
-    if cfg.rounds < 1:
-        problems.append("--rounds must be >= 1")
-    problems += cfg.train.problems()
-    if cfg.partition not in ("iid", "dirichlet", "domain"):
-        problems.append(f"--partition must be iid, dirichlet or domain (got {cfg.partition!r})")
-    if cfg.partition != "iid" and not cfg.alpha > 0:
-        problems.append("--alpha must be > 0")
-    if cfg.server_copies not in ("shared", "per_client"):
-        problems.append(f"--server-copies must be shared or per-client (got {cfg.server_copies!r})")
-    if cfg.server_bn not in ("round", "ema"):
-        problems.append(f"--server-bn must be round or ema (got {cfg.server_bn!r})")
-    if cfg.server_lr is not None and not (math.isfinite(cfg.server_lr) and cfg.server_lr > 0):
-        problems.append(f"--server-lr must be a finite number > 0 (got {cfg.server_lr!r})")
-    if isinstance(cfg.server_bn_context, bool) or not isinstance(cfg.server_bn_context, int) or cfg.server_bn_context < 0:
-        problems.append(f"--server-bn-context must be an integer >= 0 (got {cfg.server_bn_context!r})")
-    elif cfg.server_bn_context and cfg.server_copies == "per_client":
+    else:
+        try:
+            resolve_args(getattr(get_strategy(cfg.strategy), "options", ()), cfg.strategy_args)
+        except ValueError as exc:
+            problems.append(str(exc))
+    problems += cfg.problems()
+    if cfg.server_bn_context and cfg.server_copies == "per_client" and not isinstance(cfg.server_bn_context, bool):
         problems.append("--server-bn-context needs --server-copies shared (a per-client copy sees one device only)")
-    problems += cfg.fedsga.problems()
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -173,16 +156,13 @@ def make_model(cfg: RunConfig, bundle: DatasetBundle) -> "SplitModel":
 
 def build_coordinator(plan: RunPlan) -> CoordinatorSide:
     """Model, costs, strategy and Coordinator for the clients' sizes, in Simulation's order."""
-    from fedsga_edge.coordinator import Coordinator, create_strategy
+    from fedsga_edge.coordinator import Coordinator, create_strategy, get_strategy
     from fedsga_edge.models import CostTable
 
     cfg = plan.cfg
     model = make_model(cfg, plan.bundle)
     K = model.num_splits
-    if cfg.strategy == "static" and not 1 <= cfg.split <= K:
-        raise ValueError(f"--split must be in 1..{K} for {cfg.model} (candidates after blocks {model.splits})")
-    prompts_m = cfg.fedsga.prompts if cfg.strategy == "fedsga" and cfg.fedsga.adapt else 0
-    costs = CostTable(model, prompts_m)
+    costs = CostTable(model, get_strategy(cfg.strategy).prompt_tokens(cfg))
     train_flops = {k: costs.train(k) for k in range(0, K + 1)}
     strategy = create_strategy(cfg, K, plan.client_ids, train_flops)
     coordinator = Coordinator(model, cfg, plan.sizes, plan.bundle.num_classes, strategy, costs, device=plan.device,
@@ -213,14 +193,14 @@ def build_client(plan: RunPlan, i: int, peer: Any, *, server: str = COORDINATOR,
         raise ValueError(f"--backend must be torch or onnx (got {backend!r})")
     if artifacts is None:
         raise ValueError("--backend onnx needs --artifacts DIR (made by `fedsga-edge export --train`)")
+    from fedsga_edge.coordinator.strategy import get_strategy  # torch-free
     from fedsga_edge.device.onnx_backend import OnnxBackend, check_artifacts
     from fedsga_edge.device.role import SplitClient, device_rng
 
     rng, backend_seed = device_rng(cfg.seed, cid)
     be = OnnxBackend(artifacts, data, np.random.default_rng(backend_seed), threads=threads)
-    uses_prompts = cfg.strategy == "fedsga" and cfg.fedsga.adapt
     check_artifacts(be.manifest, model=cfg.model, width=cfg.width, num_classes=b.num_classes,
-                    img_size=cfg.img_size or b.image_size, prompts_m=cfg.fedsga.prompts if uses_prompts else 0)
+                    img_size=cfg.img_size or b.image_size, prompts_m=get_strategy(cfg.strategy).prompt_tokens(cfg))
     return SplitClient(cid, data, be, peer, rng=rng, server=server)
 
 

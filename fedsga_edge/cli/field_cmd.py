@@ -23,23 +23,10 @@ from typing import Any, Optional
 
 import typer
 
-from .simulate import RUN_FLAGS, run_config, set_threads, simulate
+from .runflags import run_config, run_flags, with_run_options
+from .simulate import set_threads
 
 __all__ = ["register"]
-
-_HINTS = typing.get_type_hints(simulate)  # real types: typer resolves string annotations in the wrong module
-_RUN_PARAMS = [p.replace(annotation=_HINTS[n]) for n, p in inspect.signature(simulate).parameters.items()
-               if n in RUN_FLAGS]
-
-
-def _with_run_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Give ``fn`` simulate's run flags too (typer reads the signature), so every role takes them."""
-    hints = typing.get_type_hints(fn)
-    own = [p.replace(annotation=hints.get(p.name, p.annotation))
-           for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
-    names = {p.name for p in own}
-    fn.__signature__ = inspect.Signature(own + [p for p in _RUN_PARAMS if p.name not in names])  # type: ignore[attr-defined]
-    return fn
 
 
 # -- configuration layers: flag > FEDSGA_EDGE_<NAME> > TOML file > default ---------------------------
@@ -56,13 +43,13 @@ def _layered(fn: Callable[..., Any]) -> Callable[..., Any]:
     No precedence code of our own: click takes a value from the command line, then the option's
     ``envvar``, then ``ctx.default_map``, then the default. The eager ``--config-file`` (or
     ``$FEDSGA_EDGE_CONFIG``) callback fills ``default_map`` from the file before any other option
-    is read. Apply after ``_with_run_flags`` so simulate's run flags get the same layers.
+    is read. Apply after ``with_run_options`` so the run options get the same layers.
     """
     params = []
     for p in inspect.signature(fn).parameters.values():
         info = p.default
         if isinstance(info, typer.models.OptionInfo) and not info.envvar:
-            info = copy.copy(info)  # simulate's OptionInfo objects are shared: never change them in place
+            info = copy.copy(info)  # never change a shared OptionInfo in place
             info.envvar = _ENVVAR_OF.get(p.name, ENV_PREFIX + p.name.upper())
             p = p.replace(default=info)
         params.append(p)
@@ -170,7 +157,7 @@ def _config(config: Optional[Path], flags: dict[str, Any], ctx: typer.Context | 
     from fedsga_edge.config import RunConfig
 
     if config is not None:
-        given = _explicit(ctx, RUN_FLAGS)
+        given = _explicit(ctx, run_flags())
         if given:
             raise typer.BadParameter(f"--config {config} holds the run's settings, but {', '.join(given)} "
                                      "also set run flags: use one or the other")
@@ -178,7 +165,7 @@ def _config(config: Optional[Path], flags: dict[str, Any], ctx: typer.Context | 
             return RunConfig.from_dict(json.loads(Path(config).read_text()))
         except (OSError, ValueError, TypeError) as exc:
             raise typer.BadParameter(f"--config {config}: {exc}") from None
-    return run_config(**{k: v for k, v in flags.items() if k in RUN_FLAGS})
+    return run_config(**{k: v for k, v in flags.items() if k in run_flags()})
 
 
 def _saved_config(run_dir: Path) -> Any:
@@ -236,7 +223,7 @@ def _redacted(url: str) -> str:
 
 
 @_layered
-@_with_run_flags
+@with_run_options
 def coordinator(
     ctx: typer.Context,
     broker: str = typer.Option(..., help="mqtt://host:port or mqtts://host:port (a login: mqtt://user:pass@host:port)."),
@@ -258,7 +245,7 @@ def coordinator(
         raise typer.BadParameter(f"--run-dir {run_dir} and --resume {resume} name different folders")
     run_dir = resume if run_dir is None else run_dir
     set_threads(threads)
-    if resume is not None and config is None and not _explicit(ctx, RUN_FLAGS):
+    if resume is not None and config is None and not _explicit(ctx, run_flags()):
         cfg = _saved_config(resume)
     else:
         cfg = _config(config, flags, ctx)
@@ -280,7 +267,7 @@ def coordinator(
 
 
 @_layered
-@_with_run_flags
+@with_run_options
 def device(
     ctx: typer.Context,
     broker: str = typer.Option(..., help="mqtt://host:port or mqtts://host:port (a login: mqtt://user:pass@host:port)."),
@@ -340,7 +327,7 @@ def device(
         transport.close()
 
 
-@_with_run_flags
+@with_run_options
 def trial(
     out: Path = typer.Option(Path("runs/trial"), help="Run folder: simulate's files, one log per process, device state."),
     broker: Optional[str] = typer.Option(
@@ -355,7 +342,7 @@ def trial(
     **flags: Any,
 ) -> None:
     """A field trial on this machine: a broker, the coordinator and N device agents as separate processes."""
-    cfg = _with_deadline(run_config(**{k: v for k, v in flags.items() if k in RUN_FLAGS}))
+    cfg = _with_deadline(run_config(**{k: v for k, v in flags.items() if k in run_flags()}))
     from fedsga_edge.simulation import validate_config
 
     try:
@@ -489,6 +476,7 @@ def _start_broker(broker: Optional[str], log_dir: Path) -> Any:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("coordinator")(coordinator)
-    app.command("device")(device)
-    app.command("trial")(trial)
+    """The run options are rebuilt here from the registry as it is now (a strategy registered since shows up)."""
+    app.command("coordinator")(_layered(with_run_options(coordinator)))
+    app.command("device")(_layered(with_run_options(device)))
+    app.command("trial")(with_run_options(trial))

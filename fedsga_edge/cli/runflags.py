@@ -1,0 +1,118 @@
+"""The run options as typer parameters, built from their declarations (``fedsga_edge.options``).
+
+``with_run_options(fn)`` gives a command every run option (the config's and every registered
+strategy's) by rewriting its signature, which is what typer reads; the command takes them as
+``**flags`` and turns them into a RunConfig with ``run_config``. Nothing here is per option.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import typer
+
+from fedsga_edge.config import RunConfig, run_options
+from fedsga_edge.options import Opt
+
+if TYPE_CHECKING:
+    from fedsga_edge.coordinator.strategy import Strategy
+
+__all__ = ["with_run_options", "run_config", "run_flags", "strategy_options", "strategy_help"]
+
+_PANELS = {"train.": "Local training", "fedsga.": "FedSGA"}
+
+
+def _strategies() -> dict[str, type["Strategy"]]:
+    from fedsga_edge.coordinator.strategy import get_strategy, list_strategies  # torch-free
+
+    return {name: get_strategy(name) for name in list_strategies()}
+
+
+def strategy_help() -> str:
+    """``--strategy``'s help: every registered strategy with its one-line help."""
+    return " | ".join(f"{name}: {cls.help}" if cls.help else name for name, cls in _strategies().items())
+
+
+def strategy_options() -> dict[str, tuple[Opt, list[str]]]:
+    """Every registered strategy's own options: parameter name -> (declaration, the strategies that take it).
+
+    An option's flag is ``--<strategy>-<name>`` (the strategy that declares it; a subclass that
+    inherits it shares the flag) unless its declaration spells one."""
+    out: dict[str, tuple[Opt, list[str]]] = {}
+    for name, cls in _strategies().items():
+        for o in getattr(cls, "options", ()):
+            owner = next((c for c in cls.__mro__ if o in vars(c).get("options", ())), cls)
+            prefix = getattr(owner, "name", "") or name
+            decl = o if o.flag else _replace(o, flag=f"--{prefix}-{o.name}".replace("_", "-"))
+            if decl.param in out and out[decl.param][0] != decl:
+                raise ValueError(f"strategy {name!r} declares {decl.first_flag} unlike {out[decl.param][1]}")
+            if any(r.param == decl.param for r in run_options() if r.cli):
+                raise ValueError(f"strategy {name!r} declares {decl.first_flag}, a run option already")
+            out.setdefault(decl.param, (decl, []))[1].append(name)
+    return out
+
+
+def _replace(o: Opt, **kw: Any) -> Opt:
+    import dataclasses
+
+    return dataclasses.replace(o, **kw)
+
+
+def run_flags() -> tuple[str, ...]:
+    """The parameter names of every run option (the config's, then the strategies')."""
+    return tuple(o.param for o in run_options() if o.cli) + tuple(strategy_options())
+
+
+def run_config(**flags: Any) -> RunConfig:
+    """The RunConfig that the run flags describe (absent ones at their defaults). A strategy's option
+    lands in ``strategy_args`` when that strategy runs; set for another strategy, it is refused."""
+    own = strategy_options()
+    strategy = flags.get("strategy", RunConfig.strategy)
+    chosen = [o for o, users in own.values() if strategy in users]
+    for param, (o, users) in own.items():
+        if strategy not in users and param in flags and flags[param] != o.command_line_default():
+            raise typer.BadParameter(f"{o.first_flag} applies to --strategy {' or '.join(users)} only")
+    try:
+        return RunConfig.from_flags({k: v for k, v in flags.items() if k not in own or own[k][0] in chosen}, chosen)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def typer_parameter(o: Opt, panel: str | None = None) -> inspect.Parameter:
+    """One declaration as the parameter typer reads."""
+    help_text = strategy_help() if o.key == "strategy" else o.help
+    if o.key == "strategy":
+        help_text = f"{o.help}: {help_text}"
+    info = typer.Option(o.command_line_default(), o.flags, help=help_text, rich_help_panel=panel)
+    return inspect.Parameter(o.param, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=info, annotation=_annotation(o))
+
+
+def _annotation(o: Opt) -> Any:
+    kind = o.cli_type or (bool if o.negated else Path if o.path else o.type)
+    return Optional[kind] if o.nullable and not o.negated else kind
+
+
+def run_parameters() -> list[inspect.Parameter]:
+    params = [typer_parameter(o, next((p for k, p in _PANELS.items() if o.key.startswith(k)), None))
+              for o in run_options() if o.cli]
+    for o, users in strategy_options().values():
+        params.append(typer_parameter(o, f"Strategy {' / '.join(users)}"))
+    return params
+
+
+def with_run_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Give ``fn`` (which takes ``**flags``) every run option; typer reads the signature. Applying it
+    again rebuilds them from the registry as it is now (a strategy registered since shows up)."""
+    own = getattr(fn, "_own_parameters", None)
+    if own is None:
+        hints = typing.get_type_hints(fn)  # real types: typer resolves string annotations in the wrong module
+        own = [p.replace(annotation=hints.get(p.name, p.annotation))
+               for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
+        fn._own_parameters = own  # type: ignore[attr-defined]
+    names = {p.name for p in own}
+    fn.__signature__ = inspect.Signature(own + [p for p in run_parameters() if p.name not in names])  # type: ignore[attr-defined]
+    return fn
