@@ -20,7 +20,7 @@ from fedsga_edge.config import TrainConfig
 from fedsga_edge.models import SplitModel
 from fedsga_edge.tensors import augment_batch, from_numpy_state, image_batch, probe_mode, to_numpy, to_numpy_state
 
-from .role import Caller, ClientData, SplitClient, _block_index, device_rng
+from .role import Caller, ClientData, SplitClient, device_rng
 
 __all__ = ["ClientData", "TorchBackend", "TorchClient"]
 
@@ -56,6 +56,9 @@ class TorchBackend:
 
     def depth_of(self, k: int) -> int:
         return self.model.depth_of(k)
+
+    def unit_of(self, name: str) -> int:
+        return self.model.unit_of(name)
 
     def init_prompts(self, m: int) -> np.ndarray:
         return self.model.init_prompts(m, self.gen).numpy()
@@ -142,8 +145,8 @@ class TorchBackend:
         return to_numpy(h1), to_numpy(href)
 
     def weights(self, depth: int, full: bool) -> dict[str, np.ndarray]:
-        sd = self.model.state_dict()
-        keys = [n for n in sd if _block_index(n) < depth or (full and n.startswith("head."))]
+        sd, model = self.model.state_dict(), self.model
+        keys = [n for n in sd if model.unit_of(n) < depth or (full and model.unit_of(n) == model.num_blocks)]
         return to_numpy_state({n: sd[n] for n in keys})
 
     def capabilities(self) -> dict[str, Any]:

@@ -7,6 +7,8 @@ prompt descriptor) is the same numpy code the torch device runs (``device.role``
 
 One numpy state holds the device's block weights and BatchNorm statistics under the model's
 state-dict keys; one runner per candidate split reads the keys its graphs need from it. What the
+torch device asks the model (which unit a weight belongs to, how p_1 pools, whether prompts are
+tokens) this backend reads from the manifest the export wrote (``export.pipeline``). What the
 graphs cannot do is refused with a clear error: a full-model round (FedAvg/FedProx train the head
 locally), or artifacts exported for another model than the run's.
 
@@ -26,10 +28,13 @@ import numpy as np
 
 from fedsga_edge.config import TrainConfig
 
-from .role import BackendError, ClientData, _block_index
+from .role import BackendError, ClientData
 from .runtime import ArtifactError, PrefixRunner, _Sgd, load_manifest
 
 __all__ = ["OnnxBackend", "check_artifacts"]
+
+# What the export records of the model's contract, so this device never branches on a model family.
+_CONTRACT = ("units", "interface_pool_axes", "prompts_as_tokens", "prompt_std")
 
 
 def check_artifacts(manifest: dict[str, Any], *, model: str, width: float | None, num_classes: int,
@@ -37,6 +42,9 @@ def check_artifacts(manifest: dict[str, Any], *, model: str, width: float | None
     """The artifacts must be the run's model: say which field differs, before any round starts."""
     m = manifest.get("model", {})
     wrong = []
+    absent = [k for k in _CONTRACT if k not in m]
+    if absent:
+        wrong.append(f"the manifest records no {', '.join(absent)} (exported by an older fedsga-edge): export again")
     if m.get("arch") != model:
         wrong.append(f"model {m.get('arch')!r} != {model!r}")
     if width is not None and m.get("width") is not None and abs(float(m["width"]) - float(width)) > 1e-9:
@@ -48,8 +56,9 @@ def check_artifacts(manifest: dict[str, Any], *, model: str, width: float | None
     have_m = int(m.get("prompts_m") or 0)
     if prompts_m and have_m != prompts_m:
         wrong.append(f"prompts {have_m} != {prompts_m} (export with --prompts {prompts_m})")
-    if not prompts_m and have_m and m.get("family") != "cnn":
-        wrong.append(f"the run uses no prompts but the {m.get('family')} prefix was exported with {have_m} prompt tokens")
+    if not prompts_m and have_m and m.get("prompts_as_tokens"):
+        wrong.append(f"the run uses no prompts but the prefix was exported with {have_m} prompt tokens, "
+                     "which are positions of its activation")
     missing = [p["split"] for p in manifest.get("prefixes", []) if not p.get("train")]
     if missing:
         wrong.append(f"splits {missing} have no train graphs (export with --train)")
@@ -67,7 +76,13 @@ class OnnxBackend:
         """``rng``: the backend's own generator (augmentation, fresh prompts), as the torch backend's."""
         self.dir = Path(artifacts)
         self.manifest = load_manifest(self.dir)
-        self.family = self.manifest["model"]["family"]
+        model = self.manifest["model"]
+        absent = [k for k in _CONTRACT if k not in model]
+        if absent:
+            raise ArtifactError(f"{self.dir}: the manifest records no {', '.join(absent)} (exported by an older "
+                                "fedsga-edge): export again")
+        self._units: dict[str, int] = {str(k): int(v) for k, v in model["units"].items()}
+        self._pool_axes = tuple(int(a) for a in model["interface_pool_axes"])
         self.data = data
         self.rng = rng
         self.threads = threads
@@ -107,12 +122,12 @@ class OnnxBackend:
     def init_prompts(self, m: int) -> np.ndarray:
         if m != self.prompts_shape[0]:
             raise BackendError(f"the run asks for {m} prompt tokens; the artifacts take {self.prompts_shape[0]}")
-        std = float(self.manifest["model"].get("prompt_std", 1.0 if self.family == "cnn" else 0.02))
+        std = float(self.manifest["model"]["prompt_std"])
         return (std * self.rng.standard_normal(self.prompts_shape)).astype(np.float32)
 
     def _feed_prompts(self, prompts: np.ndarray | None) -> np.ndarray:
         # No prompts: zero tokens are exactly "no prompts" for the CNN's prompt bias (0.1 * attn @ 0);
-        # check_artifacts refuses a ViT export with tokens for a run without prompts.
+        # check_artifacts refuses an export whose prompts are tokens (ViT) for a run without prompts.
         return np.zeros(self.prompts_shape, np.float32) if prompts is None else np.asarray(prompts, np.float32)
 
     def inputs(self, images: np.ndarray, augment: bool) -> np.ndarray:
@@ -134,6 +149,12 @@ class OnnxBackend:
         return np.ascontiguousarray(x, dtype=np.float32)
 
     # -- weights ----------------------------------------------------------------------------------
+    def unit_of(self, name: str) -> int:
+        """The exported model's unit of a weight, as the manifest records it (no name parsing)."""
+        if name not in self._units:
+            raise ValueError(f"{name!r} is not a weight of the exported {self.manifest['model'].get('arch')}")
+        return self._units[name]
+
     def load(self, weights: dict[str, np.ndarray]) -> None:
         """The coordinator's blocks into the shared state (blocks deeper than any export are not kept)."""
         deepest = max(self._depths.values())
@@ -143,15 +164,15 @@ class OnnxBackend:
                 if a.shape != self.state[name].shape:
                     raise BackendError(f"weight {name}: shape {a.shape} != the export's {self.state[name].shape}")
                 self.state[name] = np.array(a, dtype=self.state[name].dtype)
-            elif _block_index(name) < deepest:
+            elif self._units.get(name, 0) < deepest:
                 raise BackendError(f"weight {name} is not in the exported prefix: artifacts of another model?")
 
     def weights(self, depth: int, full: bool) -> dict[str, np.ndarray]:
-        return {k: v.copy() for k, v in self.state.items() if _block_index(k) < depth}
+        return {k: v.copy() for k, v in self.state.items() if self.unit_of(k) < depth}
 
     # -- forward passes ---------------------------------------------------------------------------
     def _pool(self, h: np.ndarray) -> np.ndarray:
-        return h.mean(axis=(2, 3)) if self.family == "cnn" else h.mean(axis=1)
+        return h.mean(axis=self._pool_axes)  # the model's interface_pool_axes
 
     def observe(self, x: np.ndarray, prompts: np.ndarray | None) -> np.ndarray:
         """Eval-mode p_1 features with the round's weights and running statistics, pooled."""

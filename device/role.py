@@ -57,6 +57,10 @@ class Backend(Protocol):
 
     def depth_of(self, k: int) -> int: ...
 
+    def unit_of(self, name: str) -> int:
+        """The model's aggregation unit of a weight (``SplitModel.unit_of``); ValueError if unknown."""
+        ...
+
     def init_prompts(self, m: int) -> np.ndarray: ...
 
     def inputs(self, images: np.ndarray, augment: bool) -> Any: ...
@@ -218,7 +222,7 @@ class SplitClient:
             raise BackendError(f"the {be.name} backend trains a prefix only; a full-model round (FedAvg, FedProx) "
                                "needs --backend torch")
         be.load(body["weights"])
-        have = {_block_index(n) for n in body["weights"]}
+        have = _units(be, body["weights"])
         use_prompts = fed is not None and fed.adapt and fed.prompts > 0
         if use_prompts and self.state.prompts is None:
             self.state.prompts = be.init_prompts(fed.prompts)
@@ -362,14 +366,12 @@ def _check_round_start(body: dict[str, Any]) -> None:
         raise RemoteProtocolError(f"malformed round_start: {type(exc).__name__}: {exc}") from None
 
 
-def _block_index(name: str) -> int:
-    """``blocks.3.layer...`` -> 3; anything outside the blocks (the head) sorts after them."""
-    if name.startswith("blocks."):
-        try:
-            return int(name.split(".", 2)[1])
-        except ValueError:
-            pass
-    return 1 << 30
+def _units(be: Backend, names: Any) -> set[int]:
+    """The units the coordinator sent; a weight the model does not have means another model: refuse."""
+    try:
+        return {be.unit_of(n) for n in names}
+    except ValueError as exc:
+        raise _Refused(f"the coordinator sent weights of another model: {exc}") from None
 
 
 def stable_hash(text: str) -> int:

@@ -566,8 +566,8 @@ class _PrefixH1(nn.Module):
     """PrefixModule that also returns ``h1``: the model's ``interface_pool`` of the p_1 activation.
 
     The device attaches ``h1`` to every activation it sends (docs/method.md "Observation"); computing
-    it inside the same graph costs one pooling, not a second pass to p_1. State-dict keys are the
-    PrefixModule's (``blocks.N...``), i.e. the model's.
+    it inside the same graph costs one pooling, not a second pass to p_1. Its state-dict keys are
+    the model's (the same ``blocks`` ModuleList name; ``export_train_graphs`` checks each).
     """
 
     def __init__(self, model: SplitModel, depth: int) -> None:
@@ -593,11 +593,6 @@ def _state_names(module: nn.Module) -> tuple[list[str], list[str]]:
     params = [n for n, p in module.named_parameters() if p.requires_grad]
     stats = [n for n, _ in module.named_buffers() if n.rsplit(".", 1)[-1] in BN_STATS]
     return params, stats
-
-
-def _key(name: str) -> str:
-    """PrefixModule names (``blocks.0.conv1.weight``) are the model's state-dict keys already."""
-    return name
 
 
 @dataclass
@@ -656,6 +651,8 @@ def export_train_graphs(
             raise NotImplementedError(f"BatchNorm momentum {m.momentum}: the train graphs assume torch's 0.1")
     prefix = _PrefixH1(model, depth).train()
     params, stats = _state_names(prefix)
+    for name in params + stats:  # the device finds each weight's unit under these names (manifest "units")
+        model.unit_of(name)
     state = dict(prefix.state_dict(keep_vars=True))
     state = {k: v.detach() for k, v in state.items()}
     x = torch.randn(example_batch, 3, model.input_size, model.input_size)

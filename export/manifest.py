@@ -5,7 +5,8 @@ The manifest is plain JSON (the device side reads it with ``json`` alone; see
 
     {"format": "fedsga-edge-prefixes", "format_version": 1, "fedsga_edge_version": str,
      "model": {arch, family, width, img_size, num_classes, num_blocks, splits, prompts_m,
-               prompt_dim, checkpoint, weights_sha256},
+               prompt_dim, prompt_std, checkpoint, weights_sha256,
+               units: {state-dict key: unit}, interface_pool_axes: [int], prompts_as_tokens: bool},
      "input": {name: "x", shape: [null, 3, H, W], layout: "NCHW", dtype: "float32",
                normalization: {mean, std, source} | null},
      "opset": int, "exporter": str, "torch_version": str, "onnx_version": str,
@@ -19,7 +20,10 @@ The manifest is plain JSON (the device side reads it with ``json`` alone; see
                    int8?: {file, sha256, bytes, max_abs_dev, mean_abs_dev, speedup, ...},
                    train?: {forward_file, backward_file, state_file, params, buffers, ...}}]}
 
-Shapes use ``null`` for the dynamic batch dimension. ``split`` is the 1-based split index k,
+``units``, ``interface_pool_axes`` and ``prompts_as_tokens`` are the model's contract
+(``SplitModel.unit_of``, ``interface_pool_axes``, ``prompt_positions``) for the torch-free device,
+which cannot ask the model; ``family`` is a label only. Shapes use ``null`` for the dynamic batch
+dimension. ``split`` is the 1-based split index k,
 ``depth`` the number of blocks on the client (``SplitModel.depth_of(k)``).
 """
 

@@ -37,6 +37,7 @@ class ExportConfig:
     width: float | None = None
     img_size: int | None = None
     num_classes: int | None = None  # default: the checkpoint's head, else the model's default
+    model_args: dict[str, Any] = field(default_factory=dict)  # further options of the model's factory
     checkpoint: Path | None = None
     opset: int = 18
     prompts: int = 4  # m, fixed in the graph's `prompts` input
@@ -108,20 +109,26 @@ def _load_data(cfg: ExportConfig, image_size: int) -> _Data:
     )
 
 
-def _checkpoint_info(path: Path) -> tuple[int | None, Any]:
-    """(head size, prompts tensor or None) found in a checkpoint, without building a model."""
+def _checkpoint_info(path: Path, model: Any) -> tuple[int | None, Any]:
+    """(head size, prompts tensor or None) found in a checkpoint; ``model`` names its head's key.
+
+    The key is the model's (``head_name``), in our layout or, via ``remap_upstream``, the upstream
+    one (torchvision's ``fc``), so no head spelling is assumed here.
+    """
     import torch
 
     state = torch.load(path, map_location="cpu", weights_only=True)
     prompts = state.get("prompts") if isinstance(state, dict) else None
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]
-    head = None
-    for key in ("head.weight", "fc.weight"):  # ours / torchvision & timm upstream
-        if isinstance(state, dict) and key in state:
-            head = int(state[key].shape[0])
-            break
-    return head, prompts
+    if not isinstance(state, dict):
+        return None, prompts
+    key = f"{model.head_name}.weight"
+    remap = getattr(model, "remap_upstream", None)
+    for layout in (state, remap(state) if remap is not None else {}):
+        if key in layout:
+            return int(layout[key].shape[0]), prompts
+    return None, prompts
 
 
 def _batches(x: np.ndarray, size: int):
@@ -147,12 +154,14 @@ def export_prefixes(cfg: ExportConfig, log: Log = print) -> dict[str, Any]:
     if cfg.prompts < 1:
         raise ExportError("--prompts must be >= 1: the prompts are a graph input")
     torch.manual_seed(cfg.seed)
-    num_classes = cfg.num_classes
+    options = {"width": cfg.width, "img_size": cfg.img_size, **cfg.model_args}
+    model = create_model(cfg.model, num_classes=cfg.num_classes, **options)
     ckpt_prompts = None
     if cfg.checkpoint is not None:
-        head, ckpt_prompts = _checkpoint_info(cfg.checkpoint)
-        num_classes = num_classes or head
-    model = create_model(cfg.model, width=cfg.width, img_size=cfg.img_size, num_classes=num_classes)
+        head, ckpt_prompts = _checkpoint_info(cfg.checkpoint, model)
+        if cfg.num_classes is None and head is not None and head != model.head.out_features:
+            torch.manual_seed(cfg.seed)  # the same initial weights as one build with the checkpoint's head size
+            model = create_model(cfg.model, num_classes=head, **options)
     if cfg.checkpoint is not None:
         missing = load_weights(model, cfg.checkpoint)
         if missing:
@@ -189,6 +198,10 @@ def export_prefixes(cfg: ExportConfig, log: Log = print) -> dict[str, Any]:
         "prompts_m": cfg.prompts,
         "prompt_dim": model.prompt_dim,
         "prompt_std": model.prompt_std,  # a torch-free device draws its own prompts with this scale
+        # The model's contract, for the torch-free device (which cannot ask the model):
+        "units": {name: model.unit_of(name) for name in model.state_dict()},  # weight -> aggregation unit
+        "interface_pool_axes": list(model.interface_pool_axes),  # how p_1 pools into h1
+        "prompts_as_tokens": model.prompt_positions(1) > 0,  # prompts lengthen the activation
         "checkpoint": str(cfg.checkpoint) if cfg.checkpoint else None,
         "weights_sha256": weights_sha256(model),
     }
@@ -308,12 +321,12 @@ def export_prefixes(cfg: ExportConfig, log: Log = print) -> dict[str, Any]:
 
         if cfg.int8:
             assert data is not None
-            from .quantize import TRANSFORMER_OPS, needs_reduce_range, output_deviation, quantize_prefix, time_session
+            from .quantize import needs_reduce_range, output_deviation, quantize_prefix, time_session
 
             int8_path = out / f"{stem}.int8.onnx"
             prompts_np = ref_prompts.numpy()
             feeds = [{"x": xb, "prompts": prompts_np} for xb in _batches(data.calib, 32)]
-            op_types = TRANSFORMER_OPS if model.family == "vit" else None
+            op_types = list(model.int8_op_types) if model.int8_op_types is not None else None
             q_seconds = quantize_prefix(path, int8_path, feeds, op_types)
             set_metadata(int8_path, meta | {"variant": "int8 QDQ (u8 activations, s8 per-channel weights)"})
             s32, s8 = ort_session(path), ort_session(int8_path)

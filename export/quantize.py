@@ -18,10 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["TRANSFORMER_OPS", "CalibrationReader", "normalize", "output_deviation", "quantize_prefix", "time_session"]
-
-
-TRANSFORMER_OPS = ["Conv", "MatMul", "Gemm"]
+__all__ = ["CalibrationReader", "normalize", "output_deviation", "quantize_prefix", "time_session"]
 
 
 def normalize(images_nhwc_u8: np.ndarray, mean: Iterable[float], std: Iterable[float]) -> np.ndarray:
@@ -50,8 +47,8 @@ def quantize_prefix(
 ) -> float:
     """Writes the int8 QDQ model to ``out_path``; returns the seconds it took.
 
-    ``op_types`` limits what is quantized (None: everything onnxruntime can). Transformers keep
-    LayerNorm / Softmax in float (``TRANSFORMER_OPS``), as is usual for int8 ViTs.
+    ``op_types`` limits what is quantized (None: everything onnxruntime can); the model says which
+    (``SplitModel.int8_op_types``: a ViT keeps LayerNorm / Softmax in float, as is usual).
     """
     import logging
 

@@ -14,7 +14,6 @@ from fedsga_edge.method.aggregation import (
     aggregate_round,
     round_contributions,
     group_by_unit,
-    unit_of,
     weighted_average,
     weighted_average_fast,
 )
@@ -169,12 +168,14 @@ def test_round_contributions_rejects_bad_input() -> None:
         DeviceUpdate("A", 1, -5, {})
 
 
-def test_units_of_a_flat_state_dict() -> None:
-    names = ["blocks.0.conv.weight", "blocks.3.bn.running_mean", "head.weight"]
-    state = {name: torch.zeros(1) for name in names}
-    assert [unit_of(k, 4) for k in state] == [0, 3, 4]
-    assert {j: sorted(s) for j, s in group_by_unit(state, 4).items()} == {
-        0: ["blocks.0.conv.weight"],
-        3: ["blocks.3.bn.running_mean"],
-        4: ["head.weight"],
+def test_units_come_from_the_given_map_not_from_names() -> None:
+    """Grouping asks the model's map (``SplitModel.unit_of``); names that follow no convention group as told."""
+    units = {"stem.conv.weight": 0, "deep.bn.running_mean": 3, "classifier.weight": 4}
+    state = {name: torch.zeros(1) for name in units}
+    assert {j: sorted(s) for j, s in group_by_unit(state, units.__getitem__).items()} == {
+        0: ["stem.conv.weight"],
+        3: ["deep.bn.running_mean"],
+        4: ["classifier.weight"],
     }
+    with pytest.raises(KeyError):
+        group_by_unit({"blocks.0.w": torch.zeros(1)}, units.__getitem__)

@@ -1,44 +1,20 @@
-"""One test over the registry checks the interface every backbone promises (timm-style)."""
+"""Model specifics: prompts, pretrained weights, costs (what every backbone promises: tests/test_backbones.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fedsga_edge.models import CostTable, create_model, list_models, load_weights, prefix_cost
+from fedsga_edge.models import CostTable, create_model, load_weights, model_entry, prefix_cost
 
-SMALL = {
-    "resnet18_cifar": dict(width=0.25, num_classes=10),
-    "resnet18": dict(width=0.25, num_classes=10, img_size=64),
-    "vit_tiny_c32": dict(num_classes=10),
-    "vit_b16": dict(num_classes=10, img_size=32),  # 2x2 patches: same blocks, cheap to run
-}
-
-
-def test_registry_lists_all_models() -> None:
-    assert set(list_models()) == set(SMALL)
-
-
-@pytest.mark.parametrize("name", sorted(SMALL))
-def test_prefix_then_suffix_equals_full_forward_exactly(name: str) -> None:
-    torch.manual_seed(0)
-    model = create_model(name, **SMALL[name]).eval()
-    x = torch.randn(3, 3, model.input_size, model.input_size)
-    prompts = model.init_prompts(4, torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        full = model(x, prompts)
-        assert full.shape == (3, 10)
-        for k in range(1, model.num_splits + 1):
-            depth = model.depth_of(k)
-            z = model.prefix(x, depth, prompts)
-            assert tuple(z.shape[1:]) == model.interface_shape(depth, 4)
-            assert torch.equal(model.head(model.suffix(z, depth)), full), f"split {k} is not exact"
+def _small(name: str):
+    return create_model(name, **model_entry(name).small)
 
 
 @pytest.mark.parametrize("name", ["resnet18_cifar", "vit_tiny_c32"])
 def test_prompts_change_the_output_and_none_means_no_prompts(name: str) -> None:
     torch.manual_seed(0)
-    model = create_model(name, **SMALL[name]).eval()
+    model = _small(name).eval()
     x = torch.randn(2, 3, model.input_size, model.input_size)
     with torch.no_grad():
         base = model(x)

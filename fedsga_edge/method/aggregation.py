@@ -11,12 +11,14 @@ tensors into one matrix and does one matrix-vector product. Tests check they agr
 
 ``round_contributions`` / ``aggregate_round`` turn one round's device updates (plus the server's
 copy) into that rule, so the coordinator's aggregation can be tested without a coordinator. Units:
-blocks 0..L-1 are units 0..L-1 and the classifier head is unit L (``unit_of``, ``group_by_unit``).
+blocks 0..L-1 are units 0..L-1 and the classifier head is unit L; which key belongs to which unit
+is the model's answer (``SplitModel.unit_of``), passed to ``group_by_unit``: nothing here reads
+parameter names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +31,6 @@ __all__ = [
     "aggregate_round",
     "group_by_unit",
     "round_contributions",
-    "unit_of",
     "weighted_average",
     "weighted_average_fast",
 ]
@@ -109,16 +110,14 @@ def aggregate_blocks(
     return out
 
 
-def unit_of(name: str, num_blocks: int) -> int:
-    """Aggregation unit of a state-dict key: ``blocks.j.*`` is unit j, everything else the head (L)."""
-    return int(name.split(".", 2)[1]) if name.startswith("blocks.") else num_blocks
+def group_by_unit(state: Mapping[str, Tensor], unit_of: Callable[[str], int]) -> dict[int, dict[str, Tensor]]:
+    """A flat state dict grouped by unit (only the units that have keys); inverse of merging them.
 
-
-def group_by_unit(state: Mapping[str, Tensor], num_blocks: int) -> dict[int, dict[str, Tensor]]:
-    """A flat state dict grouped by unit (only the units that have keys); inverse of merging them."""
+    ``unit_of`` is the model's key -> unit map (``SplitModel.unit_of``; the ONNX device's manifest).
+    """
     units: dict[int, dict[str, Tensor]] = {}
     for name, value in state.items():
-        units.setdefault(unit_of(name, num_blocks), {})[name] = value
+        units.setdefault(unit_of(name), {})[name] = value
     return units
 
 

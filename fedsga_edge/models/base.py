@@ -26,6 +26,7 @@ class SplitModel(nn.Module):
     head_name: str = "head"  # attribute (and state-dict prefix) the head is registered under
     interface_pool_axes: tuple[int, ...] = ()  # activation axes interface_pool averages (batch is axis 0)
     prompts_as_tokens: bool = False  # True: each prompt adds one sequence position (ViT); False: a bias (CNN)
+    int8_op_types: tuple[str, ...] | None = None  # ONNX ops int8 export may quantize (None: all it can)
 
     def __init__(
         self,
@@ -141,8 +142,8 @@ class SplitModel(nn.Module):
         return m if self.prompts_as_tokens else 0
 
     def init_prompts(self, m: int, generator: torch.Generator | None = None) -> Tensor:
-        """A fresh private prompt set (m, prompt_dim); never aggregated."""
-        raise NotImplementedError  # pragma: no cover - abstract
+        """A fresh private prompt set (m, prompt_dim) at scale ``prompt_std``; never aggregated."""
+        return self.prompt_std * torch.randn(m, self.prompt_dim, generator=generator)
 
     # -- shapes ---------------------------------------------------------------------------------
     @torch.no_grad()

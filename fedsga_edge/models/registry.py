@@ -1,30 +1,84 @@
-"""Model registry and factory (timm-style): models register by name, the factory drops unset options."""
+"""Model registry and factory (timm-style): models register by name, the factory drops unset options.
+
+A backbone registers with ``@register_model`` (or ``@register_model(small=..., heavy=...)``): the
+options of a small instance let every test and smoke run follow the registry instead of a
+hand-kept table. The package's own backbone modules are imported on first use (``catalog``).
+"""
 
 from __future__ import annotations
 
+import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, overload
 
 import torch
 
 from .base import SplitModel
+from .catalog import backbone_modules
 
-__all__ = ["register_model", "create_model", "list_models", "load_weights"]
+__all__ = ["ModelEntry", "register_model", "create_model", "list_models", "load_weights", "model_entry"]
 
-_REGISTRY: dict[str, Callable[..., SplitModel]] = {}
+Factory = Callable[..., SplitModel]
 
 
-def register_model(fn: Callable[..., SplitModel]) -> Callable[..., SplitModel]:
-    if fn.__name__ in _REGISTRY:
-        raise ValueError(f"model {fn.__name__!r} registered twice")
-    _REGISTRY[fn.__name__] = fn
-    return fn
+@dataclass(frozen=True)
+class ModelEntry:
+    """One registered backbone: its factory and what a quick instance of it needs."""
+
+    name: str
+    build: Factory
+    small: Mapping[str, Any] = field(default_factory=dict)  # options of a small instance with every block type
+    heavy: bool = False  # seconds and GBs even when small: the slow checks (export) skip it unless asked
+
+    @property
+    def summary(self) -> str:
+        return (inspect.getdoc(self.build) or "").split("\n")[0]
+
+
+_REGISTRY: dict[str, ModelEntry] = {}
+_LOADED = False
+
+
+def _load_builtin() -> None:
+    """Import the package's backbone modules once, which registers them."""
+    global _LOADED
+    if not _LOADED:
+        _LOADED = True
+        for module in backbone_modules():
+            importlib.import_module(f"{__package__}.{module}")
+
+
+@overload
+def register_model(fn: Factory) -> Factory: ...
+@overload
+def register_model(*, small: Mapping[str, Any] | None = None, heavy: bool = False) -> Callable[[Factory], Factory]: ...
+def register_model(fn: Factory | None = None, *, small: Mapping[str, Any] | None = None,
+                   heavy: bool = False) -> Factory | Callable[[Factory], Factory]:
+    """Register ``fn`` under its name; ``small``: options for a small, quick instance (tests, smoke runs)."""
+
+    def add(f: Factory) -> Factory:
+        if f.__name__ in _REGISTRY:
+            raise ValueError(f"model {f.__name__!r} registered twice")
+        _REGISTRY[f.__name__] = ModelEntry(f.__name__, f, MappingProxyType(dict(small or {})), heavy)
+        return f
+
+    return add(fn) if fn is not None else add
 
 
 def list_models() -> list[str]:
+    _load_builtin()
     return sorted(_REGISTRY)
+
+
+def model_entry(name: str) -> ModelEntry:
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(list_models())}")
+    return _REGISTRY[name]
 
 
 def create_model(name: str, *, pretrained: str | Path | None = None, **kwargs: Any) -> SplitModel:
@@ -34,9 +88,7 @@ def create_model(name: str, *, pretrained: str | Path | None = None, **kwargs: A
     of the same model, or the upstream weights the model knows how to map (torchvision ResNet-18,
     timm ViT); a classifier head of another size is skipped and left freshly initialised.
     """
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(list_models())}")
-    fn = _REGISTRY[name]
+    fn = model_entry(name).build
     options = {k: v for k, v in kwargs.items() if v is not None}
     params = inspect.signature(fn).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):

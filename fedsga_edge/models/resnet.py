@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -91,9 +90,6 @@ class ResNetSplit(SplitModel):
     def pool(self, h: Tensor) -> Tensor:
         return h.mean(dim=(2, 3))
 
-    def init_prompts(self, m: int, generator: torch.Generator | None = None) -> Tensor:
-        return self.prompt_std * torch.randn(m, self.prompt_dim, generator=generator)
-
     @staticmethod
     def remap_upstream(state: dict[str, Tensor]) -> dict[str, Tensor]:
         """torchvision resnet18 keys -> ours (``layer2.0.conv1`` -> ``blocks.2.layer.0.conv1``)."""
@@ -109,13 +105,13 @@ class ResNetSplit(SplitModel):
         return out
 
 
-@register_model
+@register_model(small={"width": 0.25, "num_classes": 10, "img_size": 64})
 def resnet18(num_classes: int = 1000, width: float = 1.0, img_size: int = 224) -> ResNetSplit:
     """ResNet-18 with the ImageNet stem (7x7/2 conv + max-pool), 224 px."""
     return ResNetSplit(num_classes, width, imagenet_stem=True, input_size=img_size)
 
 
-@register_model
+@register_model(small={"width": 0.25, "num_classes": 10})
 def resnet18_cifar(num_classes: int = 10, width: float = 1.0, img_size: int = 32) -> ResNetSplit:
     """ResNet-18 with a 3x3 stride-1 stem and no max-pool, for 32 px images."""
     return ResNetSplit(num_classes, width, imagenet_stem=False, input_size=img_size)

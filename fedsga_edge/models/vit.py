@@ -51,6 +51,7 @@ class ViTSplit(SplitModel):
     # Mean over all tokens: at shallow depths the class token has gathered little yet.
     interface_pool_axes = (1,)
     prompts_as_tokens = True  # inserted after CLS, so the sequence grows by m
+    int8_op_types = ("Conv", "MatMul", "Gemm")  # LayerNorm / Softmax stay float, as usual for int8 ViTs
     prompt_std = 0.02
 
     def __init__(self, vit: nn.Module, input_size: int) -> None:
@@ -66,9 +67,6 @@ class ViTSplit(SplitModel):
 
     def pool(self, h: Tensor) -> Tensor:
         return h[:, 0]  # class token (timm's "token" pooling, after the final norm)
-
-    def init_prompts(self, m: int, generator: torch.Generator | None = None) -> Tensor:
-        return self.prompt_std * torch.randn(m, self.prompt_dim, generator=generator)
 
     def set_fused_attention(self, enabled: bool) -> None:
         """timm's fused attention has no ONNX op and breaks joint-graph export: turn it off there."""
@@ -100,14 +98,14 @@ def _timm_vit(**kwargs: object) -> nn.Module:
     return VisionTransformer(**kwargs)
 
 
-@register_model
+@register_model(small={"num_classes": 10, "img_size": 32}, heavy=True)  # 2x2 patches at 32 px: same blocks
 def vit_b16(num_classes: int = 1000, img_size: int = 224) -> ViTSplit:
     """timm's vit_base_patch16_224 (86M parameters)."""
     vit = _timm_vit(img_size=img_size, patch_size=16, embed_dim=768, depth=12, num_heads=12, num_classes=num_classes)
     return ViTSplit(vit, img_size)
 
 
-@register_model
+@register_model(small={"num_classes": 10})
 def vit_tiny_c32(num_classes: int = 10, img_size: int = 32) -> ViTSplit:
     """ViT-Tiny (dim 192, 12 blocks, 3 heads) on 32 px images with 4 px patches."""
     vit = _timm_vit(img_size=img_size, patch_size=4, embed_dim=192, depth=12, num_heads=3, num_classes=num_classes)
