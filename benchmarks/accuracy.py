@@ -90,55 +90,64 @@ LABELS = {
 }
 
 
+# Run options every run of the plan sets itself (the rest are the preset's or a flag's).
+PLANNED = ("dataset", "data_root", "partition", "alpha", "strategy", "split", "seed", "eval_every")
+# The benchmark's scale over the options' declared defaults (simulate's parameter names and spellings).
+BENCH_RUN: dict[str, Any] = {"width": 0.25, "clients": 10, "rounds": 10, "local_epochs": 1, "device": "cpu"}
+
+
 @dataclass
 class Preset:
     data: str
-    model: str = "resnet18_cifar"
-    width: float | None = 0.25
-    clients: int = 10
-    rounds: int = 10
-    local_epochs: int = 1
-    batch_size: int = 64
-    lr: float = 0.1
-    train_subset: int = 0
-    max_batches: int = 0
-    eval_every: int = 5
+    # run options over BENCH_RUN, as simulate's flags name and spell them (server_lr, server_copies="per-client")
+    run: dict[str, Any] = field(default_factory=dict)
+    eval_every: int = 5  # subset evaluations (the runs themselves evaluate their last round only)
     eval_subset: int = 2000
-    augment: bool | None = None  # None: the engine's auto (crop + flip for natural images, not digits)
     seeds: list[int] = field(default_factory=lambda: [0, 1])
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     partitions: list[str] = field(default_factory=lambda: ["iid", "dir0.1"])
     threads: int = 1
-    device: str = "cpu"
-    server_lr: float | None = None  # the server side's SGD rate (None: lr); docs/method.md, "The server's learning rate"
-    server_bn_context: int = 0  # other devices' latest activations in the server's BatchNorm statistics (docs/method.md)
+
+    def settings(self) -> dict[str, Any]:
+        """Every run option the plan does not set: declared default < BENCH_RUN < the preset's."""
+        return {o.param: o.command_line_default() for o in bench_options()} | BENCH_RUN | self.run
+
+
+def bench_options() -> list[Any]:
+    """The run options a preset or a flag may set: every declared one (the strategies' too) the plan does not."""
+    from fedsga_edge.cli.runflags import strategy_options
+    from fedsga_edge.config import run_options
+
+    opts = [o for o in run_options() if o.cli and o.param not in PLANNED]
+    return opts + [o for o, _ in strategy_options().values()]
 
 
 PRESETS: dict[str, Preset] = {
     # Measured on the shared 2-core machine: ~3.5 ms per training sample with one thread, ~90 s a run.
     # server_lr 0.03 (~ lr / sqrt(10 devices)): at the devices' 0.1 the shared server copy, which takes
     # every device's steps, overshoots under label skew (RESULTS.md, "The server's learning rate").
-    "cpu": Preset(data=str(DEFAULT_NPZ), width=0.25, clients=10, rounds=10, local_epochs=1,
-                  train_subset=2000, eval_every=5, eval_subset=2000, server_lr=0.03),
+    "cpu": Preset(data=str(DEFAULT_NPZ), run=dict(width=0.25, clients=10, rounds=10, local_epochs=1, train_subset=2000,
+                                                  server_lr=0.03), eval_every=5, eval_subset=2000),
     # The paper's setting (§4.1.3): ResNet-18, 20 clients, 100 rounds, 5 local epochs, batch 64, lr 0.1.
-    "paper": Preset(data=str(DEFAULT_NPZ), width=1.0, clients=20, rounds=100, local_epochs=5,
-                    train_subset=0, eval_every=5, eval_subset=0, seeds=[0, 1, 2], threads=0, device="auto"),
+    "paper": Preset(data=str(DEFAULT_NPZ), run=dict(width=1.0, clients=20, rounds=100, local_epochs=5, train_subset=0,
+                                                    device="auto"), eval_every=5, eval_subset=0, seeds=[0, 1, 2], threads=0),
     # One GPU, about 8 minutes: FedSGA against static at p_ref under Dirichlet(0.1) on all of CIFAR-10
     # at width 1.0. Sized by estimate, not measured (no GPU was lent to the session that wrote it):
     # ~25 ms per device batch with its wire round trip (8 MB activations at p_ref), 782 batches an
     # epoch, so ~25 s a round and 8 rounds a run. Record its figures in RESULTS.md with the wall time.
-    "gpu": Preset(data=str(DEFAULT_NPZ), width=1.0, clients=10, rounds=8, local_epochs=1, train_subset=0,
+    "gpu": Preset(data=str(DEFAULT_NPZ), run=dict(width=1.0, clients=10, rounds=8, local_epochs=1, train_subset=0,
+                                                  device="auto"),
                   eval_every=4, eval_subset=2000, seeds=[0], methods=["fedsga", "static"], partitions=["dir0.1"],
-                  threads=0, device="auto"),
+                  threads=0),
     # Domain skew on real Office-31 (module docstring). All 3290 train images, 1 local epoch: a
     # round cost 20 s of CPU on one thread (6 ms/sample, shared 2-core machine under load), so 6
     # rounds keep a run near 2 min (calibration in rounds 1 and 5); --rounds 12 doubles it. The
     # 820 test images are few enough to evaluate in full.
-    "domain": Preset(data=str(OFFICE31_NPZ), width=0.25, clients=9, rounds=6, local_epochs=1,
-                     train_subset=0, eval_every=3, eval_subset=0, augment=True, partitions=["domain0.5"],
+    "domain": Preset(data=str(OFFICE31_NPZ), run=dict(width=0.25, clients=9, rounds=6, local_epochs=1, train_subset=0,
+                                                      augment=True), eval_every=3, eval_subset=0, partitions=["domain0.5"],
                      methods=["fedsga", "static", "static-p1", "random", "fedavg", "fedsga-no-harmonizer"]),
     # For tests: digits, seconds.
-    "smoke": Preset(data="digits", width=0.25, clients=2, rounds=1, local_epochs=1, max_batches=2,
+    "smoke": Preset(data="digits", run=dict(width=0.25, clients=2, rounds=1, local_epochs=1, max_batches=2),
                     eval_every=1, eval_subset=0, methods=["static", "fedsga"], partitions=["iid"]),
 }
 
@@ -219,36 +228,32 @@ def method_split(method: str, p_ref: int, K: int) -> int:
 
 
 def make_config(p: Preset, method: str, partition: str, seed: int, split: int, spec: str, data_root: str | None,
-                server_copies: str = "shared", server_bn: str = "ema", schedule: str = "round-robin"):
-    from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
+                **flags: Any):
+    """One run's RunConfig: the preset's settings (and ``flags``, simulate's names) plus what the plan sets."""
+    from fedsga_edge.cli.runflags import config_from_flags
+    from fedsga_edge.options import override
 
     strategy, fed = METHODS[method]
     kind, alpha = parse_partition(partition)
-    rounds = p.rounds
-    return RunConfig(
-        dataset=spec, data_root=data_root, partition=kind, alpha=alpha if kind != "iid" else 0.1,
-        clients=p.clients, rounds=rounds, model=p.model, width=p.width, strategy=strategy, split=split,
-        seed=seed, device=p.device, train_subset=p.train_subset, server_copies=server_copies.replace("-", "_"),
-        server_bn=server_bn, server_lr=p.server_lr, server_bn_context=p.server_bn_context,
-        schedule=schedule.replace("-", "_"),
+    run = p.settings() | flags
+    cfg = config_from_flags(run | {
+        "dataset": spec, "data_root": data_root, "partition": kind, "alpha": alpha if kind != "iid" else 0.1,
+        "strategy": strategy, "split": split, "seed": seed,
         # the simulation evaluates only the final round (full test set); the benchmark adds subset evals
-        eval_every=rounds,
-        train=TrainConfig(local_epochs=p.local_epochs, batch_size=p.batch_size, lr=p.lr,
-                          mu=0.01 if strategy == "fedprox" else 0.0, max_batches=p.max_batches, augment=p.augment),
-        fedsga=FedSGAConfig(**fed),
-    )
+        "eval_every": run["rounds"]}, strict=False)
+    return override(cfg, {"train.mu": 0.01 if strategy == "fedprox" else 0.0} | {f"fedsga.{k}": v for k, v in fed.items()})
 
 
-def plan(p: Preset, spec: str, data_root: str | None, server_copies: str = "shared",
-         server_bn: str = "ema", schedule: str = "round-robin") -> list[dict[str, Any]]:
-    K = num_splits(p.model, p.width)
-    split = reference_split(p.model, p.width)
+def plan(p: Preset, spec: str, data_root: str | None, **flags: Any) -> list[dict[str, Any]]:
+    """Every (seed, partition, method) run; ``flags`` override the preset's run options (simulate's names)."""
+    run = p.settings() | flags
+    K = num_splits(run["model"], run["width"])
+    split = reference_split(run["model"], run["width"])
     runs = []
     for seed in p.seeds:  # seed-major: a run stopped half-way still has whole seeds
         for part in p.partitions:
             for method in p.methods:
-                cfg = make_config(p, method, part, seed, method_split(method, split, K), spec, data_root, server_copies,
-                                  server_bn, schedule)
+                cfg = make_config(p, method, part, seed, method_split(method, split, K), spec, data_root, **flags)
                 runs.append({"method": method, "partition": part, "seed": seed,
                              "dir": f"{method}/{part}/seed{seed}", "config": cfg})
     return runs
@@ -523,42 +528,39 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--partitions", default=None,
                     help="Comma-separated: iid, dirALPHA (e.g. dir0.1), domainALPHA (e.g. domain0.5: clients per domain, "
                          "Dirichlet(ALPHA) labels inside each; needs data with domain ids).")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--clients", type=int, default=None)
-    ap.add_argument("--width", type=float, default=None)
-    ap.add_argument("--train-subset", type=int, default=None)
-    ap.add_argument("--local-epochs", type=int, default=None)
-    ap.add_argument("--max-batches", type=int, default=None, help="Cap on batches per client per local epoch (0 = all).")
-    ap.add_argument("--device", default=None, help="cpu | cuda | auto (preset: cpu; paper: auto).")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (0 = torch's default). The CPU preset uses 1: on a shared 2-core machine "
                          "two threads ran a round 15-20x slower than one (spin-waiting threads under contention).")
-    ap.add_argument("--server-copies", choices=["shared", "per-client"], default="shared",
-                    help="shared: the engine as it is (one server copy, clients in sequence). per-client: a diagnostic, "
-                         "SplitFed-v1-style server copies averaged each round (the engine's server_copies='per_client').")
-    ap.add_argument("--server-bn", choices=["ema", "round"], default="ema",
-                    help="Server-side BatchNorm running statistics: ema (torch's momentum 0.1, the default) or round "
-                         "(averaged over the round's batches; a diagnostic, RESULTS.md compares both).")
-    ap.add_argument("--schedule", choices=["round-robin", "random", "sequential"], default="round-robin",
-                    help="How the simulation interleaves the devices' requests (fedsga-edge simulate --schedule); "
-                         "RESULTS.md, \"Thirty rounds\", compares random with round-robin.")
-    ap.add_argument("--server-lr", type=float, default=None,
-                    help="Learning rate of the server-side SGD (default: the preset's; unset, its lr). RESULTS.md, "
-                         "\"The server's learning rate\", compares 0.03 with 0.1.")
-    ap.add_argument("--server-bn-context", type=int, default=None,
-                    help="Other devices' latest activations in each server batch's BatchNorm statistics (default: the "
-                         "preset's). RESULTS.md, \"BatchNorm context\", measures it.")
     ap.add_argument("--dry-run", action="store_true", help="Print the plan (runs and per-run config) and exit.")
     ap.add_argument("--tables-only", action="store_true",
                     help="Run nothing: write results.json and tables.md from the plan's runs that exist under --out "
                          "(e.g. after several invocations with different --methods / --seeds into one folder).")
     ap.add_argument("--no-progress", action="store_true")
+    add_run_options(ap)
     return ap
+
+
+def add_run_options(ap: argparse.ArgumentParser) -> None:
+    """One override per run option a preset may set (``bench_options``), from its declaration."""
+    group = ap.add_argument_group("run options", "simulate's flags; each overrides the preset's value")
+    for o in bench_options():
+        kw: dict[str, Any] = {"dest": o.param, "default": None, "help": o.help.replace("%", "%%")}
+        if o.negated:
+            kw |= {"action": "store_const", "const": True}
+        elif "/" in o.flags or o.type is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif o.cli_type is not None:
+            kw["action"] = "append"
+        else:
+            kw["type"] = str if o.path or o.type not in (int, float) else o.type
+            if o.choices:
+                kw["choices"] = [c.replace("_", "-") for c in o.choices] if o.dashed else list(o.choices)
+        group.add_argument(o.first_flag, **kw)
 
 
 def resolve(args: argparse.Namespace) -> Preset:
     p = PRESETS[args.preset]
-    p = Preset(**{k: (list(v) if isinstance(v, list) else v) for k, v in vars(p).items()})
+    p = Preset(**{k: (type(v)(v) if isinstance(v, (list, dict)) else v) for k, v in vars(p).items()})
     if args.data is not None:
         p.data = args.data
     if args.seeds is not None:
@@ -572,10 +574,9 @@ def resolve(args: argparse.Namespace) -> Preset:
         p.partitions = [s.strip() for s in args.partitions.split(",") if s.strip()]
     for part in p.partitions:
         parse_partition(part)
-    for name in ("rounds", "clients", "width", "train_subset", "local_epochs", "max_batches", "device", "threads",
-                 "server_lr", "server_bn_context"):
-        if getattr(args, name) is not None:
-            setattr(p, name, getattr(args, name))
+    if args.threads is not None:
+        p.threads = args.threads
+    p.run |= {o.param: getattr(args, o.param) for o in bench_options() if getattr(args, o.param) is not None}
     if not p.seeds or not p.methods or not p.partitions:
         raise SystemExit("need at least one seed, one method and one partition")
     return p
@@ -586,11 +587,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = resolve(args)
     out: Path = args.out or REPO / "benchmarks" / f"runs_{args.preset}"
     spec = data_spec(p.data)
-    runs = plan(p, spec, args.data_root, args.server_copies, args.server_bn, args.schedule)
+    runs = plan(p, spec, args.data_root)
     command = "python benchmarks/accuracy.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    scale = {k: v for k, v in vars(p).items()} | {"data": spec, "static_split": reference_split(p.model, p.width),
-                                                  "server_copies": args.server_copies, "server_bn": args.server_bn,
-                                                  "schedule": args.schedule}
+    settings = p.settings()
+    scale = {k: v for k, v in vars(p).items() if k != "run"} | settings | {
+        "data": spec, "static_split": reference_split(settings["model"], settings["width"])}
     if args.dry_run:
         print(f"preset {args.preset}: {len(runs)} runs into {out}")
         print("scale: " + json.dumps(scale))

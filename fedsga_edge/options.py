@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Opt", "opt", "declared", "problems", "check", "resolve_args", "to_config"]
+__all__ = ["Opt", "opt", "declared", "problems", "check", "resolve_args", "to_config", "override"]
 
 class _Unset:
     """Marks "not given" where None is a real value (a default of None)."""
@@ -136,6 +136,21 @@ def to_config(o: Opt, value: Any) -> Any:
     if o.dashed and isinstance(value, str):
         return value.replace("-", "_")
     return value
+
+
+def override(obj: Any, values: Mapping[str, Any]) -> Any:
+    """A copy of config dataclass ``obj`` with dotted keys replaced (``{"fedsga.adapt": False}``)."""
+    top: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        head, _, rest = key.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            top[head] = value
+    for head, inner in nested.items():
+        top[head] = override(getattr(obj, head), inner)
+    return dataclasses.replace(obj, **top)
 
 
 # -- checks ------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from fedsga_edge.options import Opt
 if TYPE_CHECKING:
     from fedsga_edge.coordinator.strategy import Strategy
 
-__all__ = ["with_run_options", "run_config", "run_flags", "strategy_options", "strategy_help"]
+__all__ = ["with_run_options", "run_config", "config_from_flags", "run_flags", "strategy_options", "strategy_help"]
 
 _PANELS = {"train.": "Local training", "fedsga.": "FedSGA"}
 
@@ -68,18 +68,24 @@ def run_flags() -> tuple[str, ...]:
 
 
 def run_config(**flags: Any) -> RunConfig:
-    """The RunConfig that the run flags describe (absent ones at their defaults). A strategy's option
-    lands in ``strategy_args`` when that strategy runs; set for another strategy, it is refused."""
+    """The RunConfig that the run flags describe (absent ones at their defaults); a bad value is the user's."""
+    try:
+        return config_from_flags(flags)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def config_from_flags(flags: dict[str, Any], strict: bool = True) -> RunConfig:
+    """``run_config`` raising ValueError. A strategy's option lands in ``strategy_args`` when that
+    strategy runs; set to another value than its default for another strategy, it is refused
+    (``strict``) or left out (the benchmark, which runs several strategies with one set of flags)."""
     own = strategy_options()
     strategy = flags.get("strategy", RunConfig.strategy)
     chosen = [o for o, users in own.values() if strategy in users]
     for param, (o, users) in own.items():
-        if strategy not in users and param in flags and flags[param] != o.command_line_default():
-            raise typer.BadParameter(f"{o.first_flag} applies to --strategy {' or '.join(users)} only")
-    try:
-        return RunConfig.from_flags({k: v for k, v in flags.items() if k not in own or own[k][0] in chosen}, chosen)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+        if strict and strategy not in users and param in flags and flags[param] != o.command_line_default():
+            raise ValueError(f"{o.first_flag} applies to --strategy {' or '.join(users)} only")
+    return RunConfig.from_flags({k: v for k, v in flags.items() if k not in own or own[k][0] in chosen}, chosen)
 
 
 def typer_parameter(o: Opt, panel: str | None = None) -> inspect.Parameter:
