@@ -90,7 +90,7 @@ class RunConfig:
     alpha: float = opt(0.1, "Dirichlet concentration (paper: 0.1).", gt=0, when=lambda c: c.partition != "iid")
     clients: int = opt(20, "Number of clients N (all participate every round).", ge=1)
     rounds: int = opt(100, "Communication rounds T (paper: 100 on CIFAR-10).", ge=1)
-    model: str = opt("resnet18_cifar", "resnet18 | resnet18_cifar | vit_b16 | vit_tiny_c32")
+    model: str = opt("resnet18_cifar", "The backbone")  # the CLI lists the registered backbones
     width: float | None = opt(None, "ResNet width multiplier (1.0 standard; 0.25 for CPU runs).")  # model_args["width"]
     model_args: dict[str, Any] = opt(
         help="Extra model option KEY=VALUE (repeatable), passed to the model factory.", factory=dict,

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Opt", "opt", "declared", "problems", "check", "resolve_args", "to_config", "override"]
+__all__ = ["Opt", "opt", "declared", "problems", "check", "class_options", "resolve_args", "to_config", "override"]
 
 class _Unset:
     """Marks "not given" where None is a real value (a default of None)."""
@@ -191,6 +191,18 @@ def problems(obj: Any, opts: Iterable[Opt] | None = None) -> list[str]:
         if bad and bad not in out:  # one message may cover several options (--tau-a and --tau-m)
             out.append(bad)
     return out
+
+
+def class_options(cls: type) -> tuple[Opt, ...]:
+    """The options a class lists in ``options`` (a strategy's), inherited ones included. Each is
+    flagged ``--<name of the class that lists it>-<option>`` unless its declaration spells a flag,
+    so two strategies never claim one flag and a subclass shares its parent's."""
+    out = []
+    for o in getattr(cls, "options", ()):
+        owner = next((c for c in cls.__mro__ if o in vars(c).get("options", ())), cls)
+        prefix = getattr(owner, "name", "") or getattr(cls, "name", "")
+        out.append(o if o.flag else dataclasses.replace(o, flag=f"--{prefix}-{o.name}".replace("_", "-")))
+    return tuple(out)
 
 
 def resolve_args(opts: Sequence[Opt], given: Mapping[str, Any]) -> dict[str, Any]:

@@ -64,14 +64,14 @@ def validate_config(cfg: RunConfig) -> None:
     The ranges and choices are the options' declarations (``RunConfig.problems``); here are the
     rules that need the registry or tie two options together."""
     from fedsga_edge.coordinator.strategy import get_strategy, list_strategies  # torch-free: a device validates too
-    from fedsga_edge.options import resolve_args
+    from fedsga_edge.options import class_options, resolve_args
 
     problems = []
     if cfg.strategy not in list_strategies():
         problems.append(f"--strategy must be one of {', '.join(list_strategies())} (got {cfg.strategy!r})")
     else:
         try:
-            resolve_args(getattr(get_strategy(cfg.strategy), "options", ()), cfg.strategy_args)
+            resolve_args(class_options(get_strategy(cfg.strategy)), cfg.strategy_args)
         except ValueError as exc:
             problems.append(str(exc))
     problems += cfg.problems()

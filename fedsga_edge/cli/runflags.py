@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 
 from fedsga_edge.config import RunConfig, run_options
-from fedsga_edge.options import Opt
+from fedsga_edge.options import Opt, class_options
 
 if TYPE_CHECKING:
     from fedsga_edge.coordinator.strategy import Strategy
@@ -37,29 +37,28 @@ def strategy_help() -> str:
     return " | ".join(f"{name}: {cls.help}" if cls.help else name for name, cls in _strategies().items())
 
 
+def _models_help() -> str:
+    from fedsga_edge.models import models_help  # torch-free: read from the backbone modules' source
+
+    return models_help()
+
+
+# Options whose values are a registry's names: the help lists them as the registry is now.
+_LISTED: dict[str, Callable[[], str]] = {"strategy": strategy_help, "model": _models_help}
+
+
 def strategy_options() -> dict[str, tuple[Opt, list[str]]]:
     """Every registered strategy's own options: parameter name -> (declaration, the strategies that take it).
-
-    An option's flag is ``--<strategy>-<name>`` (the strategy that declares it; a subclass that
-    inherits it shares the flag) unless its declaration spells one."""
+    Flags as ``class_options`` spells them (``--<strategy>-<name>``)."""
     out: dict[str, tuple[Opt, list[str]]] = {}
     for name, cls in _strategies().items():
-        for o in getattr(cls, "options", ()):
-            owner = next((c for c in cls.__mro__ if o in vars(c).get("options", ())), cls)
-            prefix = getattr(owner, "name", "") or name
-            decl = o if o.flag else _replace(o, flag=f"--{prefix}-{o.name}".replace("_", "-"))
+        for decl in class_options(cls):
             if decl.param in out and out[decl.param][0] != decl:
                 raise ValueError(f"strategy {name!r} declares {decl.first_flag} unlike {out[decl.param][1]}")
             if any(r.param == decl.param for r in run_options() if r.cli):
                 raise ValueError(f"strategy {name!r} declares {decl.first_flag}, a run option already")
             out.setdefault(decl.param, (decl, []))[1].append(name)
     return out
-
-
-def _replace(o: Opt, **kw: Any) -> Opt:
-    import dataclasses
-
-    return dataclasses.replace(o, **kw)
 
 
 def run_flags() -> tuple[str, ...]:
@@ -90,9 +89,8 @@ def config_from_flags(flags: dict[str, Any], strict: bool = True) -> RunConfig:
 
 def typer_parameter(o: Opt, panel: str | None = None) -> inspect.Parameter:
     """One declaration as the parameter typer reads."""
-    help_text = strategy_help() if o.key == "strategy" else o.help
-    if o.key == "strategy":
-        help_text = f"{o.help}: {help_text}"
+    listed = _LISTED.get(o.key)
+    help_text = f"{o.help}: {listed()}" if listed else o.help
     info = typer.Option(o.command_line_default(), o.flags, help=help_text, rich_help_panel=panel)
     return inspect.Parameter(o.param, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=info, annotation=_annotation(o))
 
