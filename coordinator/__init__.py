@@ -10,13 +10,18 @@ from fedsga_edge.lazy import lazy_exports
 
 _WHERE = {
     "Coordinator": "server",
+    "Method": "strategy",
+    "ServerSide": "server_side",
+    "all_methods": "strategy",
+    "get_strategy": "strategy",
+    "method_of": "strategy",
     "RoundError": "round",
     "RoundState": "round",
     "Strategy": "strategy",
     "create_strategy": "strategy",
     "list_strategies": "strategy",
     "register_strategy": "strategy",
-    "resource_splits": "strategy",
+    "resource_splits": "strategies.resource",
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _WHERE)

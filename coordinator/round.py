@@ -12,12 +12,19 @@ that names the device and the phase.
     training   expire          closed        (deadline passed: missing devices become failures)
     training   close           closed
     closed     begin           training
+
+Inside a training round each device walks its own sequence (``DEVICE_STEPS``): the weights it
+lacks (``fetch``), one ``activation`` per local batch, at most one ``probe`` after training (FedSGA's
+calibration rounds), then its ``update``; ``error`` (it gives up) is allowed at any step. A request
+out of that order is the device's fault: a ``RoundError``, refused without touching any state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from fedsga_edge.wire import RemoteProtocolError
 
 __all__ = ["RoundState", "RoundError"]
 
@@ -32,8 +39,25 @@ _TRANSITIONS: dict[tuple[str, str], str] = {
 }
 
 
-class RoundError(ValueError):
-    """An event that the round's phase or membership does not allow (the sender's fault)."""
+# (device's step, request kind) -> its next step. "done" and "failed" are final for the round.
+DEVICE_STEPS: dict[tuple[str, str], str] = {
+    ("started", "fetch"): "fetched",
+    ("started", "activation"): "training",
+    ("fetched", "activation"): "training",
+    ("training", "activation"): "training",
+    ("started", "probe"): "probed",  # a device with nothing to train may still be probed
+    ("fetched", "probe"): "probed",
+    ("training", "probe"): "probed",
+    ("started", "update"): "done",
+    ("fetched", "update"): "done",
+    ("training", "update"): "done",
+    ("probed", "update"): "done",
+    **{(step, "error"): "failed" for step in ("started", "fetched", "training", "probed")},
+}
+
+
+class RoundError(RemoteProtocolError):
+    """An event that the round's phase, membership or the device's sequence does not allow (the sender's fault)."""
 
 
 @dataclass
@@ -45,6 +69,7 @@ class RoundState:
     deadline: float | None = None
     updates: dict[str, dict[str, Any]] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
+    steps: dict[str, str] = field(default_factory=dict)  # device -> its step in DEVICE_STEPS
 
     def _move(self, event: str) -> None:
         nxt = _TRANSITIONS.get((self.phase, event))
@@ -56,9 +81,10 @@ class RoundState:
         self._move("begin")
         self.t, self.assigned, self.calibrate, self.deadline = t, dict(assigned), calibrate, deadline
         self.updates, self.failures = {}, {}
+        self.steps = dict.fromkeys(self.assigned, "started")
 
-    def check_request(self, device: str, round: int) -> None:
-        """A request is allowed from a device of this round that has not finished it."""
+    def check_request(self, device: str, round: int, kind: str) -> None:
+        """A request is allowed from a device of this round that has not finished it, in its sequence."""
         if self.phase != "training":
             raise RoundError(f"no round is running (round {self.t} is {self.phase})")
         if round != self.t:
@@ -69,7 +95,16 @@ class RoundState:
             raise RoundError(f"{device!r} already sent its update for round {self.t}")
         if device in self.failures:
             raise RoundError(f"{device!r} was dropped from round {self.t}: {self.failures[device]}")
+        step = self.steps.get(device, "started")
+        if (step, kind) not in DEVICE_STEPS:
+            raise RoundError(f"{kind!r} is not allowed after {device!r}'s {step!r} step in round {self.t}")
         self._move("request")
+
+    def advance(self, device: str, kind: str) -> None:
+        """The device's request was answered: move it along its sequence."""
+        nxt = DEVICE_STEPS.get((self.steps.get(device, "started"), kind))
+        if nxt is not None:
+            self.steps[device] = nxt
 
     def accept_update(self, device: str, body: dict[str, Any]) -> None:
         self._move("update")

@@ -1,192 +1,212 @@
-"""Strategies: one registered object per method, owning everything that differs between methods.
+"""The strategy contract and its registry: one registered object per method, owning what differs.
 
-A strategy decides who runs how deep each round (``assign``), what the devices are told to do
-locally (``device_train``: FedProx's proximal weight) and how much each device's update counts in
-aggregation (``weight``). Adding a baseline is one new class with ``@register_strategy`` (in this
-file or any module imported before the run is built); nothing else in the coordinator changes.
-Flower's Strategy objects have the same shape. See docs/method.md for the method itself.
+A strategy is Flower's shape: it configures each device's round (``assign``: the split;
+``device_train``: the local settings; ``round_start_fields``: anything else the device needs),
+takes the server-side step it wants (``forward`` / ``loss`` / ``after_step``), answers the
+requests only it understands (``requests``, e.g. FedSGA's probe), weighs and closes the round
+(``weight``, ``end_round``) and says how the model is evaluated (``eval_logits``). The
+coordinator calls these hooks and never asks which strategy runs.
 
-``assign`` returns device id -> split index k (1..K), 0 for "the whole model on the device"
-(FedAvg, FedProx), or None for "the device chooses" (FedSGA's estimator).
+A new baseline is one file in ``coordinator/strategies/`` holding a ``Strategy`` subclass with
+``@register_strategy``, plus its import line in ``coordinator/strategies/__init__.py``. It then
+appears in ``simulate --help`` (``name``, ``help``), in ``benchmarks/accuracy.py`` and in the
+report (``methods``: the named variants it contributes, with their labels).
+
+Importing this module, or the strategies package, needs no torch: a torch-free device validates
+its config against the registry. Strategies import torch inside the hooks that use it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-from pathlib import Path
-from typing import Any, ClassVar
-
-import numpy as np
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fedsga_edge.config import RunConfig, TrainConfig
-from fedsga_edge.method import reference_index
 
-__all__ = ["Strategy", "register_strategy", "create_strategy", "list_strategies", "resource_splits"]
+if TYPE_CHECKING:
+    from torch import Tensor
+
+__all__ = ["Method", "Strategy", "register_strategy", "get_strategy", "create_strategy", "list_strategies",
+           "all_methods", "method_of"]
 
 _REGISTRY: dict[str, type["Strategy"]] = {}
 
 
+@dataclass(frozen=True)
+class Method:
+    """A named variant a strategy contributes to the benchmark and the report.
+
+    ``overrides`` are RunConfig fields (``"fedsga.adapt": False``) set on top of the benchmark's
+    preset; ``split`` pins a split-at-one-depth method to "1" (p_1), "ref" (p_ref) or "K" (p_K).
+    ``group``: "main" rows go into the accuracy table (Table 2), "ablation" rows into Table 4.
+    """
+
+    label: str
+    group: str = "main"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    split: str | None = None
+    default: bool = True  # run by the benchmark when no --methods are given
+
+
 def register_strategy(cls: type["Strategy"]) -> type["Strategy"]:
-    if cls.name in _REGISTRY:
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"strategy {cls.name!r} registered twice")
     _REGISTRY[cls.name] = cls
     return cls
 
 
+def _load_builtin() -> None:
+    importlib.import_module("fedsga_edge.coordinator.strategies")  # each module registers itself
+
+
 def list_strategies() -> list[str]:
+    _load_builtin()
     return sorted(_REGISTRY)
 
 
+def get_strategy(name: str) -> type["Strategy"]:
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def create_strategy(cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> "Strategy":
+    return get_strategy(cfg.strategy)(cfg, num_splits, clients, train_flops)
+
+
+def all_methods() -> dict[str, tuple[str, Method]]:
+    """Every registered method variant: name -> (strategy name, Method), in registration order."""
+    _load_builtin()
+    out: dict[str, tuple[str, Method]] = {}
+    for name, cls in _REGISTRY.items():
+        for method, spec in cls.methods().items():
+            if method in out:
+                raise ValueError(f"method {method!r} is contributed by {out[method][0]!r} and {name!r}")
+            out[method] = (name, spec)
+    return out
+
+
+def method_of(cfg: RunConfig, num_splits: int) -> dict[str, str]:
+    """The method a config runs, as config.json records it for the report: name, label and group."""
+    cls = get_strategy(cfg.strategy)
+    name = cls.method_name(cfg, num_splits)
+    spec = cls.methods().get(name)
+    return {"name": name, "label": spec.label if spec else name, "group": spec.group if spec else "main"}
+
+
 class Strategy:
-    """Base: every device at one split, plain local SGD, updates weighted by |D_i|."""
+    """Base: every device at one split, plain local SGD, updates weighted by |D_i|, plain head."""
 
     name: ClassVar[str] = ""
     help: ClassVar[str] = ""
+    label: ClassVar[str] = ""  # the report's and the benchmark's row label (default: name)
     adaptive: ClassVar[bool] = False  # splits can differ between devices and rounds
+    # Request kinds only this strategy answers: kind -> method name taking (coordinator, msg), returning
+    # (reply kind, reply body). The round's per-device sequence (coordinator/round.py) must allow the kind.
+    requests: ClassVar[dict[str, str]] = {}
 
     def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
         self.cfg = cfg
         self.K = num_splits
         self.clients = list(clients)
 
+    # -- what the strategy is, before any run (torch-free) ------------------------------------------
+    @classmethod
+    def methods(cls) -> dict[str, Method]:
+        return {cls.name: Method(cls.label or cls.name)}
+
+    @classmethod
+    def method_name(cls, cfg: RunConfig, num_splits: int) -> str:
+        """Which of ``methods()`` this config runs (the benchmark's and report's name)."""
+        return cls.name
+
+    @classmethod
+    def prompt_tokens(cls, cfg: RunConfig) -> int:
+        """Prompt tokens m each device trains (its costs, its exported prefix); 0 without prompts."""
+        return 0
+
+    # -- configure the round ------------------------------------------------------------------------
     def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
+        """Device -> split index k (1..K), 0 for the whole model on the device, None: the device chooses."""
         raise NotImplementedError
+
+    def calibrates(self, t: int) -> bool:
+        """Whether round t is a calibration round (devices may go deeper than assigned and probe)."""
+        return False
+
+    def accepts_split(self, assigned: int | None, k: int, calibrate: bool) -> bool:
+        """May a device assigned ``assigned`` train at split k this round?"""
+        return assigned is None or assigned == k
 
     def device_train(self, train: TrainConfig) -> TrainConfig:
         """The local training settings sent in every round start."""
         return dataclasses.replace(train, mu=0.0)
 
+    def round_start_fields(self, k: int | None, calibrate: bool) -> dict[str, Any]:
+        """Method-specific fields of a device's ``round_start``; the device reads its method's
+        settings from "fedsga" (None: a plain split or whole-model round)."""
+        return {"fedsga": None}
+
+    # -- the server side ----------------------------------------------------------------------------
+    def attach(self, coordinator: Any) -> None:
+        """Build what the method keeps on the server, once the model is on its device."""
+
+    def server_head(self) -> Any:
+        """The trainable module after the pooled features (part of every server copy); none by default."""
+        from torch import nn
+
+        return nn.Module()
+
+    def forward(self, side: Any, z: "Tensor", k: int) -> tuple["Tensor", "Tensor | None"]:
+        """Logits (and the method's representation, or None) for an activation entering at split k."""
+        return side.model.head(side.model.suffix(z, side.model.depth_of(k))), None
+
+    def loss(self, logits: "Tensor", Z: "Tensor | None", y: "Tensor") -> "Tensor":
+        import torch.nn.functional as F
+
+        return F.cross_entropy(logits, y)
+
+    def check_activation(self, body: dict[str, Any], n: int) -> Any:
+        """Validate the method's extra activation fields (raise ValueError); returns what after_step needs."""
+        return None
+
+    def after_step(self, Z: "Tensor | None", y: "Tensor", extra: Any) -> None:
+        """Called after an accepted server step (prototypes, auxiliary heads)."""
+
     def weight(self, num_samples: int) -> float:
-        """A device's weight in aggregation (and its data's weight in the server copy's)."""
+        """A device's weight in aggregation (and its data's weight in the server copies' average)."""
         return float(num_samples)
 
+    def begin_round(self, t: int, calibrate: bool) -> None:
+        """Reset the method's per-round state."""
+
+    def end_round(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
+        """After aggregation: the method's round-end work and its fields of the round's record."""
+
+    def eval_logits(self, model: Any, feats: "Tensor") -> dict[int, "Tensor"]:
+        """Logits of the global model per depth embedding (0: one model for every split)."""
+        return {0: model.head(feats)}
+
+    # -- state ----------------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
         """What the strategy decided up front, for config.json."""
         return {}
 
+    def state_dict(self) -> dict[str, Any]:
+        """The method's trained server state (checkpoint.pt's "coordinator" entries)."""
+        return {}
 
-@register_strategy
-class Static(Strategy):
-    name = "static"
-    help = "SplitFed: every device at --split"
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` (resume)."""
 
-    def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
-        return {c: self.cfg.split for c in clients}
+    def optimizer_state(self) -> dict[str, Any]:
+        """Optimizers the method owns, for resume."""
+        return {}
 
-
-@register_strategy
-class FedAvg(Strategy):
-    name = "fedavg"
-    help = "the whole model on every device, weights averaged"
-
-    def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
-        return {c: 0 for c in clients}
-
-
-@register_strategy
-class FedProx(FedAvg):
-    name = "fedprox"
-    help = "FedAvg with a proximal term (--mu)"
-
-    def device_train(self, train: TrainConfig) -> TrainConfig:
-        return dataclasses.replace(train, mu=self.cfg.prox_mu)
-
-
-@register_strategy
-class RandomSplit(Strategy):
-    name = "random"
-    help = "a uniformly random split per device and round (seeded)"
-    adaptive = True
-
-    def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
-        super().__init__(cfg, num_splits, clients, train_flops)
-        self.rng = np.random.default_rng([cfg.seed, 7])
-
-    def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
-        return {c: int(self.rng.integers(1, self.K + 1)) for c in clients}
-
-
-@register_strategy
-class Resource(Strategy):
-    name = "resource"
-    help = "MultiSFL-style: the deepest split each device's speed allows (--speed-sigma or --profile)"
-    adaptive = True
-
-    def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
-        super().__init__(cfg, num_splits, clients, train_flops)
-        self.splits, self.speed = resource_splits(clients, train_flops, seed=cfg.seed, sigma=cfg.speed_sigma,
-                                                  profile=cfg.profile)
-
-    def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
-        return {c: self.splits[c] for c in clients}
-
-    def info(self) -> dict[str, Any]:
-        return {"speed_factors": self.speed, "resource_splits": self.splits}
-
-
-@register_strategy
-class FedSGA(Strategy):
-    name = "fedsga"
-    help = "each device picks its split with the sufficiency estimator (docs/method.md)"
-    adaptive = True
-
-    def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
-        if not self.cfg.fedsga.estimator:  # ablation: everyone at p_ref
-            return {c: reference_index(self.K) for c in clients}
-        return {c: None for c in clients}
-
-
-def create_strategy(cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> Strategy:
-    if cfg.strategy not in _REGISTRY:
-        raise ValueError(f"unknown strategy {cfg.strategy!r}; choose one of {', '.join(list_strategies())}")
-    return _REGISTRY[cfg.strategy](cfg, num_splits, clients, train_flops)
-
-
-def resource_splits(
-    clients: list[str], train_flops: dict[int, int], *, seed: int = 0, sigma: float = 0.5,
-    profile: str | Path | None = None,
-) -> tuple[dict[str, int], dict[str, float]]:
-    """MultiSFL-style baseline: each client gets the deepest split whose per-sample latency fits.
-
-    Client speeds are log-normal factors (seeded, median 1, spread ``sigma``); the budget is the
-    per-sample latency of the reference split on a median device, so a median device sits at
-    p_ref, faster ones go deeper and slower ones shallower. With a measured ``profile`` (the JSON
-    of ``fedsga-edge profile``), latency per split comes from it instead of FLOPs (device speed
-    factors still apply). Approximation: latency is taken as proportional to FLOPs / speed.
-    """
-    K = len([k for k in train_flops if k > 0])
-    cost = {k: float(train_flops[k]) for k in range(1, K + 1)}
-    if profile is not None:
-        cost = _profile_latency(profile, K)
-    rng = np.random.default_rng([seed, 11])
-    speed = {c: float(math.exp(sigma * rng.standard_normal())) for c in clients}
-    budget = cost[reference_index(K)]
-    out: dict[str, int] = {}
-    for c in clients:
-        fits = [k for k in range(1, K + 1) if cost[k] / speed[c] <= budget * (1 + 1e-9)]
-        out[c] = max(fits) if fits else 1
-    return out, speed
-
-
-def _profile_latency(path: str | Path, K: int) -> dict[int, float]:
-    """Per-sample p50 latency per split from `fedsga-edge profile --json`: the train step where it
-    was measured (what a training device pays), else the forward; the largest batch profiled."""
-    data = json.loads(Path(path).read_text())
-    rows = data.get("results", []) if isinstance(data, dict) else data
-    best: dict[int, tuple[int, float]] = {}
-    for row in rows:
-        if row.get("variant", "fp32") != "fp32":
-            continue
-        stats = row.get("train_step_ms") or row.get("latency_ms")
-        if not stats:
-            continue
-        k, batch = int(row["split"]), int(row.get("batch", 1))
-        if k not in best or batch > best[k][0]:
-            best[k] = (batch, float(stats["p50"]) / batch)
-    missing = [k for k in range(1, K + 1) if k not in best]
-    if missing:
-        raise ValueError(f"profile {path} has no fp32 latency for split(s) {missing}")
-    return {k: v for k, (_, v) in best.items()}
-
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Restore ``optimizer_state()``."""

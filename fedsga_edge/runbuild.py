@@ -156,16 +156,13 @@ def make_model(cfg: RunConfig, bundle: DatasetBundle) -> "SplitModel":
 
 def build_coordinator(plan: RunPlan) -> CoordinatorSide:
     """Model, costs, strategy and Coordinator for the clients' sizes, in Simulation's order."""
-    from fedsga_edge.coordinator import Coordinator, create_strategy
+    from fedsga_edge.coordinator import Coordinator, create_strategy, get_strategy
     from fedsga_edge.models import CostTable
 
     cfg = plan.cfg
     model = make_model(cfg, plan.bundle)
     K = model.num_splits
-    if cfg.strategy == "static" and not 1 <= cfg.split <= K:
-        raise ValueError(f"--split must be in 1..{K} for {cfg.model} (candidates after blocks {model.splits})")
-    prompts_m = cfg.fedsga.prompts if cfg.strategy == "fedsga" and cfg.fedsga.adapt else 0
-    costs = CostTable(model, prompts_m)
+    costs = CostTable(model, get_strategy(cfg.strategy).prompt_tokens(cfg))
     train_flops = {k: costs.train(k) for k in range(0, K + 1)}
     strategy = create_strategy(cfg, K, plan.client_ids, train_flops)
     coordinator = Coordinator(model, cfg, plan.sizes, plan.bundle.num_classes, strategy, costs, device=plan.device,
@@ -196,14 +193,14 @@ def build_client(plan: RunPlan, i: int, peer: Any, *, server: str = COORDINATOR,
         raise ValueError(f"--backend must be torch or onnx (got {backend!r})")
     if artifacts is None:
         raise ValueError("--backend onnx needs --artifacts DIR (made by `fedsga-edge export --train`)")
+    from fedsga_edge.coordinator.strategy import get_strategy  # torch-free
     from fedsga_edge.device.onnx_backend import OnnxBackend, check_artifacts
     from fedsga_edge.device.role import SplitClient, device_rng
 
     rng, backend_seed = device_rng(cfg.seed, cid)
     be = OnnxBackend(artifacts, data, np.random.default_rng(backend_seed), threads=threads)
-    uses_prompts = cfg.strategy == "fedsga" and cfg.fedsga.adapt
     check_artifacts(be.manifest, model=cfg.model, width=cfg.width, num_classes=b.num_classes,
-                    img_size=cfg.img_size or b.image_size, prompts_m=cfg.fedsga.prompts if uses_prompts else 0)
+                    img_size=cfg.img_size or b.image_size, prompts_m=get_strategy(cfg.strategy).prompt_tokens(cfg))
     return SplitClient(cid, data, be, peer, rng=rng, server=server)
 
 

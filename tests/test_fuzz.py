@@ -329,9 +329,11 @@ def coordinator(digits):
 
 def _state(co: Any) -> dict[str, torch.Tensor]:
     out = {}
-    for name, mod in (("m", co.model), ("h", co.head), ("p", co.prototypes), ("phi", co.phi_s)):
+    extra = [(n, getattr(co.strategy, n)) for n in ("prototypes", "phi_s") if hasattr(co.strategy, n)]
+    for name, mod in [("m", co.model), ("h", co.head), *extra]:
         out.update({f"{name}.{k}": v.detach().clone() for k, v in mod.state_dict().items()})
-    for opt_name, opt in (("opt", co.shared.opt), ("phi_opt", co.phi_opt)):
+    opts = [("opt", co.server.shared.opt)] + [(n, getattr(co.strategy, n)) for n in ("phi_opt",) if hasattr(co.strategy, n)]
+    for opt_name, opt in opts:
         for i, st_ in enumerate(opt.state.values()):
             out.update({f"{opt_name}.{i}.{k}": v.clone() for k, v in st_.items() if torch.is_tensor(v)})
     return out
@@ -350,11 +352,11 @@ def _valid_body(co: Any, kind: str, b: int, k: int, rng: np.random.Generator) ->
     y = rng.integers(0, co.num_classes, b)
     if kind == "activation":
         return {"z": rng.standard_normal((b, *_interface(co, k))).astype(np.float32), "y": y, "split": k,
-                "h1": rng.standard_normal((b, co.phi_s.net[0].in_features)).astype(np.float32)}
+                "h1": rng.standard_normal((b, co.strategy.phi_s.net[0].in_features)).astype(np.float32)}
     if kind == "probe":
         return {"z1": rng.standard_normal((b, *_interface(co, 1))).astype(np.float32),
                 "zref": rng.standard_normal((b, *_interface(co, 2))).astype(np.float32), "y": y,
-                "o": [0.1, 0.2, 0.0][: co.cal_buffer.num_obs], "r_prev": 0.5}
+                "o": [0.1, 0.2, 0.0][: co.strategy.cal_buffer.num_obs], "r_prev": 0.5}
     if kind == "update":
         depth = co.model.depth_of(k)
         weights = {n: v.numpy().copy() for n, v in co._snapshot.items()
@@ -454,13 +456,13 @@ def test_coordinator_receive_refuses_hostile_requests_and_changes_nothing(coordi
     observed = claimed or data.draw(st.sampled_from(["client-000", "client-001", "intruder"]))
     serve = peer.serve(lambda m: co.receive(m, 0.0), sender_of=lambda: observed)
     before, errors, updates = _state(co), co.remote_errors, dict(co.round.updates)
-    cal = len(co.cal_buffer)
+    cal = len(co.strategy.cal_buffer)
     reply = serve(raw)  # never raises: a refusal is a reply
     rep = decode(reply) if reply is not None else None
     event(f"{decode(raw).kind if rep is None or rep.kind != 'error' else 'refused'} -> {rep.kind if rep else None}: "
           f"{(rep.body.get('reason', '') if rep else '')[:34]}")
     if rep is None or rep.kind == "error":
-        assert _same(before, _state(co)) and co.round.updates.keys() == updates.keys() and len(co.cal_buffer) == cal
+        assert _same(before, _state(co)) and co.round.updates.keys() == updates.keys() and len(co.strategy.cal_buffer) == cal
         assert rep is None or rep.body["reason"]
         assert rep is None or co.remote_errors >= errors
     for k, v in _state(co).items():  # whatever was accepted, nothing non-finite got in

@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 import pytest
+
+from fedsga_edge.wire import RemoteProtocolError
 from _runs import tiny_config
 import torch
 
@@ -83,21 +85,39 @@ def test_a_device_that_misses_the_deadline_is_left_out(digits) -> None:
 def test_round_state_refuses_what_its_phase_does_not_allow() -> None:
     rs = RoundState()
     with pytest.raises(RoundError, match="no round is running"):
-        rs.check_request("a", 1)
+        rs.check_request("a", 1, "activation")
     rs.begin(1, {"a": 1, "b": None}, calibrate=False, deadline=10.0)
     with pytest.raises(RoundError, match="round 2"):
-        rs.check_request("a", 2)
+        rs.check_request("a", 2, "activation")
     with pytest.raises(RoundError, match="not a device"):
-        rs.check_request("mallory", 1)
-    rs.check_request("a", 1)
+        rs.check_request("mallory", 1, "activation")
+    rs.check_request("a", 1, "update")
     rs.accept_update("a", {})
     with pytest.raises(RoundError, match="already sent"):
-        rs.check_request("a", 1)
+        rs.check_request("a", 1, "activation")
     assert not rs.complete and rs.waiting == ["b"]
     assert not rs.expire(9.9) and rs.expire(10.0)
     assert rs.failures == {"b": "missed the round deadline"} and rs.phase == "closed"
     with pytest.raises(RoundError):
         rs.accept_update("b", {})
+
+
+def test_each_device_walks_the_round_in_order() -> None:
+    """fetch -> activations -> probe -> update; a request out of that order is the device's error."""
+    rs = RoundState()
+    rs.begin(1, {"a": None, "b": 2}, calibrate=True, deadline=None)
+    for kind in ("fetch", "activation", "activation", "probe"):
+        rs.check_request("a", 1, kind)
+        rs.advance("a", kind)
+    for kind in ("fetch", "activation", "probe"):  # nothing but the update after the probe
+        with pytest.raises(RoundError, match="after 'a''s 'probed'"):
+            rs.check_request("a", 1, kind)
+    rs.check_request("b", 1, "activation")
+    rs.advance("b", "activation")
+    with pytest.raises(RoundError, match="'fetch' is not allowed after 'b''s 'training'"):
+        rs.check_request("b", 1, "fetch")  # weights come before training, never in the middle
+    rs.check_request("b", 1, "error")  # giving up is allowed at any step
+    assert isinstance(RoundError("x"), RemoteProtocolError)  # the sender's fault, refused, never ours
 
 
 def test_requests_from_outside_the_round_are_refused_and_change_nothing(digits) -> None:
@@ -155,7 +175,7 @@ def test_probe_with_equal_blocks_gives_equal_losses_and_changes_no_state(digits)
     assert reply.body["L1"] == pytest.approx(reply.body["Lref"], rel=1e-5) and reply.body["s"] == 1
     for k, v in co.model.state_dict().items():  # BatchNorm statistics included
         assert torch.equal(v, before[k]), k
-    assert len(co.cal_buffer) == 1
+    assert len(co.strategy.cal_buffer) == 1
 
 
 def test_device_probe_changes_no_state(digits) -> None:
@@ -188,27 +208,24 @@ def test_no_harmonizer_labels_take_both_values(digits) -> None:
     assert set(labels) == {0, 1}, labels
 
 
-def test_estimator_is_refit_once_per_calibration_round_and_used_next_round(digits) -> None:
+def test_estimator_is_refit_once_per_calibration_round_and_used_next_round(digits, monkeypatch) -> None:
     sim = Simulation(tiny("fedsga", clients=2, rounds=2, fedsga=FedSGAConfig(cal_every=5)), digits)
     co = sim.coordinator
     fits = []
-    from fedsga_edge.coordinator import server
+    import fedsga_edge.method as method
 
-    real_fit = server.fit
+    real_fit = method.fit
 
     def counting_fit(est, buf):
         fits.append(len(buf))
         return real_fit(est, buf)
 
-    server.fit = counting_fit
-    try:
-        r1, r2 = list(sim.rounds())
-    finally:
-        server.fit = real_fit
+    monkeypatch.setattr(method, "fit", counting_fit)  # the FedSGA strategy looks it up at the round's end
+    r1, r2 = list(sim.rounds())
     assert fits == [2]  # round 1 calibrates (2 pairs, one refit); round 2 does not
     assert "calibration" in r1 and "calibration" not in r2
     assert all("s" in c for c in r1["clients"].values()) and not any("s" in c for c in r2["clients"].values())
-    assert co.estimator.state_dict().keys()
+    assert co.strategy.estimator.state_dict().keys()
 
 
 # -- evaluation, costs, strategies -------------------------------------------------------------

@@ -79,13 +79,13 @@ def test_bn_context_puts_other_devices_rows_in_the_batch_statistics_and_charges_
     # at most one other device: client-002 gets client-001's rows (the latest), not client-000's
     expect = _dz_by_hand(co, zc, y, [torch.from_numpy(zb)])
     assert torch.allclose(torch.from_numpy(co.receive(_activation(co, "client-002", 1, zc, y)).body["dz"]), expect, atol=1e-6)
-    assert list(co.bn_context[2]) == ["client-001", "client-002"]  # n + 1 kept per split, most recent last
+    assert list(co.server.rows[2]) == ["client-001", "client-002"]  # n + 1 kept per split, most recent last
 
     # a refused activation changes nothing and never enters anyone's statistics
-    held = {d: z.clone() for d, z in co.bn_context[2].items()}
+    held = {d: z.clone() for d, z in co.server.rows[2].items()}
     bad = co.receive(_activation(co, "client-000", 2, np.full_like(za, np.nan), y))
-    assert bad.kind == "error" and co.bn_context[2].keys() == held.keys()
-    assert all(torch.equal(co.bn_context[2][d], z) for d, z in held.items())
+    assert bad.kind == "error" and co.server.rows[2].keys() == held.keys()
+    assert all(torch.equal(co.server.rows[2][d], z) for d, z in held.items())
 
 
 def test_bn_context_runs_and_is_refused_where_it_means_nothing(digits) -> None:

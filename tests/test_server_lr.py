@@ -26,9 +26,9 @@ def _one_round_moves(sim: Simulation) -> tuple[float, float]:
 
 def test_server_lr_sets_the_server_optimizer_only_and_defaults_to_lr(digits) -> None:
     default = Simulation(tiny_config("static", rounds=1), digits)
-    assert default.coordinator.shared.opt.param_groups[0]["lr"] == default.cfg.train.lr
+    assert default.coordinator.server.shared.opt.param_groups[0]["lr"] == default.cfg.train.lr
     slow = Simulation(tiny_config("static", rounds=1, server_lr=1e-9), digits)
-    assert slow.coordinator.shared.opt.param_groups[0]["lr"] == 1e-9
+    assert slow.coordinator.server.shared.opt.param_groups[0]["lr"] == 1e-9
     device_default, server_default = _one_round_moves(default)
     device_slow, server_slow = _one_round_moves(slow)
     assert server_slow < 1e-6 < 1e-3 < server_default  # the server's block barely moves at 1e-9
@@ -38,7 +38,7 @@ def test_server_lr_sets_the_server_optimizer_only_and_defaults_to_lr(digits) -> 
 def test_per_client_copies_use_the_server_lr_too(digits) -> None:
     sim = Simulation(tiny_config("static", rounds=1, server_copies="per_client", server_lr=0.03), digits)
     sim.coordinator.begin_round(1)  # a device's copy is made from the round's starting weights
-    assert sim.coordinator._side("client-000").opt.param_groups[0]["lr"] == 0.03
+    assert sim.coordinator.server.copy_for("client-000").opt.param_groups[0]["lr"] == 0.03
 
 
 @pytest.mark.parametrize("bad", [0.0, -0.1, math.nan, math.inf])

@@ -1,0 +1,208 @@
+"""How the server side trains on the devices' activations: swappable objects, chosen by name.
+
+* ``shared`` (SplitFed-v2 style): one copy of the server blocks takes every device's steps in
+  arrival order.
+* ``shared`` with ``server_bn_context`` N > 0: the same copy, but each device's batch is normalised
+  in the server's BatchNorm layers together with the latest accepted activations of up to N other
+  devices at its split (no loss on their rows; docs/method.md, "Server-side BatchNorm statistics").
+* ``per_client`` (SplitFed-v1 style): each device trains its own copy, started from the round's
+  snapshot; the copies are averaged by data weight at the end of the round.
+
+Each is a ``ServerSide``: the coordinator asks it for the copy a device trains, lets it take the
+step, tells it when a device is done and when the round ends. A new variant (the merged batch of
+MergeSFL, say) is a subclass registered in ``SERVER_SIDES``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from fedsga_edge.config import RunConfig
+from fedsga_edge.tensors import round_average_bn
+
+from .limits import all_finite
+
+__all__ = ["ServerCopy", "ServerSide", "SharedServer", "ContextServer", "PerClientServer", "SERVER_SIDES",
+           "make_server_side"]
+
+
+class ServerCopy:
+    """One trainable copy of the server side (blocks + the strategy's head) with its optimizer."""
+
+    def __init__(self, model: nn.Module, head: nn.Module, cfg: RunConfig) -> None:
+        self.model, self.head = model, head
+        tc = cfg.train
+        params = list(model.parameters()) + list(head.parameters())
+        lr = tc.lr if cfg.server_lr is None else cfg.server_lr
+        self.opt = torch.optim.SGD(params, lr=lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+
+
+class ServerSide:
+    """Base: one shared copy; subclasses change which copy a device trains and what a batch sees."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float]) -> None:
+        self.cfg = cfg
+        self.model, self.head = model, head
+        self.weight = weight  # device -> its weight in the copies' average
+        self.shared = ServerCopy(model, head, cfg)
+
+    def begin_round(self, snapshot: dict[str, Tensor]) -> None:
+        if self.cfg.server_bn == "round":
+            round_average_bn(self.model)  # the shared copy's statistics: this round's batches, averaged
+
+    def copy_for(self, device: str) -> ServerCopy:
+        """The copy this device's activations train (and its probes are measured on)."""
+        return self.shared
+
+    def context(self, device: str, k: int) -> list[Tensor]:
+        """Rows that join the device's batch in the BatchNorm statistics only."""
+        return []
+
+    def remember(self, device: str, k: int, z: Tensor) -> None:
+        """An accepted activation (after its step)."""
+
+    def step(self, device: str, z: Tensor, y: Tensor, k: int, strategy: Any) -> tuple[Tensor, Tensor | None]:
+        """One server step on the device's activation; fills ``z.grad``. A non-finite loss or gradient
+        undoes the forward's BatchNorm statistics and raises ValueError: nothing changes."""
+        side = self.copy_for(device)
+        z.requires_grad_(True)
+        side.model.train()
+        side.head.train()
+        side.opt.zero_grad(set_to_none=True)
+        buffers = [b for m in (side.model, side.head) for b in m.buffers()]
+        saved = [b.detach().clone() for b in buffers]  # BatchNorm statistics move in forward
+        context = self.context(device, k)
+        logits, Z = strategy.forward(side, torch.cat([z, *context]) if context else z, k)
+        if context:  # the other devices' rows only shape the batch statistics: no loss, no step of theirs
+            logits, Z = logits[: len(y)], (Z[: len(y)] if Z is not None else None)
+        loss = strategy.loss(logits, Z, y)
+        loss.backward()
+        params = [p for g in side.opt.param_groups for p in g["params"] if p.grad is not None]
+        if not (bool(torch.isfinite(loss)) and all_finite([z.grad, *(p.grad for p in params), *buffers])
+                and (Z is None or bool(torch.isfinite(Z).all()))):
+            with torch.no_grad():  # undo the forward's statistics; the step never happens
+                for b, old in zip(buffers, saved):
+                    b.copy_(old)
+            side.opt.zero_grad(set_to_none=True)
+            raise ValueError("the activation gives a non-finite loss or gradient: refused, nothing changed")
+        side.opt.step()
+        self.remember(device, k, z)
+        return loss, Z
+
+    def finish_device(self, device: str, depth: int) -> None:
+        """The device's update was accepted: its training on this side is over for the round."""
+
+    def end_round(self, snapshot: dict[str, Tensor]) -> None:
+        """Before aggregation: leave the server's result of the round in ``self.model`` / ``self.head``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"opt": self.shared.opt.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.shared.opt.load_state_dict(state["opt"])
+
+
+class SharedServer(ServerSide):
+    name = "shared"
+
+
+class ContextServer(SharedServer):
+    """The shared copy with other devices' latest activations in each batch's BatchNorm statistics."""
+
+    name = "shared+context"
+
+    def __init__(self, model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float]) -> None:
+        super().__init__(model, head, cfg, weight)
+        self.n = cfg.server_bn_context
+        # split -> device -> its latest accepted activation, most recent last; kept across rounds
+        self.rows: dict[int, dict[str, Tensor]] = {}
+
+    def context(self, device: str, k: int) -> list[Tensor]:
+        return [z for d, z in self.rows.get(k, {}).items() if d != device][-self.n:]
+
+    def remember(self, device: str, k: int, z: Tensor) -> None:
+        """Keep ``z`` as the device's latest at split k; n + 1 entries per split are all n others need."""
+        rows = self.rows.setdefault(k, {})
+        rows.pop(device, None)
+        rows[device] = z.detach().clone()
+        while len(rows) > self.n + 1:
+            rows.pop(next(iter(rows)))
+
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict() | {"bn_context": self.rows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.rows = {int(k): dict(rows) for k, rows in state.get("bn_context", {}).items()}
+
+
+class PerClientServer(ServerSide):
+    """Each device trains its own copy from the round's snapshot; copies averaged at the round's end."""
+
+    name = "per_client"
+
+    def __init__(self, model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float]) -> None:
+        super().__init__(model, head, cfg, weight)
+        self._snapshot: dict[str, Tensor] = {}
+        self._copies: dict[str, ServerCopy] = {}
+        self._sums: dict[str, Tensor] = {}
+        self._weights: dict[str, float] = {}
+
+    def begin_round(self, snapshot: dict[str, Tensor]) -> None:
+        super().begin_round(snapshot)
+        self._snapshot = snapshot
+        self._copies, self._sums, self._weights = {}, {}, {}
+
+    def copy_for(self, device: str) -> ServerCopy:
+        side = self._copies.get(device)
+        if side is None:
+            model, head = copy.deepcopy(self.model), copy.deepcopy(self.head)
+            model.load_state_dict(self._snapshot)
+            if self.cfg.server_bn == "round":
+                round_average_bn(model)
+            side = self._copies[device] = ServerCopy(model, head, self.cfg)
+        return side
+
+    @torch.no_grad()
+    def finish_device(self, device: str, depth: int) -> None:
+        """Add a finished device's copy to the data-weighted running sums, then drop it."""
+        side = self._copies.pop(device, None)
+        if side is None:
+            return
+        w = self.weight(device)
+        trained = [(n, v) for n, v in side.model.state_dict().items() if side.model.unit_of(n) >= depth]
+        trained += [("head:" + n, v) for n, v in side.head.state_dict().items()]
+        for n, v in trained:
+            self._sums[n] = self._sums.get(n, 0) + w * v.double()
+            self._weights[n] = self._weights.get(n, 0.0) + w
+
+    @torch.no_grad()
+    def end_round(self, snapshot: dict[str, Tensor]) -> None:
+        """The averaged copies become the server's copy that enters aggregation (SplitFed-v1 style)."""
+        def mean(key: str, like: Tensor) -> Tensor:
+            if key not in self._sums:
+                return like
+            m = self._sums[key] / self._weights[key]
+            return m.to(like.dtype) if like.is_floating_point() else m.round().to(like.dtype)
+
+        self.model.load_state_dict({n: mean(n, v) for n, v in snapshot.items()})
+        self.head.load_state_dict({n: mean("head:" + n, v) for n, v in self.head.state_dict().items()})
+        self._copies.clear()
+
+
+SERVER_SIDES: dict[str, type[ServerSide]] = {"shared": SharedServer, "per_client": PerClientServer}
+
+
+def make_server_side(model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float]) -> ServerSide:
+    if cfg.server_copies == "shared" and cfg.server_bn_context:
+        return ContextServer(model, head, cfg, weight)
+    if cfg.server_copies not in SERVER_SIDES:
+        raise ValueError(f"--server-copies must be one of {', '.join(SERVER_SIDES)} (got {cfg.server_copies!r})")
+    return SERVER_SIDES[cfg.server_copies](model, head, cfg, weight)

@@ -1,0 +1,35 @@
+"""SplitFed: every device at one split, the same every round."""
+
+from __future__ import annotations
+
+from fedsga_edge.config import RunConfig
+from fedsga_edge.method.policy import reference_index
+
+from ..strategy import Method, Strategy, register_strategy
+
+
+@register_strategy
+class Static(Strategy):
+    name = "static"
+    help = "SplitFed: every device at --split"
+    label = "Static at p_ref (SplitFed)"
+
+    def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
+        super().__init__(cfg, num_splits, clients, train_flops)
+        if not 1 <= cfg.split <= num_splits:
+            raise ValueError(f"--split must be in 1..{num_splits} for {cfg.model}")
+
+    @classmethod
+    def methods(cls) -> dict[str, Method]:
+        return {"static-p1": Method("Static at p_1 (shallowest)", split="1", default=False),
+                "static": Method(cls.label, split="ref"),
+                "static-pK": Method("Static at p_K (deepest)", split="K", default=False)}
+
+    @classmethod
+    def method_name(cls, cfg: RunConfig, num_splits: int) -> str:
+        if not num_splits or cfg.split == reference_index(num_splits):
+            return "static"
+        return "static-p1" if cfg.split == 1 else "static-pK" if cfg.split == num_splits else f"static-k{cfg.split}"
+
+    def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
+        return {c: self.cfg.split for c in clients}
