@@ -1,4 +1,7 @@
-"""Files a long-lived service writes: JSON-lines event logs and atomically replaced files.
+"""Files a run writes: its run files, JSON-lines event logs and atomically replaced files.
+
+``RunFiles`` is the one place ``config.json``, ``metrics.jsonl`` and ``summary.json`` are written,
+for ``simulate`` and the coordinator service alike (coordinator/driver.py drives both).
 
 Field runs are read by machines after the fact (grep, jq, the report), so each log line is one
 JSON object ``{"ts", "level", "event", ...fields}`` rather than free text; thread-safe, because
@@ -18,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["JsonLog", "atomic_write", "atomic_torch_save"]
+__all__ = ["JsonLog", "RunFiles", "atomic_write", "atomic_torch_save"]
 
 LEVELS = ("debug", "info", "warning", "error")
 
@@ -106,3 +109,43 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
     buf = io.BytesIO()
     torch.save(obj, buf)
     atomic_write(path, buf.getvalue())
+
+
+class RunFiles:
+    """``config.json`` (the run's settings), ``metrics.jsonl`` (one record per round, flushed as it
+    ends, so a killed run keeps its rounds) and ``summary.json`` under ``run_dir``."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._metrics: TextIO | None = None
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.dir / "metrics.jsonl"
+
+    def write_config(self, info: dict[str, Any]) -> None:
+        atomic_write(self.dir / "config.json", json.dumps(info, indent=2))
+
+    def open_metrics(self, *, append: bool) -> None:
+        """Start ``metrics.jsonl`` afresh, or go on after the lines a resume rewrote."""
+        self.close_metrics()
+        self._metrics = self.metrics_path.open("a" if append else "w")
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        if self._metrics is None:
+            raise RuntimeError("open_metrics() first")
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+
+    def rewrite_metrics(self, records: list[dict[str, Any]]) -> None:
+        """Replace ``metrics.jsonl`` with ``records`` (a resume: each round listed once)."""
+        atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in records))
+
+    def close_metrics(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        atomic_write(self.dir / "summary.json", json.dumps(summary, indent=2))

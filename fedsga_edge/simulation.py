@@ -2,23 +2,27 @@
 
 This is wiring, not core: it is the one place (with the CLI) that imports both roles. The roles
 exchange real encoded messages through the transport, so the bytes counted are the wire's bytes.
-Devices run concurrently under a deterministic scheduler (``RunConfig.schedule``): each turn
-advances one device by one request (one local batch), so the coordinator answers the devices'
-activations interleaved, as it would from real devices in arrival order.
+Rounds run through the coordinator's one round driver (coordinator/driver.py), the same one the
+coordinator service uses, with a virtual clock and an in-process scheduler: devices run
+concurrently under a deterministic schedule (``RunConfig.schedule``), each turn advancing one
+device by one request (one local batch), so the coordinator answers the devices' activations
+interleaved, as it would from real devices in arrival order.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from fedsga_edge.config import RunConfig
+from fedsga_edge.coordinator.checkpoint import CheckpointWriter
+from fedsga_edge.coordinator.clock import Clock, VirtualClock
+from fedsga_edge.coordinator.driver import RoundDriver
+from fedsga_edge.coordinator.scheduling import InProcessScheduler
 from fedsga_edge.data import DatasetBundle
 from fedsga_edge.runbuild import (
     COORDINATOR,
@@ -31,6 +35,7 @@ from fedsga_edge.runbuild import (
     summarize,
     validate_config,
 )
+from fedsga_edge.runfiles import RunFiles
 from fedsga_edge.transport import LoopbackTransport, Peer
 
 __all__ = ["Simulation", "run_simulation", "validate_config", "resolve_device"]
@@ -40,8 +45,10 @@ class Simulation:
     """Builds everything for a run; ``rounds()`` yields one metrics record per round."""
 
     def __init__(self, cfg: RunConfig, bundle: DatasetBundle | None = None, *, backend: str = "torch",
-                 artifacts: str | Path | None = None) -> None:
-        """``backend="onnx"`` runs every device on the torch-free ONNX backend (``export --train`` artifacts)."""
+                 artifacts: str | Path | None = None, clock: Clock | None = None) -> None:
+        """``backend="onnx"`` runs every device on the torch-free ONNX backend (``export --train`` artifacts);
+        ``clock`` (default: a ``VirtualClock`` advanced by each device step's measured time) is what
+        ``--round-timeout`` and ``round_s`` are measured on."""
         plan = plan_run(cfg, bundle)
         self.cfg, self.bundle, self.device = cfg, plan.bundle, plan.device
         self.parts, self.client_ids = plan.parts, plan.client_ids
@@ -53,7 +60,6 @@ class Simulation:
         run_id = default_run_id(cfg)
         fmt = peer_format(cfg)  # --wire-format: per-batch tensors only (docs/protocol.md, "Messages")
         self.peer = Peer(self.transport, COORDINATOR, run_id, tensor_format=fmt)
-        self.peer.register(self.coordinator.receive)
         self.clients = []
         for i, cid in enumerate(self.client_ids):
             cpeer = Peer(self.transport, cid, run_id, tensor_format=fmt)
@@ -61,56 +67,18 @@ class Simulation:
             cpeer.register(client.handle)
             self.clients.append(client)
         self.schedule_rng = np.random.default_rng([cfg.seed, 13])
+        self.scheduler = InProcessScheduler(self.clients, cfg.schedule, self.schedule_rng)
+        b = self.bundle
+        self.driver = RoundDriver(self.coordinator, self.peer, clock or VirtualClock(), self.scheduler,
+                                  test=(b.test, b.mean, b.std))
+        self.peer.register(self.driver.receive)
 
     def run_round(self, t: int) -> dict[str, Any]:
-        """Start every device at once, step them under the schedule, close the round, aggregate."""
-        co = self.coordinator
-        for cid, body in co.begin_round(t).items():
-            try:
-                self.peer.send(cid, "round_start", t, body)
-            except Exception as exc:  # an unreachable device must not stop the round
-                co.fail(cid, f"round_start not delivered: {type(exc).__name__}: {exc}")
-        active = [c for c in self.clients if c.busy]
-        schedule = self.cfg.schedule
-        while active and not co.tick():
-            if schedule == "sequential":
-                client = active[0]
-            elif schedule == "random":
-                client = active[int(self.schedule_rng.integers(len(active)))]
-            else:  # round-robin: one request per device in turn
-                client = active.pop(0)
-                active.append(client)
-            if not self._step(client):
-                active.remove(client)
-        for client in active:  # the deadline passed: what they still hold is dropped
-            client.abort()
-        return co.end_round()
-
-    def _step(self, client: Any) -> bool:
-        try:
-            more = client.step()
-        except Exception as exc:  # a broken device must not stop the round
-            client.abort()
-            self.coordinator.fail(client.cid, f"{type(exc).__name__}: {exc}")
-            return False
-        if not more and client.last_error:
-            self.coordinator.fail(client.cid, client.last_error)
-        return more
+        """Start every device at once, step them under the schedule, close the round, aggregate, evaluate."""
+        return self.driver.run_round(t)
 
     def rounds(self) -> Iterator[dict[str, Any]]:
-        cfg, co, b = self.cfg, self.coordinator, self.bundle
-        stats = self.transport.stats
-        for t in range(1, cfg.rounds + 1):
-            up0 = sum(stats.bytes_sent(src=c) for c in self.client_ids)
-            down0 = stats.bytes_sent(src=COORDINATOR)
-            started = time.perf_counter()
-            rec = self.run_round(t)
-            rec["bytes_up"] = sum(stats.bytes_sent(src=c) for c in self.client_ids) - up0
-            rec["bytes_down"] = stats.bytes_sent(src=COORDINATOR) - down0
-            if t % cfg.eval_every == 0 or t == cfg.rounds:
-                rec.update(co.evaluate(b.test, b.mean, b.std))
-            rec["wall_s"] = time.perf_counter() - started
-            yield rec
+        return self.driver.rounds()
 
 
 def run_simulation(
@@ -120,31 +88,18 @@ def run_simulation(
     bundle: DatasetBundle | None = None,
     on_round: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run all rounds; write ``config.json``, ``metrics.jsonl`` and ``summary.json`` under ``out``."""
+    """Run all rounds; write ``config.json``, ``metrics.jsonl``, ``summary.json`` and ``checkpoint.pt`` under ``out``.
+
+    The checkpoint holds the global weights (loadable by ``create_model(..., pretrained=...)`` and
+    ``export --checkpoint``) plus the coordinator's own state (harmonizer, prototypes, estimator,
+    calibration pairs); it is not resumable (coordinator/checkpoint.py).
+    """
     started = time.perf_counter()
     sim = Simulation(cfg, bundle)
-    out_dir = Path(out) if out is not None else None
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(json.dumps(sim.run_info, indent=2))
-        metrics = (out_dir / "metrics.jsonl").open("w")
-    records = []
-    try:
-        for rec in sim.rounds():
-            records.append(rec)
-            if out_dir is not None:
-                metrics.write(json.dumps(rec) + "\n")
-                metrics.flush()
-            if on_round is not None:
-                on_round(rec)
-    finally:
-        if out_dir is not None:
-            metrics.close()
-    summary = summarize(records, cfg, time.perf_counter() - started)
-    if out_dir is not None:
-        # Global model weights (loadable by `create_model(..., pretrained=...)` and `export --checkpoint`)
-        # plus the coordinator's own state (harmonizer, prototypes, estimator, calibration pairs).
-        torch.save({"model": sim.model.state_dict(), "arch": cfg.model, "coordinator": sim.coordinator.state_dict()},
-                   out_dir / "checkpoint.pt")
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    files = None
+    if out is not None:
+        files = RunFiles(out)
+        files.write_config(sim.run_info)
+        sim.driver.checkpoints = CheckpointWriter(files.dir / "checkpoint.pt", cfg, resumable=False)
+    return sim.driver.run(lambda records, wall_s: summarize(records, cfg, wall_s), files=files, started=started,
+                          on_round=on_round)

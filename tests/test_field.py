@@ -91,7 +91,8 @@ def test_three_agents_two_rounds_then_a_restart_keeps_private_state(digits, tmp_
     assert saved["rounds"] == 2 and saved["final_acc"] == summary["final_acc"] == rows[-1]["test_acc"]
     assert set(saved["devices"]) == ids and saved["failures"] == 0
     ckpt = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=True)
-    assert ckpt["round"] == 2 and ckpt["arch"] == "resnet18_cifar" and "estimator" in ckpt["coordinator"]
+    assert ckpt["round"] == 2 and ckpt["arch"] == "resnet18_cifar"
+    assert ckpt["coordinator"].keys() == service.co.state_dict().keys()  # whatever the coordinator's state holds
     events = [json.loads(line) for line in (run / "coordinator.log").read_text().splitlines()]
     assert all({"ts", "level", "event"} <= set(e) for e in events)
     names = [e["event"] for e in events]

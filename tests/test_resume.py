@@ -87,7 +87,7 @@ def test_a_resumed_run_keeps_the_servers_batchnorm_context(digits, tmp_path) -> 
     assert sorted(saved[cfg.split]) == ["client-000", "client-001"]  # n + 1 rows kept at the split
     resumed = coordinator_service(tiny(clients=2, strategy="static", server_bn_context=1), LoopbackTransport(),
                                   tmp_path / "run", bundle=digits, resume=True)
-    back = resumed.co.bn_context
+    back = resumed.co.server.rows
     assert back.keys() == saved.keys() and all(
         back[k].keys() == rows.keys() and all(torch.equal(back[k][d], z) for d, z in rows.items())
         for k, rows in saved.items())

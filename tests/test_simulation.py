@@ -13,6 +13,7 @@ from _runs import tiny_config
 import torch
 
 from fedsga_edge.config import FedSGAConfig, TrainConfig
+from fedsga_edge.coordinator.clock import VirtualClock
 from fedsga_edge.simulation import Simulation, run_simulation
 from fedsga_edge.transport import Peer
 from fedsga_edge.wire import decode
@@ -58,6 +59,20 @@ def test_same_seed_same_run(digits) -> None:
     for ra, rb in zip(a, b):
         assert ra["test_acc"] == rb["test_acc"] and ra["train_loss"] == rb["train_loss"]
         assert ra["bytes_up"] == rb["bytes_up"]
+
+
+def test_the_deadline_falls_on_the_simulations_virtual_clock(digits) -> None:
+    """One virtual second per device step and a 2.5 s deadline: each of three devices sends one
+    activation, then all miss the deadline, every run alike (a real clock would drop them anywhere)."""
+    runs = []
+    for _ in range(2):
+        sim = Simulation(tiny(rounds=1, round_timeout=2.5), digits, clock=VirtualClock(per_step=1.0))
+        rec = next(sim.rounds())
+        assert rec["failures"] == {c: "missed the round deadline" for c in sim.client_ids} and rec["splits"] == {}
+        assert rec["round_s"] == 3.0 and not any(c.busy for c in sim.clients)
+        runs.append(rec["bytes_up"])
+    per_activation = 32 * int(np.prod(sim.model.interface_shape(sim.model.depth_of(2)))) * 4
+    assert runs[0] == runs[1] and 3 * per_activation < runs[0] < 4 * per_activation
 
 
 def test_bytes_counted_are_the_wire_bytes(digits) -> None:
@@ -211,13 +226,13 @@ def test_per_client_server_copies_average_the_server_side(digits) -> None:
     sim = Simulation(tiny(clients=2, rounds=1, server_copies="per_client", fedsga=FedSGAConfig()), digits)
     co = sim.coordinator
     seen = []
-    on_update = co._on_update
+    on_update = co._handlers["update"]
 
     def spy(msg):
-        seen.append((float(co.clients[msg.sender]), co._copies[msg.sender].model.blocks[4].layer[0].conv1.weight.detach().clone()))
+        seen.append((float(co.clients[msg.sender]), co.server.copy_for(msg.sender).model.blocks[4].layer[0].conv1.weight.detach().clone()))
         return on_update(msg)
 
-    co._on_update = spy
+    co._handlers["update"] = spy
     next(sim.rounds())
     (n1, w1), (n2, w2) = seen
     # blocks[4] runs only on the server at split 2, so the global value is exactly the weighted mean.
