@@ -1,21 +1,52 @@
 """Export artifacts shared by the export / backward / device / profile tests, built once per run.
 
-Exports cost seconds each on a 2-core machine, so every test module asks this cache instead of
-exporting its own copy (a module-level cache: pytest fixtures in separate modules would rebuild).
+Exports cost seconds each on a 2-core machine (the train export about two minutes), so every test
+module asks this cache instead of exporting its own copy (a module-level cache: pytest fixtures in
+separate modules would rebuild). Under pytest-xdist the workers share one folder for the run
+(``FEDSGA_TEST_SHARED``, made by tests/conftest.py before the workers start): the first worker to ask
+builds an artifact under a file lock, the others wait for it and read the same files. Tests only
+read these folders (a test that changes a file copies the folder first).
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
+import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
 
 _CACHE: dict[str, Path] = {}
-_ROOT = Path(tempfile.mkdtemp(prefix="fedsga-export-tests-"))
-atexit.register(shutil.rmtree, _ROOT, True)
+
+
+def _root() -> Path:
+    """The run's shared folder (conftest.py), or a private one when this module is used outside pytest."""
+    shared = os.environ.get("FEDSGA_TEST_SHARED")
+    if shared:
+        return Path(shared)
+    root = Path(tempfile.mkdtemp(prefix="fedsga-export-tests-"))
+    atexit.register(shutil.rmtree, root, True)
+    os.environ["FEDSGA_TEST_SHARED"] = str(root)
+    return root
+
+
+def _built(name: str, build: Callable[[Path], None]) -> Path:
+    """``root/name``, built by ``build(folder)`` once per run whichever process asks first."""
+    if name not in _CACHE:
+        root = _root()
+        out = root / name
+        with open(root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (also if the build fails)
+            if not (root / f"{name}.done").exists():
+                shutil.rmtree(out, ignore_errors=True)  # a build that failed in another worker
+                build(out)
+                (root / f"{name}.done").touch()
+        _CACHE[name] = out
+    return _CACHE[name]
 
 # The "must show" command: resnet18_cifar at width 0.25, every candidate split, plus fp16 and int8
 # on the bundled digits data (small calibration / evaluation sets to stay fast).
@@ -53,15 +84,14 @@ def cli_app() -> typer.Typer:
 
 def must_show_artifacts() -> Path:
     """DIR from `fedsga-edge export --model resnet18_cifar --width 0.25 --out DIR` (+ fp16, int8)."""
-    if "must_show" not in _CACHE:
+    def build(out: Path) -> None:
         from typer.testing import CliRunner
 
-        out = _ROOT / "resnet18_cifar_w025"
         result = CliRunner().invoke(cli_app(), [*MUST_SHOW_ARGS, "--out", str(out)])
         assert result.exit_code == 0, result.output
         (out / "export.log").write_text(result.output)
-        _CACHE["must_show"] = out
-    return _CACHE["must_show"]
+
+    return _built("resnet18_cifar_w025", build)
 
 
 def train_artifacts() -> Path:
@@ -69,15 +99,14 @@ def train_artifacts() -> Path:
     tests use splits 1 and 2 (split 2: stem, layer1, layer2: strided and 1x1 convs, BN; two runners of
     one device share one state), the ONNX device tests all three (FedSGA may pick any split). One export
     for all of them: it is the slowest fixture of the suite."""
-    if "train" not in _CACHE:
+    def build(out: Path) -> None:
         from fedsga_edge.export.pipeline import ExportConfig, export_prefixes
 
-        out = _ROOT / "resnet18_cifar_w025_train"
         manifest = export_prefixes(ExportConfig(model="resnet18_cifar", width=0.25, out=out, train=True),
                                    log=lambda _: None)
         assert all(p["valid"] for p in manifest["prefixes"]), manifest
-        _CACHE["train"] = out
-    return _CACHE["train"]
+
+    return _built("resnet18_cifar_w025_train", build)
 
 
 def device_artifacts() -> Path:

@@ -1,5 +1,11 @@
 """Shared test setup."""
 
+import fcntl
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import torch
 
 # Tests run tiny models; one intra-op thread avoids oversubscription when other work shares the
@@ -9,6 +15,8 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
+_SHARED = pytest.StashKey[str]()
+
 
 @pytest.fixture(scope="session")
 def digits():
@@ -16,3 +24,47 @@ def digits():
     from fedsga_edge.data import load_dataset
 
     return load_dataset("digits")
+
+
+# -- one folder per run, shared by pytest-xdist's workers ------------------------------------------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``FEDSGA_TEST_SHARED``: one folder per run for what is built once and shared (the exports of
+    tests/_export_artifacts.py) and for the locks below. Made by the main process before pytest-xdist
+    starts its workers, which inherit it through the environment; removed when the run ends."""
+    if hasattr(config, "workerinput") or os.environ.get("FEDSGA_TEST_SHARED"):
+        return
+    root = tempfile.mkdtemp(prefix="fedsga-tests-")
+    os.environ["FEDSGA_TEST_SHARED"] = root
+    config.stash[_SHARED] = root
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    root = config.stash.get(_SHARED, None)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
+        os.environ.pop("FEDSGA_TEST_SHARED", None)
+
+
+# -- tests that measure time run alone -------------------------------------------------------------------
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Under pytest-xdist, a test marked ``exclusive`` (it measures latency against a fixed bound) runs
+    while no other worker runs a test: every test holds a shared lock from its setup to its teardown, an
+    exclusive one the exclusive lock. A turnstile in front keeps the workers from starving it (a waiting
+    exclusive test holds it, so the others' next tests queue behind it)."""
+    root = os.environ.get("FEDSGA_TEST_SHARED")
+    if not root or not os.environ.get("PYTEST_XDIST_WORKER"):
+        return (yield)
+    exclusive = item.get_closest_marker("exclusive") is not None
+    with open(Path(root) / "turnstile.lock", "w") as gate, open(Path(root) / "running.lock", "w") as running:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        if not exclusive:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        fcntl.flock(running, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if exclusive:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        return (yield)  # the files close (and the locks go) after the test's teardown

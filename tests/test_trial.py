@@ -102,6 +102,7 @@ time.sleep(60)
 
 @needs_embedded
 @pytest.mark.timeout(120)
+@pytest.mark.exclusive  # the median round trip < 25 ms below
 def test_embedded_broker_is_loopback_only_carries_big_messages_keeps_status_and_will_and_stops(tmp_path) -> None:
     import paho.mqtt.client as paho
     from _broker_probe import wait_retained
