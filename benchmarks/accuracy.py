@@ -54,47 +54,25 @@ MATERIALIZE = REPO.parent / "shared" / "data" / "cifar10" / "materialize.py"
 # Real Office-31 at 32 px with domain ids (d_train, d_test, domains).
 OFFICE31_NPZ = REPO.parent / "shared" / "data" / "office31" / "office31_32.npz"
 
-# method name -> (strategy, FedSGAConfig overrides); "static" runs at p_ref (SplitFed),
-# "static-p1" / "static-pK" at the shallowest / deepest candidate (see STATIC_AT)
-METHODS: dict[str, tuple[str, dict[str, bool]]] = {
-    "fedavg": ("fedavg", {}),
-    "fedprox": ("fedprox", {}),
-    "static": ("static", {}),
-    "static-p1": ("static", {}),
-    "static-pK": ("static", {}),
-    "random": ("random", {}),
-    "resource": ("resource", {}),
-    "fedsga": ("fedsga", {}),
-    "fedsga-no-adapt": ("fedsga", {"adapt": False}),
-    "fedsga-no-estimator": ("fedsga", {"estimator": False}),
-    "fedsga-no-harmonizer": ("fedsga", {"harmonizer": False}),
-}
-# Static methods pinned to another depth than p_ref: "1" is p_1, "K" the model's last candidate.
-STATIC_AT: dict[str, str] = {"static-p1": "1", "static-pK": "K"}
-MAIN_METHODS = ["fedavg", "fedprox", "static-p1", "static", "static-pK", "random", "resource", "fedsga"]
-ABLATIONS = ["fedsga", "fedsga-no-adapt", "fedsga-no-estimator", "fedsga-no-harmonizer"]
-DEFAULT_METHODS = ["fedsga", "static", "random", "resource", "fedavg", "fedprox",
-                   "fedsga-no-adapt", "fedsga-no-estimator", "fedsga-no-harmonizer"]
-LABELS = {
-    "fedavg": "FedAvg (whole model on the client)",
-    "fedprox": "FedProx",
-    "static": "Static at p_ref (SplitFed)",
-    "static-p1": "Static at p_1 (shallowest)",
-    "static-pK": "Static at p_K (deepest)",
-    "random": "Random split",
-    "resource": "Resource-driven (MultiSFL-style)",
-    "fedsga": "**FedSGA**",
-    "fedsga-no-adapt": "w/o adaptation channel",
-    "fedsga-no-estimator": "w/o estimator (all at p_ref)",
-    "fedsga-no-harmonizer": "w/o harmonizer",
-}
+# Methods come from the strategy registry (coordinator/strategies): each strategy contributes its
+# named variants with their label, table group and RunConfig overrides ("static-p1" pins static's
+# split to p_1, "fedsga-no-adapt" switches FedSGA's adaptation channel off). A new strategy appears
+# here, in the tables and in the report with no edit of this file.
+from fedsga_edge.coordinator.strategy import all_methods  # noqa: E402  (torch-free)
 
+REGISTERED = all_methods()  # method -> (strategy, Method), in registration order
+METHODS: list[str] = list(REGISTERED)
+LABELS: dict[str, str] = {m: spec.label for m, (_, spec) in REGISTERED.items()}
+MAIN_METHODS = [m for m, (_, spec) in REGISTERED.items() if spec.group == "main"]
+# Table 4: each strategy with ablations, its own full method first
+ABLATIONS = [m for s in dict.fromkeys(s for s, spec in REGISTERED.values() if spec.group == "ablation")
+             for m in [s] + [m for m, (s2, spec) in REGISTERED.items() if s2 == s and spec.group == "ablation"]]
+DEFAULT_METHODS = [m for m, (_, spec) in REGISTERED.items() if spec.default]
 
 # Run options every run of the plan sets itself (the rest are the preset's or a flag's).
 PLANNED = ("dataset", "data_root", "partition", "alpha", "strategy", "split", "seed", "eval_every")
 # The benchmark's scale over the options' declared defaults (simulate's parameter names and spellings).
 BENCH_RUN: dict[str, Any] = {"width": 0.25, "clients": 10, "rounds": 10, "local_epochs": 1, "device": "cpu"}
-
 
 @dataclass
 class Preset:
@@ -223,8 +201,8 @@ def reference_split(model: str, width: float | None) -> int:
 
 
 def method_split(method: str, p_ref: int, K: int) -> int:
-    """The split a static method runs at: p_ref, unless STATIC_AT pins it to p_1 or p_K."""
-    return {"1": 1, "K": K}.get(STATIC_AT.get(method, ""), p_ref)
+    """The split a method runs at when it fixes one: p_ref, unless its Method pins it to p_1 or p_K."""
+    return {"1": 1, "K": K}.get(all_methods()[method][1].split or "", p_ref)
 
 
 def make_config(p: Preset, method: str, partition: str, seed: int, split: int, spec: str, data_root: str | None,
@@ -233,7 +211,7 @@ def make_config(p: Preset, method: str, partition: str, seed: int, split: int, s
     from fedsga_edge.cli.runflags import config_from_flags
     from fedsga_edge.options import override
 
-    strategy, fed = METHODS[method]
+    strategy, spec = all_methods()[method]  # the registry as it is now (a strategy registered after import too)
     kind, alpha = parse_partition(partition)
     run = p.settings() | flags
     cfg = config_from_flags(run | {
@@ -241,7 +219,7 @@ def make_config(p: Preset, method: str, partition: str, seed: int, split: int, s
         "strategy": strategy, "split": split, "seed": seed,
         # the simulation evaluates only the final round (full test set); the benchmark adds subset evals
         "eval_every": run["rounds"]}, strict=False)
-    return override(cfg, {"train.mu": 0.01 if strategy == "fedprox" else 0.0} | {f"fedsga.{k}": v for k, v in fed.items()})
+    return override(cfg, {"train.mu": 0.0} | spec.overrides)
 
 
 def plan(p: Preset, spec: str, data_root: str | None, **flags: Any) -> list[dict[str, Any]]:
@@ -344,7 +322,7 @@ def all_k_probe_flops(sim: Any, records: list[dict[str, Any]]) -> int:
     Same probe batch as FedSGA's calibration (one batch per client), one client forward to the
     deepest candidate p_K (it yields every interface) and one server forward from each p_k.
     """
-    if sim.cfg.strategy != "fedsga" or not sim.cfg.fedsga.estimator:
+    if not sim.strategy.calibrates(1):  # only a calibrating strategy probes
         return 0
     K = sim.model.num_splits
     per_sample = sim.costs.prefix_fwd(K) + sum(sim.costs.suffix_fwd(k) for k in range(1, K + 1))
@@ -598,9 +576,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for r in runs:
             c = r["config"]
             done = (out / r["dir"] / "summary.json").exists()
-            flags = {k: v for k, v in vars(c.fedsga).items() if k in ("adapt", "estimator", "harmonizer")}
-            print(f"  {r['dir']:<40} strategy={c.strategy} split={c.split if c.strategy == 'static' else '-'} "
-                  f"{f'fedsga={flags} ' if c.strategy == 'fedsga' else ''}"
+            spec = REGISTERED[r["method"]][1]
+            print(f"  {r['dir']:<40} strategy={c.strategy} split={c.split if spec.split else '-'} "
+                  f"{f'overrides={spec.overrides} ' if spec.overrides else ''}"
                   f"partition={c.partition}{'' if c.partition == 'iid' else f'({c.alpha:g})'}{'  [done]' if done else ''}")
         print("per-run config (first run): " + json.dumps(runs[0]["config"].to_dict()))
         return {"plan": [{k: v for k, v in r.items() if k != "config"} for r in runs], "scale": scale}

@@ -115,9 +115,13 @@ class CoordinatorSide:
 
     def run_info(self) -> dict[str, Any]:
         """``config.json`` as ``run_simulation`` writes it."""
+        from fedsga_edge.coordinator import method_of
+
         cfg = self.plan.cfg
+        # "method": the name, label and table group the benchmark and the report show (the strategy's)
+        method = method_of(cfg, self.model.num_splits) | {"adaptive": self.strategy.adaptive}
         return cfg.to_dict() | {"resolved_device": str(self.plan.device), "candidate_depths": list(self.model.splits),
-                                "client_sizes": self.plan.sizes} | self.strategy.info()
+                                "client_sizes": self.plan.sizes, "method": method} | self.strategy.info()
 
 
 def plan_run(cfg: RunConfig, bundle: DatasetBundle | None = None, *, seed_globals: bool = True,

@@ -1,6 +1,8 @@
 """The built-in strategies: one module each, registered on import.
 
-This file is the registry's list: a new strategy is its module plus one line here.
+This file is the registry's list: a new strategy is its module plus one line here. The order is
+the order of the benchmark's and the report's tables.
 """
 
-from . import fedavg, fedprox, fedsga, random_split, resource, static  # noqa: F401  (registration)
+# isort: off
+from . import fedavg, fedprox, static, random_split, resource, fedsga  # noqa: F401  (registration)

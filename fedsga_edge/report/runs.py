@@ -26,7 +26,7 @@ __all__ = [
     "partition_name",
 ]
 
-ADAPTIVE = ("fedsga", "random", "resource")  # strategies whose split differs per client and round
+ADAPTIVE = ("fedsga", "random", "resource")  # runs whose config.json predates its "method" entry
 # Which fields of config.json make two runs different experiments (shown in a group's label when
 # the runs given differ in them); method, partition and seed are the grouping itself.
 SETTING_KEYS = ("dataset", "model", "width", "clients", "rounds")
@@ -54,6 +54,9 @@ class Run:
 
     @property
     def adaptive(self) -> bool:
+        method = self.config.get("method")
+        if isinstance(method, dict) and isinstance(method.get("adaptive"), bool):
+            return method["adaptive"]  # the strategy said so (config.json since the strategy registry)
         return self.strategy in ADAPTIVE
 
     def setting(self) -> dict[str, Any]:
@@ -98,7 +101,11 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def method_name(config: dict[str, Any]) -> str:
-    """``benchmarks/accuracy.py``'s method name: the strategy, and for FedSGA each ablation switched off."""
+    """``benchmarks/accuracy.py``'s method name, as the strategy recorded it in config.json; runs made
+    before config.json carried it: the strategy, and for FedSGA each ablation switched off."""
+    method = config.get("method")
+    if isinstance(method, dict) and isinstance(method.get("name"), str) and method["name"]:
+        return method["name"]
     strategy = str(config.get("strategy", ""))
     if strategy == "static":  # at p_ref "static"; the benchmark's "static-p1" / "static-pK" otherwise
         K, split = len(config.get("candidate_depths") or []), config.get("split")

@@ -1,0 +1,106 @@
+"""Tests that follow the strategy registry: every registered strategy runs a round in ``simulate`` and
+in a field run (coordinator service + device agents), and a throwaway strategy defined here reaches
+``simulate --help``, the accuracy benchmark and the report with no other edit."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import typer
+from _bench import load_bench
+from _runs import tiny_config
+from typer.testing import CliRunner
+
+from fedsga_edge.coordinator import strategy as registry
+from fedsga_edge.coordinator.strategy import Method, Strategy, list_strategies, register_strategy
+from fedsga_edge.runbuild import coordinator_service, device_agent
+from fedsga_edge.simulation import run_simulation
+from fedsga_edge.transport import LoopbackTransport
+
+WAIT = 240
+
+
+@pytest.mark.parametrize("name", list_strategies())
+def test_every_registered_strategy_runs_a_round_in_simulate(name, digits, tmp_path) -> None:
+    summary = run_simulation(tiny_config(name, clients=2, rounds=1, max_batches=2), tmp_path, bundle=digits)
+    config = json.loads((tmp_path / "config.json").read_text())
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert summary["rounds"] == 1 and summary["failures"] == 0
+    assert sorted(records[0]["splits"]) == ["client-000", "client-001"]  # both devices' updates arrived
+    assert config["method"]["name"] in registry.all_methods() and config["method"]["label"]
+
+
+@pytest.mark.parametrize("name", list_strategies())
+def test_every_registered_strategy_runs_a_round_in_the_field_service(name, digits, tmp_path) -> None:
+    """The coordinator service and two device agents (real time, loopback transport): all devices finish."""
+    cfg = tiny_config(name, clients=2, rounds=1, max_batches=2)
+    cfg.round_timeout = 120.0
+    transport = LoopbackTransport()
+    service = coordinator_service(cfg, transport, tmp_path / "run", bundle=digits, register_timeout=60)
+    service.start()
+    agents = []
+    try:
+        for i in range(cfg.clients):
+            agent = device_agent(cfg, i, transport, tmp_path / f"state-{i}", bundle=digits)
+            agent.start(timeout=30)
+            agents.append(agent)
+        service.wait(WAIT)
+    finally:
+        for a in agents:
+            a.stop()
+    (rec,) = service.records
+    assert rec["failures"] == {} and sorted(rec["splits"]) == ["client-000", "client-001"]
+
+
+# -- a throwaway strategy: one class and its registration, nothing else ----------------------------
+class Shallowest(Strategy):
+    """Every device at p_1, its update counted once whatever its data size."""
+
+    name = "shallowest-test"
+    help = "throwaway test strategy: everyone at p_1, equal weights"
+    label = "Shallowest (test)"
+
+    @classmethod
+    def methods(cls) -> dict[str, Method]:
+        return {cls.name: Method(cls.label, default=False)}
+
+    def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
+        return {c: 1 for c in clients}
+
+    def weight(self, num_samples: int) -> float:
+        return 1.0
+
+
+@pytest.fixture
+def throwaway() -> Iterator[type[Strategy]]:
+    register_strategy(Shallowest)
+    try:
+        yield Shallowest
+    finally:
+        registry._REGISTRY.pop(Shallowest.name, None)
+
+
+def test_a_new_strategy_appears_in_help_benchmark_and_report(throwaway, digits, tmp_path) -> None:
+    from fedsga_edge.cli import simulate
+
+    app = typer.Typer()
+    simulate.register(app)  # the command's options are built from the registry as it is now
+    res = CliRunner().invoke(app, ["simulate", "--help"], env={"COLUMNS": "400", "NO_COLOR": "1", "TERM": "dumb"})
+    assert res.exit_code == 0 and "shallowest-test" in res.output and "everyone at p_1" in res.output
+
+    bench = load_bench("accuracy")
+    methods = registry.all_methods()
+    assert methods["shallowest-test"] == ("shallowest-test", Shallowest.methods()["shallowest-test"])
+    cfg = bench.make_config(bench.PRESETS["cpu"], "shallowest-test", "iid", 3, 1, "digits", None)
+    assert cfg.strategy == "shallowest-test" and cfg.seed == 3
+
+    run = tmp_path / "runs" / "shallowest"
+    summary = run_simulation(tiny_config("shallowest-test", clients=2, rounds=1, max_batches=2), run, bundle=digits)
+    assert summary["split_histogram"] == {"1": 2}  # the strategy's own assignment reached the devices
+    from fedsga_edge.report import build_report
+
+    report = build_report([run], out=tmp_path / "report")
+    html = (tmp_path / "report" / "report.html").read_text()
+    assert report is not None and "shallowest-test" in html
