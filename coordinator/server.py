@@ -22,16 +22,15 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from fedsga_edge.config import RunConfig
-from fedsga_edge.method import reference_index
 from fedsga_edge.method.aggregation import DeviceUpdate, aggregate_round, group_by_unit
 from fedsga_edge.models import CostTable, SplitModel
-from fedsga_edge.tensors import from_numpy, image_batch, to_numpy, to_numpy_state
+from fedsga_edge.tensors import from_numpy, to_numpy, to_numpy_state
 from fedsga_edge.wire import Message, RemoteProtocolError, check_body
 
+from .evaluation import evaluate, headline_split
 from .limits import check_report, check_values
 from .round import RoundError, RoundState
 from .server_side import make_server_side
@@ -291,48 +290,12 @@ class Coordinator:
 
     # -- evaluation -------------------------------------------------------------------------------
     def headline_split(self) -> int:
-        """The depth embedding the headline accuracy uses: the split most trained so far (by samples),
-        ties to the shallower; p_ref before any split training (docs/method.md, "Evaluation")."""
-        if not self.split_samples or set(self.split_samples) == {0}:
-            return reference_index(self.model.num_splits)
-        split = {k: n for k, n in self.split_samples.items() if k > 0}
-        return min(split, key=lambda k: (-split[k], k)) if split else reference_index(self.model.num_splits)
+        return headline_split(self.split_samples, self.model.num_splits)
 
-    @torch.no_grad()
     def evaluate(self, images: Any, mean: tuple, std: tuple, batch_size: int = 256) -> dict[str, Any]:
-        """Accuracy and loss of the global model under every depth embedding the strategy evaluates
-        (no prompts: they are private). Prefix + suffix is the whole backbone for any split, so the
-        pooled features are computed once; only the strategy's per-depth head can differ."""
-        self.model.eval()
-        self.head.eval()
-        K = self.model.num_splits
-        correct: dict[int, int] = {}
-        loss_sum: dict[int, float] = {}
-        head: int | None = None
-        # how often the headline model predicts each class: a collapse onto few classes shows here first
-        predicted = torch.zeros(self.num_classes, dtype=torch.long)
-        n = len(images)
-        for start in range(0, n, batch_size):
-            idx = np.arange(start, min(n, start + batch_size))
-            x = image_batch(images.get_batch(idx), mean, std, self.device)
-            y = torch.from_numpy(np.asarray(images.labels[idx], dtype=np.int64)).to(self.device)
-            by_k = self.strategy.eval_logits(self.model, self.model.features(x))
-            if head is None:
-                head = self.headline_split() if 0 not in by_k else 0
-            for k, logits in by_k.items():
-                loss_sum[k] = loss_sum.get(k, 0.0) + float(F.cross_entropy(logits, y, reduction="sum"))
-                pred = logits.argmax(1)
-                correct[k] = correct.get(k, 0) + int((pred == y).sum())
-                if k == head:
-                    predicted += torch.bincount(pred.cpu(), minlength=self.num_classes)
-        ks = sorted(correct)
-        head = head or 0
-        acc = {k: correct[k] / max(n, 1) for k in ks}
-        loss = {k: loss_sum[k] / max(n, 1) for k in ks}
-        by_split = {str(k): acc[k] for k in ks} if ks != [0] else {str(k): acc[0] for k in range(1, K + 1)}
-        share = [round(int(c) / max(n, 1), 4) for c in predicted]
-        return {"test_acc": acc[head], "test_loss": loss[head], "test_acc_by_split": by_split,
-                "eval_split": head if head else None, "test_pred_share": share}
+        """Test accuracy of the global model (coordinator/evaluation.py)."""
+        return evaluate(self.model, self.head, self.strategy, self.headline_split(), self.num_classes,
+                        images, mean, std, self.device, batch_size)
 
     # -- state ------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
