@@ -37,7 +37,7 @@ from fedsga_edge.runfiles import JsonLog, atomic_write
 from fedsga_edge.transport import Peer, TransportError
 from fedsga_edge.wire import Message, RemoteProtocolError
 
-from .role import PrivateState, SplitClient, _check_round_start
+from .role import PrivateState, SplitClient, check_round_start
 
 __all__ = ["DeviceAgent", "RegistrationRefused", "STATE_FILE"]
 
@@ -199,7 +199,7 @@ class DeviceAgent:
         if msg.sender != self.server:
             raise RemoteProtocolError(f"{self.cid} takes orders only from {self.server!r}, not {msg.sender!r:.140}")
         if msg.kind == "round_start":
-            _check_round_start(msg.body)  # a malformed one must not supersede the round running now
+            check_round_start(msg.body)  # a malformed one must not supersede the round running now
             with self._lock:
                 self._latest = max(self._latest, msg.round)
                 self._newest = msg

@@ -28,7 +28,7 @@ from fedsga_edge.method.observation import Observation, alignment, drift, prompt
 from fedsga_edge.method.policy import reference_index, split_index
 from fedsga_edge.wire import Message, RemoteProtocolError
 
-__all__ = ["Backend", "BackendError", "Caller", "ClientData", "PrivateState", "SplitClient"]
+__all__ = ["Backend", "BackendError", "Caller", "ClientData", "PrivateState", "SplitClient", "check_round_start"]
 
 
 class Caller(Protocol):
@@ -168,7 +168,7 @@ class SplitClient:
         """A round start arms this round's task; a coordinator that sends nonsense gets an error reply."""
         if msg.kind != "round_start":
             raise RemoteProtocolError(f"client {self.cid} does not accept {msg.kind!r}")
-        _check_round_start(msg.body)
+        check_round_start(msg.body)
         self._task = _Task(msg.round, self._round(msg.round, msg.body))
         self.last_error = None
         return None
@@ -239,7 +239,7 @@ class SplitClient:
             if not 1 <= k <= K:
                 raise _Refused(f"split {k} is not a candidate (1..{K})")
         else:  # FedSGA: observe, estimate r, pick the split (docs/method.md)
-            assert fed is not None  # _check_round_start guarantees it
+            assert fed is not None  # check_round_start guarantees it
             k, report = self._choose_split(body, fed, prompts)
             if calibrate:  # the probe compares the device's own trained blocks up to p_ref
                 k = max(k, k_ref)
@@ -346,7 +346,7 @@ class SplitClient:
         return {"z1": z1, "zref": zref, "y": y, "o": o, "r_prev": r_prev}
 
 
-def _check_round_start(body: dict[str, Any]) -> None:
+def check_round_start(body: dict[str, Any]) -> None:
     """Reject a malformed round start before any local state changes."""
     try:
         from_wire(TrainConfig, body["train"])

@@ -598,10 +598,10 @@ def test_device_refuses_hostile_orders_without_dropping_its_round(agent, body, r
         assert (agent._latest, agent._newest, agent._queue.qsize()) == (latest, newest, queued)
         assert peer.errors == errors + 1 or rep.body["reason"]
     else:  # accepted: only a round start that passes the role's own checks
-        from fedsga_edge.device.role import _check_round_start
+        from fedsga_edge.device.role import check_round_start
 
         assert kind == "round_start" and claim == "coordinator"
-        _check_round_start(decode(wire).body)
+        check_round_start(decode(wire).body)
         while not agent._queue.empty():
             agent._queue.get_nowait()
         agent._latest, agent._newest = latest, newest
@@ -615,11 +615,11 @@ def test_device_refuses_hostile_orders_without_dropping_its_round(agent, body, r
 def test_round_start_settings_out_of_range_are_refused_naming_the_setting(train, fedsga, flag) -> None:
     """Types alone are not enough: a negative learning rate or a batch of one would fail (or diverge)
     half-way through local training. The device refuses them up front, with the same words as the CLI."""
-    from fedsga_edge.device.role import _check_round_start
+    from fedsga_edge.device.role import check_round_start
 
     body: dict[str, Any] = {"split": 1, "train": train, "weights": {}}
     if fedsga is not None:
         body["fedsga"] = fedsga
     with pytest.raises(RemoteProtocolError, match=f"malformed round_start: ValueError: .*{flag}"):
-        _check_round_start(body)
-    _check_round_start({"split": 1, "train": {"lr": 0.05, "batch_size": 2}, "weights": {}})  # in range: accepted
+        check_round_start(body)
+    check_round_start({"split": 1, "train": {"lr": 0.05, "batch_size": 2}, "weights": {}})  # in range: accepted

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import simulate
+from . import broker_cmd, export_cmd, field_cmd, plot_cmd, profile_cmd, report_cmd, simulate
 
 app = typer.Typer(
     name="fedsga-edge",
@@ -16,14 +16,8 @@ app = typer.Typer(
 
 simulate.register(app)
 
-for _name in ("export_cmd", "profile_cmd", "plot_cmd", "report_cmd", "field_cmd", "broker_cmd"):  # when present
-    try:
-        _mod = __import__(f"{__package__}.{_name}", fromlist=["register"])
-    except ModuleNotFoundError as _exc:  # pragma: no cover - only while a command is absent
-        if _exc.name != f"{__package__}.{_name}":
-            raise
-    else:
-        _mod.register(app)
+for _command in (export_cmd, profile_cmd, plot_cmd, report_cmd, field_cmd, broker_cmd):
+    _command.register(app)
 
 
 @app.command()
