@@ -1,0 +1,173 @@
+"""The report's plot sections, in page order: each one's title, caption, data, drawing and empty note.
+
+One entry per plot, so a new plot is one function plus its line in ``plots``; ``build`` only runs them.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import data as D
+from . import plots as P
+from .html import Section, table_html
+from .runs import Run
+
+__all__ = ["Inputs", "Plot", "plots"]
+
+NO_RUNS = "no runs given."
+
+Profiles = list[tuple[str, dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What every section reads: the runs, the device profiles (file stem, report) and the band style."""
+
+    runs: list[Run]
+    profs: Profiles
+    band: str
+
+
+@dataclass(frozen=True)
+class Plot:
+    """One section to fill: ``compute`` returns its data or (data, note); ``draw`` turns data into a figure."""
+
+    section: Section
+    compute: Callable[[], Any]
+    draw: Callable[[Any], Any]
+    empty_note: str
+
+
+def plots(i: Inputs) -> list[Plot]:
+    """Every plot section of the report, in page order."""
+    return [accuracy(i), splits(i), reliability(i), estimator_losses(i), tradeoff(i), wire_bytes(i), latency(i),
+            acc_by_split(i), descriptor_entropy(i)]
+
+
+def _if_runs(i: Inputs, note: str) -> str:
+    return note if i.runs else NO_RUNS
+
+
+def accuracy(i: Inputs) -> Plot:
+    band = "±1 std" if i.band == "std" else "the min-max range"
+    return Plot(Section("accuracy", "Test accuracy per round",
+                        "One line per method and partition: the mean over seeds (bold), each seed (thin) and "
+                        + band + " over seeds (band)."),
+                lambda: _accuracy_data(i.runs), lambda d: P.plot_accuracy(d, band=i.band),
+                _if_runs(i, "no run has <code>test_acc</code> in metrics.jsonl."))
+
+
+def _accuracy_data(runs: list[Run]) -> tuple[list[dict[str, Any]], str | None]:
+    """The curves, and a note when intermediate rounds are the benchmark's subset evaluations."""
+    curves = D.accuracy_curves(runs)
+    sub = [c["label"] for c in curves if c["subset"]]
+    which = "every run" if len(sub) == len(curves) else ", ".join(html.escape(x) for x in sub)
+    note = (f"intermediate rounds of {which} are the benchmark's test-subset evaluations "
+            "(<code>test_acc_subset</code>); the last round is the full test set.") if sub else None
+    return curves, note
+
+
+def splits(i: Inputs) -> Plot:
+    return Plot(Section("splits", "Split depth per device and round",
+                        "For adaptive runs (fedsga, random, resource): the split index k each client trained "
+                        "with in each round (0 = whole model on the device; grey = no update that round)."),
+                lambda: _split_data(i.runs), P.plot_split_depths, NO_RUNS)
+
+
+def _first_seed_per_group(runs: list[Run]) -> tuple[list[Run], int]:
+    chosen = [g["runs"][0] for g in D.group_runs(runs)]
+    return chosen, len(runs) - len(chosen)
+
+
+def _split_data(runs: list[Run]) -> tuple[list[dict[str, Any]], str | None]:
+    """One heatmap per method and partition (its lowest seed): more would bury the page."""
+    adaptive = [r for r in runs if r.adaptive]
+    if not adaptive:
+        return [], "no adaptive run (strategy fedsga, random or resource) among the runs: every client uses one split."
+    shown, hidden = _first_seed_per_group(adaptive)
+    mats = [m for r in shown if (m := D.split_matrix(r)) is not None]
+    if not mats:
+        return [], "the adaptive runs' metrics.jsonl hold no per-client \"splits\"."
+    return mats, (f"one run per method and partition is shown (its lowest seed); {hidden} other seed(s) left out."
+                  if hidden else None)
+
+
+def reliability(i: Inputs) -> Plot:
+    return Plot(Section("reliability", "Estimator reliability",
+                        "Each client's predicted sufficiency r on a calibration round (the estimate its split "
+                        "came from, made at the start of the round) against the label s measured in that "
+                        "round, binned; the Brier score is mean (r - s)². A calibrated estimator follows the "
+                        "diagonal. (Runs written while the device still computed r after the probe's refit "
+                        "show the estimator's fit to its own labels, not a prediction.)"),
+                lambda: D.reliability(i.runs), P.plot_reliability,
+                _if_runs(i, "no client record holds both r and s (no FedSGA run with the estimator on, "
+                            "or no calibration round)."))
+
+
+def estimator_losses(i: Inputs) -> Plot:
+    return Plot(Section("estimator_losses", "Probe losses L1 and Lref",
+                        "On calibration rounds: the server's loss from the shallowest split p_1 over the loss "
+                        "from p_ref (left; s = 1 below 1 + beta) and both losses (right)."),
+                lambda: D.estimator_losses(i.runs), P.plot_estimator_losses,
+                _if_runs(i, "no client record holds L1 and Lref (no calibration round in these runs)."))
+
+
+def tradeoff(i: Inputs) -> Plot:
+    return Plot(Section("tradeoff", "Accuracy against client cost",
+                        "Final test accuracy against the mean client FLOPs per training sample (forward and "
+                        "backward of the client's prefix), one point per method; error bars span the "
+                        "seeds (±1 std)."),
+                lambda: D.tradeoff_points(i.runs), P.plot_tradeoff,
+                _if_runs(i, "no run has a final accuracy and client FLOPs/sample."))
+
+
+def wire_bytes(i: Inputs) -> Plot:
+    return Plot(Section("bytes", "Bytes on the wire per round",
+                        "Bytes sent up (activations, updates) and down (weights, gradients) per round, mean over "
+                        "seeds with the min-max band."),
+                lambda: D.bytes_curves(i.runs), P.plot_bytes,
+                _if_runs(i, "no run has <code>bytes_up</code>/<code>bytes_down</code>."))
+
+
+def latency(i: Inputs) -> Plot:
+    return Plot(Section("latency", "Latency per split depth on devices",
+                        "From <code>fedsga-edge profile --json</code> reports: the prefix's p50 latency per "
+                        "split index, the whisker reaching p90; one line per device and runtime, a panel per "
+                        "batch size.", extra_html=_profiles_table(i.profs) if i.profs else ""),
+                lambda: D.latency_curves(i.profs), P.plot_latency,
+                "no profile given (<code>--profile P.json</code>, written by "
+                "<code>fedsga-edge profile --json</code>)."
+                if not i.profs else "the profiles hold no latency rows.")
+
+
+def _profiles_table(profiles: Profiles) -> str:
+    """Which device, runtime and model each profile measured, so latency lines can be told apart."""
+    head = ["file", "device", "machine", "cores", "runtime", "provider", "model", "rows"]
+    body = []
+    for name, p in profiles:
+        d, m = p.get("device") or {}, p.get("model") or {}
+        model = " ".join(str(x) for x in (m.get("arch"), f"width {m['width']}" if m.get("width") else None) if x)
+        body.append([name, str(d.get("cpu", "?")), str(d.get("machine", "?")), str(d.get("cores_logical", "?")),
+                     str(d.get("runtime", "?")), str(d.get("execution_provider", "")), model,
+                     str(len(p.get("results", [])))])
+    return table_html(head, body, ["l"] * 7 + [""])
+
+
+def acc_by_split(i: Inputs) -> Plot:
+    return Plot(Section("acc_by_split", "Accuracy per depth embedding",
+                        "Final-round test accuracy with the embedding of each split depth "
+                        "(<code>test_acc_by_split</code>), mean over seeds."),
+                lambda: D.acc_by_split(i.runs), P.plot_acc_by_split,
+                _if_runs(i, "these runs' metrics.jsonl hold no <code>test_acc_by_split</code> "
+                            "(written by newer versions)."))
+
+
+def descriptor_entropy(i: Inputs) -> Plot:
+    return Plot(Section("descriptor_entropy", "Descriptor entropy",
+                        "Per round, the clients' mean <code>descriptor_entropy</code>, mean over seeds."),
+                lambda: D.descriptor_entropy(i.runs), P.plot_descriptor_entropy,
+                _if_runs(i, "these runs' client records hold no <code>descriptor_entropy</code> "
+                            "(written by newer versions)."))
