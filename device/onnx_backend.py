@@ -164,7 +164,7 @@ class OnnxBackend:
                 if a.shape != self.state[name].shape:
                     raise BackendError(f"weight {name}: shape {a.shape} != the export's {self.state[name].shape}")
                 self.state[name] = np.array(a, dtype=self.state[name].dtype)
-            elif self._units.get(name, 0) < deepest:
+            elif name not in self._units or self._units[name] < deepest:  # unknown, or a prefix weight we lack
                 raise BackendError(f"weight {name} is not in the exported prefix: artifacts of another model?")
 
     def weights(self, depth: int, full: bool) -> dict[str, np.ndarray]:

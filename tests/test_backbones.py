@@ -246,3 +246,37 @@ def test_a_backbone_registered_here_exports_its_units_for_the_onnx_device(tmp_pa
     assert units["classifier.weight"] == units["classifier.bias"] == 4
     assert not any(k.startswith("head.") for k in units)
     assert all(units[n] < p["depth"] for n in p["train"]["params"])
+
+
+# -- what the torch-free device reads instead of asking the model ------------------------------------------
+def _manifest(**model: object) -> dict:
+    base = {"arch": TOY, "num_classes": 10, "prompts_m": 4, "units": {"classifier.weight": 4},
+            "interface_pool_axes": [2, 3], "prompts_as_tokens": False, "prompt_std": 1.0}
+    return {"model": base | model, "prefixes": [{"split": 1, "train": {"forward_file": "f.onnx"}}]}
+
+
+def test_the_onnx_device_reads_the_contract_from_the_manifest() -> None:
+    from fedsga_edge.device.onnx_backend import check_artifacts
+    from fedsga_edge.device.runtime import ArtifactError
+
+    def check(manifest: dict, prompts_m: int) -> None:
+        check_artifacts(manifest, model=TOY, width=None, num_classes=10, img_size=None, prompts_m=prompts_m)
+
+    check(_manifest(), 0)  # prompts as a bias: zero prompts are no prompts
+    with pytest.raises(ArtifactError, match="prompt tokens, which are positions"):
+        check(_manifest(prompts_as_tokens=True), 0)
+    old = _manifest()
+    del old["model"]["units"], old["model"]["interface_pool_axes"]
+    with pytest.raises(ArtifactError, match="records no units, interface_pool_axes .*export again"):
+        check(old, 4)
+
+
+def test_the_model_help_needs_no_torch() -> None:
+    """The CLI builds --model help on a torch-free device too."""
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['torch'] = None; from fedsga_edge.models import models_help; print(models_help())"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == " | ".join(builtin_models()).split() and "resnet18_cifar" in res.stdout
