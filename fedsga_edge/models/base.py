@@ -1,12 +1,15 @@
 """The one interface every split-ready backbone exposes.
 
-A backbone is a sequence of L *blocks* (the unit of depth-wise aggregation, docs/method.md "Aggregation") followed
-by a final pooling and a linear head. ``blocks[0]`` consumes the image and the client's private
-prompts; every later block maps an activation to an activation. Blocks and head are the *units*
-of aggregation: unit j is block j, unit L the head, and :meth:`SplitModel.unit_of` is the one
-place that maps a state-dict key to its unit (nothing else parses parameter names). A *split depth* ``d`` means the
-client runs ``blocks[:d]`` and the server ``blocks[d:]``; the candidate depths (``splits``) sit at
-block boundaries, and the 1-based *split index* ``k`` names ``splits[k - 1]``.
+A backbone is a sequence of L *blocks* followed by a final pooling and a linear head.
+``blocks[0]`` consumes the image and the client's private prompts; every later block maps an
+activation to an activation. A *split depth* ``d`` means the client runs ``blocks[:d]`` and the
+server ``blocks[d:]``; the candidate depths (``splits``) sit at block boundaries, and the 1-based
+*split index* ``k`` names ``splits[k - 1]``.
+
+Blocks and head are the *units* of depth-wise aggregation (docs/method.md "Aggregation"): unit j
+is block j, unit L the head. :meth:`SplitModel.unit_of` is the one place that maps a state-dict key
+to its unit, and what differs between backbones (pooling axes, prompts as tokens or as a bias, the
+width phi_s takes) is asked of the model, never inferred from its family or parameter names.
 """
 
 from __future__ import annotations
