@@ -285,3 +285,20 @@ def test_the_model_help_needs_no_torch() -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == " | ".join(builtin_models()).split() and "resnet18_cifar" in res.stdout
+
+
+@pytest.mark.slow
+def test_export_reads_the_head_size_under_the_models_own_head_name(tmp_path) -> None:
+    """``export --checkpoint`` sizes the head from the checkpoint: ``classifier.weight`` here, ``fc`` upstream."""
+    import torchvision
+
+    from fedsga_edge.export.onnx_prefix import weights_sha256
+    from fedsga_edge.export.pipeline import ExportConfig, _checkpoint_info, export_prefixes
+
+    trained = create_model(TOY, num_classes=7)
+    torch.save({"model": trained.state_dict()}, tmp_path / "toy.pt")
+    m = export_prefixes(ExportConfig(model=TOY, out=tmp_path / "onnx", checkpoint=tmp_path / "toy.pt", splits=(1,)),
+                        log=lambda _: None)
+    assert m["model"]["num_classes"] == 7 and m["model"]["weights_sha256"] == weights_sha256(trained)
+    torch.save(torchvision.models.resnet18(num_classes=5).state_dict(), tmp_path / "tv.pt")
+    assert _checkpoint_info(tmp_path / "tv.pt", create_model("resnet18", width=0.25))[0] == 5
