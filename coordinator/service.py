@@ -28,8 +28,8 @@ through one lock; the service loop waits on a Condition of that lock, which upda
 notify, so a round ends as soon as its last device is done rather than at the next poll.
 
 The service is a role: it may not import the wiring (``fedsga_edge.simulation``), so the run's
-``config.json`` contents and the summary function come in from whoever builds it
-(``fedsga_edge.runbuild``). The checkpoint's format and the resume checks are
+``config.json`` contents come in from whoever builds it (``fedsga_edge.runbuild``); the summary
+is ``fedsga_edge.runfiles.summarize``, as simulate's. The checkpoint's format and the resume checks are
 coordinator/checkpoint.py's.
 """
 
@@ -41,13 +41,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedsga_edge.runfiles import JsonLog, RunFiles, atomic_write
+from fedsga_edge.runfiles import JsonLog, RunFiles, atomic_write, summarize
 from fedsga_edge.transport import Peer
 from fedsga_edge.wire import Message
 
 from .checkpoint import RESUMABLE, CheckpointWriter, load_resume
 from .clock import MonotonicClock
-from .driver import RoundDriver, Summarize
+from .driver import RoundDriver
 from .scheduling import MessageScheduler
 from .server import Coordinator
 
@@ -68,7 +68,6 @@ class CoordinatorService:
         register_timeout: float = 300.0,
         poll_s: float = 0.05,
         run_info: dict[str, Any] | None = None,
-        summarize: Summarize | None = None,
         resume: bool = False,
     ) -> None:
         """``test`` is ``(images, mean, std)`` for ``Coordinator.evaluate`` (None: no evaluation);
@@ -87,7 +86,6 @@ class CoordinatorService:
             raise ValueError(f"min_devices must be in 1..{len(coordinator.clients)} (got {min_devices})")
         self.register_timeout = register_timeout
         self.run_info = run_info if run_info is not None else cfg.to_dict()
-        self._summarize = summarize
         self.log = JsonLog(self.run_dir / "coordinator.log")
         # Messages the Peer refuses before they reach _handle (undecodable, other run, spoofed sender,
         # replay): logged here too, throttled by the Peer (docs/protocol.md, "What is rejected").
@@ -303,13 +301,7 @@ class CoordinatorService:
         atomic_write(self.run_dir / "devices.json", json.dumps(self.registered, indent=2, default=str))
 
     def _make_summary(self, records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
-        if self._summarize is not None and records:
-            summary = dict(self._summarize(records, wall_s))
-        else:
-            accs = [r["test_acc"] for r in records if "test_acc" in r]
-            summary = {"strategy": self.cfg.strategy, "rounds": len(records),
-                       "final_acc": accs[-1] if accs else None, "best_acc": max(accs) if accs else None,
-                       "failures": sum(len(r.get("failures", {})) for r in records), "wall_s": wall_s}
+        summary = summarize(records, self.cfg, wall_s)
         summary["devices"] = {c: dict(d) for c, d in sorted(self.registered.items())}
         return summary
 

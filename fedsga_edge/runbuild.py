@@ -25,6 +25,7 @@ import numpy as np
 
 from fedsga_edge.config import RunConfig
 from fedsga_edge.data import DatasetBundle, load_dataset, partition
+from fedsga_edge.runfiles import summarize  # re-exported: summary.json is made in one place
 from fedsga_edge.transport import Peer, Transport
 
 if TYPE_CHECKING:
@@ -223,10 +224,8 @@ def coordinator_service(
     side = build_coordinator(plan_run(cfg, bundle))
     peer = Peer(transport, COORDINATOR, run_id or default_run_id(cfg), tensor_format=peer_format(cfg))
     b = side.plan.bundle
-    service = CoordinatorService(
-        side.coordinator, peer, run_dir, test=(b.test, b.mean, b.std), run_info=side.run_info(),
-        summarize=lambda records, wall_s: summarize(records, cfg, wall_s), **service_kwargs)
-    return service
+    return CoordinatorService(side.coordinator, peer, run_dir, test=(b.test, b.mean, b.std), run_info=side.run_info(),
+                              **service_kwargs)
 
 
 def device_agent(
@@ -252,42 +251,6 @@ def device_agent(
     peer = Peer(transport, plan.client_ids[i], run_id or default_run_id(cfg), tensor_format=peer_format(plan.cfg))
     client = build_client(plan, i, peer, backend=backend, artifacts=artifacts, threads=threads)
     return DeviceAgent(client, peer, state_dir, server=COORDINATOR, **agent_kwargs)
-
-
-def summarize(records: list[dict[str, Any]], cfg: RunConfig, wall_s: float) -> dict[str, Any]:
-    """``summary.json``: the run in one object (simulate, the coordinator service and the benchmarks)."""
-    accs = [r["test_acc"] for r in records if "test_acc" in r]
-    cal = [r.get("calibration_flops", {}) for r in records]
-    rounds = len(records)
-    return {
-        "strategy": cfg.strategy,
-        "rounds": rounds,
-        "final_acc": accs[-1] if accs else None,
-        "final_acc_by_split": next((r["test_acc_by_split"] for r in reversed(records) if "test_acc_by_split" in r), None),
-        "eval_split": next((r["eval_split"] for r in reversed(records) if "test_acc_by_split" in r), None),
-        "best_acc": max(accs) if accs else None,
-        "final_test_loss": next((r["test_loss"] for r in reversed(records) if "test_loss" in r), None),
-        "client_flops_per_sample": float(np.mean([r["client_flops_per_sample"] for r in records])),
-        "client_params": float(np.mean([r["client_params"] for r in records])),
-        "bytes_total": int(sum(r["bytes_up"] + r["bytes_down"] for r in records)),
-        "bytes_up": int(sum(r["bytes_up"] for r in records)),
-        "bytes_down": int(sum(r["bytes_down"] for r in records)),
-        "calibration_flops": {
-            "client": int(sum(c.get("client", 0) for c in cal)),
-            "server": int(sum(c.get("server", 0) for c in cal)),
-        },
-        "split_histogram": _histogram(records),
-        "failures": sum(len(r.get("failures", {})) for r in records),
-        "wall_s": wall_s,
-    }
-
-
-def _histogram(records: list[dict[str, Any]]) -> dict[str, int]:
-    hist: dict[str, int] = {}
-    for r in records:
-        for k in r["splits"].values():
-            hist[str(k)] = hist.get(str(k), 0) + 1
-    return dict(sorted(hist.items()))
 
 
 def _subset(labels: np.ndarray, n: int, seed: int) -> np.ndarray:

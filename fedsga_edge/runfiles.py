@@ -1,7 +1,8 @@
 """Files a run writes: its run files, JSON-lines event logs and atomically replaced files.
 
 ``RunFiles`` is the one place ``config.json``, ``metrics.jsonl`` and ``summary.json`` are written,
-for ``simulate`` and the coordinator service alike (coordinator/driver.py drives both).
+and ``summarize`` the one place a summary is made, for ``simulate``, the coordinator service
+(coordinator/driver.py drives both) and the benchmarks.
 
 Field runs are read by machines after the fact (grep, jq, the report), so each log line is one
 JSON object ``{"ts", "level", "event", ...fields}`` rather than free text; thread-safe, because
@@ -19,9 +20,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-__all__ = ["JsonLog", "RunFiles", "atomic_write", "atomic_torch_save"]
+import numpy as np
+
+if TYPE_CHECKING:
+    from fedsga_edge.config import RunConfig
+
+__all__ = ["JsonLog", "RunFiles", "atomic_write", "atomic_torch_save", "summarize"]
 
 LEVELS = ("debug", "info", "warning", "error")
 
@@ -149,3 +155,42 @@ class RunFiles:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write(self.dir / "summary.json", json.dumps(summary, indent=2))
+
+
+def summarize(records: list[dict[str, Any]], cfg: "RunConfig", wall_s: float) -> dict[str, Any]:
+    """``summary.json``: the run in one object (a run stopped before its first round has no means: None)."""
+    accs = [r["test_acc"] for r in records if "test_acc" in r]
+    cal = [r.get("calibration_flops", {}) for r in records]
+    return {
+        "strategy": cfg.strategy,
+        "rounds": len(records),
+        "final_acc": accs[-1] if accs else None,
+        "final_acc_by_split": next((r["test_acc_by_split"] for r in reversed(records) if "test_acc_by_split" in r), None),
+        "eval_split": next((r["eval_split"] for r in reversed(records) if "test_acc_by_split" in r), None),
+        "best_acc": max(accs) if accs else None,
+        "final_test_loss": next((r["test_loss"] for r in reversed(records) if "test_loss" in r), None),
+        "client_flops_per_sample": _mean([r["client_flops_per_sample"] for r in records]),
+        "client_params": _mean([r["client_params"] for r in records]),
+        "bytes_total": int(sum(r["bytes_up"] + r["bytes_down"] for r in records)),
+        "bytes_up": int(sum(r["bytes_up"] for r in records)),
+        "bytes_down": int(sum(r["bytes_down"] for r in records)),
+        "calibration_flops": {
+            "client": int(sum(c.get("client", 0) for c in cal)),
+            "server": int(sum(c.get("server", 0) for c in cal)),
+        },
+        "split_histogram": _histogram(records),
+        "failures": sum(len(r.get("failures", {})) for r in records),
+        "wall_s": wall_s,
+    }
+
+
+def _mean(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def _histogram(records: list[dict[str, Any]]) -> dict[str, int]:
+    hist: dict[str, int] = {}
+    for r in records:
+        for k in r["splits"].values():
+            hist[str(k)] = hist.get(str(k), 0) + 1
+    return dict(sorted(hist.items()))

@@ -32,10 +32,9 @@ from fedsga_edge.runbuild import (
     peer_format,
     plan_run,
     resolve_device,
-    summarize,
     validate_config,
 )
-from fedsga_edge.runfiles import RunFiles
+from fedsga_edge.runfiles import RunFiles, summarize
 from fedsga_edge.transport import LoopbackTransport, Peer
 
 __all__ = ["Simulation", "run_simulation", "validate_config", "resolve_device"]

@@ -119,6 +119,19 @@ def test_three_agents_two_rounds_then_a_restart_keeps_private_state(digits, tmp_
         device_agent(cfg, 1, transport, tmp_path / "state-0", bundle=digits)
 
 
+def test_a_service_stopped_before_any_device_came_writes_an_empty_run(digits, tmp_path) -> None:
+    service = coordinator_service(tiny("static"), LoopbackTransport(), tmp_path / "run", bundle=digits,
+                                  register_timeout=60)
+    service.stop()  # before anyone said hello: no round runs, the run files still say so
+    summary = service.run()
+    service.close()
+    run = tmp_path / "run"
+    text = (run / "summary.json").read_text()
+    assert "NaN" not in text and json.loads(text) == summary
+    assert summary["rounds"] == 0 and summary["final_acc"] is None and summary["client_flops_per_sample"] is None
+    assert (run / "metrics.jsonl").read_text() == "" and not (run / "checkpoint.pt").exists()
+
+
 class _FreezesMidRound(DeviceAgent):
     """Stalls after its first request of a round until stopped: a device that dies mid-round."""
 
