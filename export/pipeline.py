@@ -14,12 +14,15 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .manifest import write_manifest
 from .report import Check, format_checks
+
+if TYPE_CHECKING:
+    from fedsga_edge.models import SplitModel
 
 __all__ = ["ExportConfig", "ExportError", "export_prefixes", "fedsga_version"]
 
@@ -109,7 +112,7 @@ def _load_data(cfg: ExportConfig, image_size: int) -> _Data:
     )
 
 
-def _checkpoint_info(path: Path, model: Any) -> tuple[int | None, Any]:
+def _checkpoint_info(path: Path, model: SplitModel) -> tuple[int | None, Any]:
     """(head size, prompts tensor or None) found in a checkpoint; ``model`` names its head's key.
 
     The key is the model's (``head_name``), in our layout or, via ``remap_upstream``, the upstream
