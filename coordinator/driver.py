@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from fedsga_edge.runfiles import JsonLog, RunFiles
 from fedsga_edge.transport import Peer
@@ -32,15 +32,32 @@ from .checkpoint import CheckpointWriter
 from .clock import Clock
 from .scheduling import Scheduler
 
-__all__ = ["RoundDriver", "Summarize"]
+__all__ = ["Driven", "RoundDriver", "Summarize"]
 
 Summarize = Callable[[list[dict[str, Any]], float], dict[str, Any]]
+
+
+class Driven(Protocol):
+    """What the driver needs of a Coordinator (coordinator/server.py); the checkpoint writer also
+    reads ``model``, ``state_dict()`` and ``checkpoint_state()``."""
+
+    cfg: Any  # RunConfig: rounds, eval_every, round_timeout
+    clients: dict[str, int]  # device -> partition size, in partition order
+    round: Any  # RoundState: calibrate, waiting
+
+    def begin_round(self, t: int, now: float | None = None,
+                    devices: list[str] | None = None) -> dict[str, dict[str, Any]]: ...
+    def receive(self, msg: Any, now: float | None = None) -> Any: ...
+    def tick(self, now: float | None = None) -> bool: ...
+    def fail(self, device: str, reason: str) -> None: ...
+    def end_round(self, now: float | None = None) -> dict[str, Any]: ...
+    def evaluate(self, images: Any, mean: tuple, std: tuple) -> dict[str, Any]: ...
 
 
 class RoundDriver:
     """Runs rounds of one Coordinator over ``peer``, on ``clock``, with devices advanced by ``scheduler``."""
 
-    def __init__(self, co: Any, peer: Peer, clock: Clock, scheduler: Scheduler, *,
+    def __init__(self, co: Driven, peer: Peer, clock: Clock, scheduler: Scheduler, *,
                  test: tuple[Any, tuple, tuple] | None = None, log: JsonLog | None = None,
                  checkpoints: CheckpointWriter | None = None) -> None:
         """``test`` is ``(images, mean, std)`` for ``Coordinator.evaluate`` (None: no evaluation);
