@@ -20,6 +20,7 @@ from typing import Any
 
 __all__ = ["Opt", "opt", "declared", "problems", "check", "class_options", "resolve_args", "to_config", "override"]
 
+
 class _Unset:
     """Marks "not given" where None is a real value (a default of None)."""
 
@@ -38,7 +39,7 @@ class Opt:
     it is finite (``finite``) and one of ``choices``, each only where given."""
 
     name: str
-    type: Any = None  # int | float | str | bool | dict | list; from the annotation for dataclass fields
+    type: Any = None  # int | float | str | bool | dict | list; a field's annotation, else the default's type
     default: Any = None
     help: str = ""
     flag: str = ""  # "--mu", "--no-adapt" (negated), "--augment/--no-augment"
@@ -201,7 +202,8 @@ def class_options(cls: type) -> tuple[Opt, ...]:
     for o in getattr(cls, "options", ()):
         owner = next((c for c in cls.__mro__ if o in vars(c).get("options", ())), cls)
         prefix = getattr(owner, "name", "") or getattr(cls, "name", "")
-        out.append(o if o.flag else dataclasses.replace(o, flag=f"--{prefix}-{o.name}".replace("_", "-")))
+        out.append(dataclasses.replace(o, flag=o.flag or f"--{prefix}-{o.name}".replace("_", "-"),
+                                       type=o.type or type(o.default), key=f"strategy_args.{o.name}"))
     return tuple(out)
 
 

@@ -174,3 +174,14 @@ def test_override_replaces_dotted_keys_without_touching_the_original() -> None:
     new = override(cfg, {"fedsga.adapt": False, "train.lr": 0.5, "clients": 3})
     assert (new.fedsga.adapt, new.train.lr, new.clients) == (False, 0.5, 3)
     assert (cfg.fedsga.adapt, cfg.train.lr, cfg.clients) == (True, 0.1, 20)
+
+
+def test_the_field_commands_build_their_config_from_the_run_flags_when_run(tmp_path) -> None:
+    """Not only parsed: run for real, a device gets as far as its broker (typer hands the command more
+    keyword arguments than the run options, e.g. ``config_file``; they must not reach the config)."""
+    toml = tmp_path / "device.toml"
+    toml.write_text("rounds = 2\n")
+    res = CliRunner().invoke(_app(), ["device", "--broker", "mqtt://127.0.0.1:1", "--index", "0", "--state-dir",
+                                      str(tmp_path / "s"), "--config-file", str(toml), "--no-adapt"],
+                             env={"COLUMNS": "300"})
+    assert res.exit_code == 2 and "cannot use broker" in res.output, res.output

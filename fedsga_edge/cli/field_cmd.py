@@ -165,7 +165,13 @@ def _config(config: Optional[Path], flags: dict[str, Any], ctx: typer.Context | 
             return RunConfig.from_dict(json.loads(Path(config).read_text()))
         except (OSError, ValueError, TypeError) as exc:
             raise typer.BadParameter(f"--config {config}: {exc}") from None
-    return run_config(**{k: v for k, v in flags.items() if k in run_flags()})
+    return run_config(**_run_flags_of(flags))
+
+
+def _run_flags_of(flags: dict[str, Any]) -> dict[str, Any]:
+    """The run options among a command's keyword arguments (typer also hands on ``config_file``)."""
+    names = set(run_flags())
+    return {k: v for k, v in flags.items() if k in names}
 
 
 def _saved_config(run_dir: Path) -> Any:
@@ -342,7 +348,7 @@ def trial(
     **flags: Any,
 ) -> None:
     """A field trial on this machine: a broker, the coordinator and N device agents as separate processes."""
-    cfg = _with_deadline(run_config(**{k: v for k, v in flags.items() if k in run_flags()}))
+    cfg = _with_deadline(run_config(**_run_flags_of(flags)))
     from fedsga_edge.simulation import validate_config
 
     try:
