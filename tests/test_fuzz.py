@@ -359,8 +359,7 @@ def _valid_body(co: Any, kind: str, b: int, k: int, rng: np.random.Generator) ->
                 "o": [0.1, 0.2, 0.0][: co.strategy.cal_buffer.num_obs], "r_prev": 0.5}
     if kind == "update":
         depth = co.model.depth_of(k)
-        weights = {n: v.numpy().copy() for n, v in co._snapshot.items()
-                   if n.startswith("blocks.") and int(n.split(".")[1]) < depth}
+        weights = {n: v.numpy().copy() for n, v in co._snapshot.items() if co.model.unit_of(n) < depth}
         return {"weights": weights, "num_samples": 479, "split": k, "depth": depth, "train_loss": 0.7, "a": 0.1,
                 "r": 0.4, "probe_samples": b, "steps": 2}
     if kind == "fetch":
@@ -519,8 +518,7 @@ def test_a_malformed_update_is_refused_and_never_reaches_end_round(digits) -> No
     co.begin_round(1, 0.0)
     k = co.round.assigned["client-000"]
     depth = co.model.depth_of(k)
-    weights = {n: v.numpy().copy() for n, v in co._snapshot.items() if n.startswith("blocks.")
-               and int(n.split(".")[1]) < depth}
+    weights = {n: v.numpy().copy() for n, v in co._snapshot.items() if co.model.unit_of(n) < depth}
     good = {"weights": weights, "num_samples": co.clients["client-000"], "split": k, "depth": depth, "train_loss": 0.5}
     name = next(n for n in weights if weights[n].dtype == np.float32)
     bad = {

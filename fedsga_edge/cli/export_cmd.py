@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from fedsga_edge.models.catalog import models_help
+
 
 def register(app: typer.Typer) -> None:
     app.command(name="export", no_args_is_help=True)(export)
@@ -22,7 +24,7 @@ def _splits(text: Optional[str]) -> Optional[tuple[int, ...]]:
 
 
 def export(
-    model: str = typer.Option(..., help="resnet18 | resnet18_cifar | vit_b16 | vit_tiny_c32"),
+    model: str = typer.Option(..., help=models_help()),
     out: Path = typer.Option(..., help="Output folder: prefix_kK.onnx files and manifest.json."),
     width: Optional[float] = typer.Option(None, help="ResNet width multiplier (model default 1.0)."),
     img_size: Optional[int] = typer.Option(None, help="Input size (model default)."),
