@@ -51,3 +51,19 @@ def test_wire_and_transport_import_without_torch() -> None:
     code = "import sys; sys.modules['torch'] = None; import fedsga_edge.wire, fedsga_edge.transport, fedsga_edge.data; print('ok')"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+def test_every_package_folder_is_installed() -> None:
+    """pyproject.toml lists packages by name: a new sub-package left out of it works in an editable
+    install and is missing from a wheel (a device's `pip install fedsga-edge[device]`)."""
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    folders = {pkg: ROOT / where for pkg, where in tool["package-dir"].items()}
+    found = set()
+    for pkg, folder in folders.items():
+        for init in folder.rglob("__init__.py"):
+            rel = init.parent.relative_to(folder).parts
+            found.add(".".join((pkg, *rel)))
+    assert found == listed, f"in the tree, not in pyproject.toml: {sorted(found - listed)}; listed, absent: {sorted(listed - found)}"

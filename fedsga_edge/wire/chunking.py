@@ -122,7 +122,7 @@ class Reassembler:
     of partial messages the same way (a new message evicts the oldest partial
     one of its owner, or of the owner with the most), so their bookkeeping
     (under 1 KiB each) stays bounded. The per-part overhead (~150 bytes) is
-    bounded by whoever feeds the chunks (``transport/mqtt.py`` demands at
+    bounded by whoever feeds the chunks (``transport/mqtt/frames.py`` demands at
     least 1 KiB per part but the last). An evicted message's next chunk raises
     once, so its sender hears why.
 
