@@ -211,7 +211,7 @@ def make_config(p: Preset, method: str, partition: str, seed: int, split: int, s
     from fedsga_edge.cli.runflags import config_from_flags
     from fedsga_edge.options import override
 
-    strategy, spec = all_methods()[method]  # the registry as it is now (a strategy registered after import too)
+    strategy, variant = all_methods()[method]  # the registry as it is now (a strategy registered after import too)
     kind, alpha = parse_partition(partition)
     run = p.settings() | flags
     cfg = config_from_flags(run | {
@@ -219,7 +219,7 @@ def make_config(p: Preset, method: str, partition: str, seed: int, split: int, s
         "strategy": strategy, "split": split, "seed": seed,
         # the simulation evaluates only the final round (full test set); the benchmark adds subset evals
         "eval_every": run["rounds"]}, strict=False)
-    return override(cfg, {"train.mu": 0.0} | spec.overrides)
+    return override(cfg, {"train.mu": 0.0} | variant.overrides)
 
 
 def plan(p: Preset, spec: str, data_root: str | None, **flags: Any) -> list[dict[str, Any]]:
@@ -520,9 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_run_options(ap: argparse.ArgumentParser) -> None:
     """One override per run option a preset may set (``bench_options``), from its declaration."""
+    from fedsga_edge.cli.runflags import option_help
+
     group = ap.add_argument_group("run options", "simulate's flags; each overrides the preset's value")
     for o in bench_options():
-        kw: dict[str, Any] = {"dest": o.param, "default": None, "help": o.help.replace("%", "%%")}
+        kw: dict[str, Any] = {"dest": o.param, "default": None, "help": option_help(o).replace("%", "%%")}
         if o.negated:
             kw |= {"action": "store_const", "const": True}
         elif "/" in o.flags or o.type is bool:

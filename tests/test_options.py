@@ -80,7 +80,9 @@ def test_a_declared_option_is_a_flag_reaches_the_config_and_is_range_checked(thr
 def test_a_declared_option_is_a_benchmark_override(throwaway) -> None:
     bench = load_bench("accuracy")
     preset = bench.resolve(bench.build_parser().parse_args(["--preset", "smoke", "--throwaway-depth", "4"]))
-    assert {r["config"].throwaway_depth for r in bench.plan(preset, "digits", None)} == {4}
+    runs = bench.plan(preset, "npz:/data/x.npz", "/data")
+    assert {r["config"].throwaway_depth for r in runs} == {4}
+    assert {(r["config"].dataset, r["config"].data_root) for r in runs} == {("npz:/data/x.npz", "/data")}
     plain = bench.resolve(bench.build_parser().parse_args(["--preset", "smoke"]))
     assert {r["config"].throwaway_depth for r in bench.plan(plain, "digits", None)} == {3}
 

@@ -21,7 +21,8 @@ from fedsga_edge.options import Opt, class_options
 if TYPE_CHECKING:
     from fedsga_edge.coordinator.strategy import Strategy
 
-__all__ = ["with_run_options", "run_config", "config_from_flags", "run_flags", "strategy_options", "strategy_help"]
+__all__ = ["with_run_options", "run_config", "config_from_flags", "run_flags", "strategy_options", "strategy_help",
+           "option_help"]
 
 _PANELS = {"train.": "Local training", "fedsga.": "FedSGA"}
 
@@ -87,11 +88,15 @@ def config_from_flags(flags: dict[str, Any], strict: bool = True) -> RunConfig:
     return RunConfig.from_flags({k: v for k, v in flags.items() if k not in own or own[k][0] in chosen}, chosen)
 
 
+def option_help(o: Opt) -> str:
+    """The declared help, with the registry's names where the values are a registry's (--strategy, --model)."""
+    listed = _LISTED.get(o.key)
+    return f"{o.help}: {listed()}" if listed else o.help
+
+
 def typer_parameter(o: Opt, panel: str | None = None) -> inspect.Parameter:
     """One declaration as the parameter typer reads."""
-    listed = _LISTED.get(o.key)
-    help_text = f"{o.help}: {listed()}" if listed else o.help
-    info = typer.Option(o.command_line_default(), o.flags, help=help_text, rich_help_panel=panel)
+    info = typer.Option(o.command_line_default(), o.flags, help=option_help(o), rich_help_panel=panel)
     return inspect.Parameter(o.param, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=info, annotation=_annotation(o))
 
 
