@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fedsga_edge.config import RunConfig, TrainConfig
+from fedsga_edge.options import Opt, class_options, resolve_args
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["Method", "Strategy", "register_strategy", "get_strategy", "create_strategy", "list_strategies",
-           "all_methods", "method_of"]
+__all__ = ["Method", "Strategy", "register_strategy", "unregister_strategy", "get_strategy", "create_strategy",
+           "list_strategies", "all_methods", "method_of"]
 
 _REGISTRY: dict[str, type["Strategy"]] = {}
 
@@ -57,6 +58,11 @@ def register_strategy(cls: type["Strategy"]) -> type["Strategy"]:
         raise ValueError(f"strategy {cls.name!r} registered twice")
     _REGISTRY[cls.name] = cls
     return cls
+
+
+def unregister_strategy(name: str) -> None:
+    """Take a strategy out of the registry (a test's throwaway strategy, after the test)."""
+    _REGISTRY.pop(name, None)
 
 
 def _load_builtin() -> None:
@@ -109,11 +115,14 @@ class Strategy:
     # Request kinds only this strategy answers: kind -> method name taking (coordinator, msg), returning
     # (reply kind, reply body). The round's per-device sequence (coordinator/round.py) must allow the kind.
     requests: ClassVar[dict[str, str]] = {}
+    # The method's own hyperparameters (flags --<name>-<option>, values in cfg.strategy_args; read self.args)
+    options: ClassVar[tuple[Opt, ...]] = ()
 
     def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
         self.cfg = cfg
         self.K = num_splits
         self.clients = list(clients)
+        self.args = resolve_args(class_options(type(self)), cfg.strategy_args)
 
     # -- what the strategy is, before any run (torch-free) ------------------------------------------
     @classmethod

@@ -14,7 +14,8 @@ from _runs import tiny_config
 from typer.testing import CliRunner
 
 from fedsga_edge.coordinator import strategy as registry
-from fedsga_edge.coordinator.strategy import Method, Strategy, list_strategies, register_strategy
+from fedsga_edge.coordinator.strategy import Method, Strategy, list_strategies, register_strategy, unregister_strategy
+from fedsga_edge.options import Opt
 from fedsga_edge.runbuild import coordinator_service, device_agent
 from fedsga_edge.simulation import run_simulation
 from fedsga_edge.transport import LoopbackTransport
@@ -61,6 +62,7 @@ class Shallowest(Strategy):
     name = "shallowest-test"
     help = "throwaway test strategy: everyone at p_1, equal weights"
     label = "Shallowest (test)"
+    options = (Opt("weight", float, 1.0, "Every device's aggregation weight.", gt=0, finite=True),)
 
     @classmethod
     def methods(cls) -> dict[str, Method]:
@@ -70,7 +72,7 @@ class Shallowest(Strategy):
         return {c: 1 for c in clients}
 
     def weight(self, num_samples: int) -> float:
-        return 1.0
+        return self.args["weight"]
 
 
 @pytest.fixture
@@ -79,7 +81,7 @@ def throwaway() -> Iterator[type[Strategy]]:
     try:
         yield Shallowest
     finally:
-        registry._REGISTRY.pop(Shallowest.name, None)
+        unregister_strategy(Shallowest.name)
 
 
 def test_a_new_strategy_appears_in_help_benchmark_and_report(throwaway, digits, tmp_path) -> None:
@@ -89,6 +91,7 @@ def test_a_new_strategy_appears_in_help_benchmark_and_report(throwaway, digits, 
     simulate.register(app)  # the command's options are built from the registry as it is now
     res = CliRunner().invoke(app, ["simulate", "--help"], env={"COLUMNS": "400", "NO_COLOR": "1", "TERM": "dumb"})
     assert res.exit_code == 0 and "shallowest-test" in res.output and "everyone at p_1" in res.output
+    assert "--shallowest-test-weight" in res.output  # its own option, declared in its class
 
     bench = load_bench("accuracy")
     methods = registry.all_methods()
@@ -97,8 +100,13 @@ def test_a_new_strategy_appears_in_help_benchmark_and_report(throwaway, digits, 
     assert cfg.strategy == "shallowest-test" and cfg.seed == 3
 
     run = tmp_path / "runs" / "shallowest"
-    summary = run_simulation(tiny_config("shallowest-test", clients=2, rounds=1, max_batches=2), run, bundle=digits)
+    cfg = tiny_config("shallowest-test", clients=2, rounds=1, max_batches=2, strategy_args={"weight": 2.5})
+    summary = run_simulation(cfg, run, bundle=digits)
     assert summary["split_histogram"] == {"1": 2}  # the strategy's own assignment reached the devices
+    assert json.loads((run / "config.json").read_text())["strategy_args"] == {"weight": 2.5}
+    from fedsga_edge.coordinator import create_strategy
+
+    assert create_strategy(cfg, 3, ["a"], {}).weight(100) == 2.5  # the strategy reads its own option
     from fedsga_edge.report import build_report
 
     report = build_report([run], out=tmp_path / "report")
