@@ -31,6 +31,7 @@ from fedsga_edge.tensors import from_numpy, to_numpy, to_numpy_state
 from fedsga_edge.wire import Message, RemoteProtocolError, check_body
 
 from .evaluation import evaluate, headline_split
+from .influence import ActivationBound, clip_updates
 from .limits import check_report, check_values
 from .round import RoundError, RoundState
 from .server_side import make_server_side
@@ -66,6 +67,7 @@ class Coordinator:
         self.head = strategy.server_head().to(self.device)
         self.server = make_server_side(self.model, self.head, cfg, lambda d: strategy.weight(self.clients[d]))
         self.round = RoundState()
+        self.bounds = ActivationBound(cfg.clip_activations)  # docs/protocol.md, "Bounded influence"
         self.split_samples: dict[int, int] = {}  # split -> samples trained there so far (headline eval)
         self.remote_errors = 0  # requests refused over the whole run
         self._handlers = {"activation": self._on_activation, "fetch": self._on_fetch, "update": self._on_update}
@@ -88,7 +90,8 @@ class Coordinator:
         self._snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.server.begin_round(self._snapshot)
         self.strategy.begin_round(t, calibrate)
-        self._stats = {"server_samples": {}, "remote_errors": [], "refused": 0, "started": now}
+        self._stats = {"server_samples": {}, "remote_errors": [], "refused": 0, "started": now,
+                       "clipped": {"activations": {}, "updates": {}}}
         self._last_seq = {}
         return {cid: self._round_start_body(k, calibrate) for cid, k in assigned.items()}
 
@@ -135,6 +138,9 @@ class Coordinator:
         record["client_params"] = (float(np.mean([self.costs.params[int(u["split"])] for u in updates.values()]))
                                    if updates else 0.0)
         self.strategy.end_round(updates, record)
+        clipped = {kind: counts for kind, counts in self._stats["clipped"].items() if counts}
+        if clipped:  # samples / units scaled down to the fleet's bound, per device
+            record["clipped"] = clipped
         if self._stats["remote_errors"]:
             record["remote_errors"] = self._stats["remote_errors"]
             record["remote_errors_count"] = self._stats["refused"]
@@ -220,11 +226,17 @@ class Coordinator:
         k = self._split_of(msg.body, msg.sender)
         z, y = self.check_activation(msg.body, "z", k)
         extra = self.strategy.check_activation(msg.body, len(y))
+        z, scale, clipped = self.bounds.clip(k, z, fleet=len(self.round.assigned))
         loss, Z = self.server.step(msg.sender, z, y, k, self.strategy)
+        self.bounds.accept(msg.sender, k, z)
         self.strategy.after_step(Z, y, extra)
         samples = self._stats["server_samples"]
         samples[k] = samples.get(k, 0) + len(y)
-        return "gradient", {"dz": to_numpy(z.grad), "loss": float(loss.detach())}
+        if clipped:
+            counts = self._stats["clipped"]["activations"]
+            counts[msg.sender] = counts.get(msg.sender, 0) + clipped
+        dz = z.grad if scale is None else z.grad * scale  # through the scaling, the scale held constant
+        return "gradient", {"dz": to_numpy(dz), "loss": float(loss.detach())}
 
     def _on_fetch(self, msg: Message) -> tuple[str, dict[str, Any]]:
         raw = msg.body["blocks"]
@@ -279,12 +291,13 @@ class Coordinator:
     def _aggregate(self, updates: dict[str, dict[str, Any]]) -> None:
         """docs/method.md, "Aggregation": per unit, devices' copies and the server's, weighted by data."""
         unit = self.model.unit_of
-        device_updates = [
-            DeviceUpdate(cid, int(u["depth"]), self.strategy.weight(self.clients[cid]),
-                         group_by_unit({n: from_numpy(a, self.device) for n, a in u["weights"].items()}, unit))
-            for cid, u in updates.items()
-        ]
-        new = aggregate_round(group_by_unit(self._snapshot, unit), device_updates,
+        states = {cid: group_by_unit({n: from_numpy(a, self.device) for n, a in u["weights"].items()}, unit)
+                  for cid, u in updates.items()}
+        global_units = group_by_unit(self._snapshot, unit)
+        self._stats["clipped"]["updates"] = clip_updates(global_units, states, self.cfg.clip_updates)
+        device_updates = [DeviceUpdate(cid, int(u["depth"]), self.strategy.weight(self.clients[cid]), states[cid])
+                          for cid, u in updates.items()]
+        new = aggregate_round(global_units, device_updates,
                               group_by_unit(self.model.state_dict(), unit))
         self.model.load_state_dict({n: v for u in new.values() for n, v in u.items()})
 
@@ -303,7 +316,7 @@ class Coordinator:
         server = self.server.state_dict()
         return {"coordinator": self.state_dict(), "opt": server["opt"], "bn_context": server.get("bn_context", {}),
                 "strategy_opt": self.strategy.optimizer_state(), "split_samples": dict(self.split_samples),
-                "remote_errors": self.remote_errors,
+                "remote_errors": self.remote_errors, "activation_norms": self.bounds.state_dict(),
                 "strategy_rngs": {name: g.bit_generator.state for name, g in vars(self.strategy).items()
                                   if isinstance(g, np.random.Generator)}}
 
@@ -317,6 +330,7 @@ class Coordinator:
         self.strategy.load_optimizer_state(state["strategy_opt"])
         self.split_samples = {int(k): int(v) for k, v in state["split_samples"].items()}
         self.remote_errors = int(state["remote_errors"])
+        self.bounds.load_state_dict(state.get("activation_norms", {}))
         for name, rng_state in state["strategy_rngs"].items():
             getattr(self.strategy, name).bit_generator.state = rng_state
 

@@ -26,15 +26,15 @@ WIRE_FORMATS = ("fp32", "fp16", "int8")
 class TrainConfig:
     """What a client needs to run its local epochs; travels in every ``round_start``."""
 
-    local_epochs: int = opt(5, "Local epochs per round.", ge=1)
-    batch_size: int = opt(64, "Batch size.", ge=2, note="BatchNorm needs two samples")
-    lr: float = opt(0.1, "SGD learning rate (paper: 0.1 on CIFAR-10, 0.01 elsewhere).", gt=0, finite=True)
+    local_epochs: int = opt(5, "Local epochs per round.", ge=1, le=1000)
+    batch_size: int = opt(64, "Batch size.", ge=2, le=8192, note="BatchNorm needs two samples")
+    lr: float = opt(0.1, "SGD learning rate (paper: 0.1 on CIFAR-10, 0.01 elsewhere).", gt=0, le=100, finite=True)
     momentum: float = opt(0.0, "SGD momentum (not stated in the paper: 0).", ge=0, lt=1)
-    weight_decay: float = opt(5e-4, "SGD weight decay (not stated in the paper: 5e-4).", ge=0, finite=True)
+    weight_decay: float = opt(5e-4, "SGD weight decay (not stated in the paper: 5e-4).", ge=0, le=1, finite=True)
     # proximal weight the device applies (the strategy sets it: FedProx sends prox_mu)
-    mu: float = opt(0.0, "Proximal weight the device applies.", flag="--mu", cli=False, ge=0, finite=True)
+    mu: float = opt(0.0, "Proximal weight the device applies.", flag="--mu", cli=False, ge=0, le=1000, finite=True)
     augment: bool | None = opt(None, "Crop+flip (default: on except for digits).", flag="--augment/--no-augment")
-    max_batches: int = opt(0, "Cap on batches per local epoch (0 = all).", ge=0, note="0 = all")
+    max_batches: int = opt(0, "Cap on batches per local epoch (0 = all).", ge=0, le=1_000_000, note="0 = all")
 
     def problems(self) -> list[str]:
         """What is out of range, each naming its flag: the CLI and a device reading a ``round_start``
@@ -42,26 +42,26 @@ class TrainConfig:
         return problems(self)
 
 
-_TAU = "--tau-a and --tau-m must be finite numbers > 0"
+_TAU = "--tau-a and --tau-m must be finite numbers in (0, 100]"
 
 
 @dataclass
 class FedSGAConfig:
     """Hyperparameters of the method (paper §4.1.3 defaults)."""
 
-    rho: float = opt(0.1, "FedSGA split-policy budget rho (Eq. 8).", ge=0, finite=True)
-    beta: float = opt(0.05, "FedSGA sufficiency margin beta (Eq. 7).", ge=0, finite=True)
-    lambda_align: float = opt(0.1, "Prototype alignment weight lambda (Eq. 10).", ge=0, finite=True)
-    tau_a: float = opt(0.5, "Prototype temperature tau_a (Eq. 9).", gt=0, finite=True, message=_TAU)
-    tau_m: float = opt(0.5, "Prompt contribution temperature tau_m (Eq. 2).", gt=0, finite=True, message=_TAU)
-    prompts: int = opt(4, "Prompt tokens per client m.", ge=0)
+    rho: float = opt(0.1, "FedSGA split-policy budget rho (Eq. 8).", ge=0, le=1, finite=True)
+    beta: float = opt(0.05, "FedSGA sufficiency margin beta (Eq. 7).", ge=0, le=10, finite=True)
+    lambda_align: float = opt(0.1, "Prototype alignment weight lambda (Eq. 10).", ge=0, le=100, finite=True)
+    tau_a: float = opt(0.5, "Prototype temperature tau_a (Eq. 9).", gt=0, le=100, finite=True, message=_TAU)
+    tau_m: float = opt(0.5, "Prompt contribution temperature tau_m (Eq. 2).", gt=0, le=100, finite=True, message=_TAU)
+    prompts: int = opt(4, "Prompt tokens per client m.", ge=0, le=256)
     mu_proto: float = opt(0.9, "Prototype EMA coefficient mu.", ge=0, le=1)
-    cal_every: int = opt(5, "Calibrate the estimator every this many rounds (and round 1).", ge=1)
+    cal_every: int = opt(5, "Calibrate the estimator every this many rounds (and round 1).", ge=1, le=100_000)
     adapt: bool = opt(True, "Ablation: no adaptation channel, o = [a, delta].", flag="--no-adapt", negated=True)
     estimator: bool = opt(True, "Ablation: every client at p_ref.", flag="--no-estimator", negated=True)
     harmonizer: bool = opt(True, "Ablation: pooled features straight to the head.", flag="--no-harmonizer",
                            negated=True)
-    proto_dim: int = opt(128, "Harmonizer / prototype space.", ge=1, cli=False)  # not a flag today
+    proto_dim: int = opt(128, "Harmonizer / prototype space.", ge=1, le=4096, cli=False)  # not a flag today
 
     def problems(self) -> list[str]:
         """What is out of range, each naming its flag (see ``TrainConfig.problems``)."""
@@ -122,6 +122,13 @@ class RunConfig:
         "the latest activations of up to N other devices at the same split (no loss on their rows). Under label "
         "skew a single device's batch is nearly one class (docs/method.md, \"Server-side BatchNorm statistics\").",
         ge=0)
+    clip_activations: float = opt(
+        5.0, "Bounded influence of one device: an activation sample whose L2 norm exceeds this many times the "
+        "fleet's typical norm at its split (the median over devices of each device's median) is scaled down to "
+        "that bound before the server step; 0 = off (docs/protocol.md, \"Bounded influence\").", ge=0, finite=True)
+    clip_updates: float = opt(
+        5.0, "Bounded influence of one device: its change of an aggregation unit is scaled down to this many "
+        "times the round's median change of that unit (with 3 or more devices); 0 = off.", ge=0, finite=True)
     schedule: str = opt(
         "round_robin", "How devices interleave: round-robin (one local step each in turn) | random (seeded) | "
         "sequential (one device after another).", choices=SCHEDULES, dashed=True)  # simulation only

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 __all__ = ["FedSGA"]
 
 _ABLATIONS = ("adapt", "estimator", "harmonizer")
+# A probe's delta and q are clipped to this many times the stored pairs' median (once there are
+# _OBS_MIN pairs): the estimator's inputs stay bounded whatever one device reports.
+_OBS_CLIP, _OBS_MIN = 10.0, 4
 # The per-device numbers an update reports that metrics.jsonl keeps for FedSGA (docs/method.md)
 _RECORD_KEYS = ("a", "delta", "q", "r", "r_prev", "k_policy", "L1", "Lref", "s", "descriptor_entropy")
 
@@ -186,6 +189,7 @@ class FedSGA(Strategy):
         # o = (a, delta[, q]) (docs/method.md): a is a mean cosine, delta and q are norms of changes.
         if not (-1.0001 <= o[0] <= 1.0001 and (o[1:] >= 0).all() and (o[1:] <= MAX_ABS_VALUE).all()):
             raise ValueError(f"o = {o.tolist()} is out of range: a in [-1, 1], the rest in [0, {MAX_ABS_VALUE:g}]")
+        o = self._bounded(o)
         side = co.server.copy_for(msg.sender)
         with probe_mode(side.model, side.head):
             L1 = float(self.loss(*self.forward(side, z1, 1), y))
@@ -197,6 +201,17 @@ class FedSGA(Strategy):
         self._calibration.append({"client": msg.sender, "L1": L1, "Lref": Lref, "s": s})
         self._cal_flops_server += len(y) * (co.costs.suffix_fwd(1) + co.costs.suffix_fwd(k_ref))
         return "probe_result", {"L1": L1, "Lref": Lref, "s": s}
+
+    def _bounded(self, o: np.ndarray) -> np.ndarray:
+        """Clip delta (and q) to _OBS_CLIP x the stored pairs' median of each."""
+        if len(self.cal_buffer) < _OBS_MIN:
+            return o
+        out = o.copy()
+        for j in range(1, len(o)):
+            typical = self.cal_buffer.typical(j)
+            if typical:
+                out[j] = min(out[j], _OBS_CLIP * typical)
+        return out
 
     def begin_round(self, t: int, calibrate: bool) -> None:
         self._calibration, self._cal_flops_server = [], 0

@@ -7,9 +7,11 @@ scales s, both layers use non-negative weights (softplus of raw parameters), and
 (tanh, then sigmoid) are increasing. Biases are free.
 
 Input scaling: delta and q are norms whose scale depends on the backbone and the prompts. Each
-is divided by a positive scale that is not learned: it is the mean of that feature over all
-stored calibration pairs, refreshed at every ``fit`` (1 before the first fit, and kept at 1 when
-the feature is all zero). a (a cosine) and r_prev (a probability) are used as they are.
+is divided by a positive scale that is not learned: it is the median of that feature's magnitude
+over the stored calibration pairs, refreshed at every ``fit`` (1 before the first fit, and kept at
+1 when the feature is all zero). A median, not a mean: one device's outlier must not rescale every
+other device's input (a single pair at 1e6 moved a mean scale from 0.70 to 250001). a (a cosine)
+and r_prev (a probability) are used as they are.
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ class MonotoneEstimator(nn.Module):
 
     @torch.no_grad()
     def set_scale(self, obs: Tensor) -> None:
-        """Set the delta / q scales to their mean absolute value over ``obs`` (N, num_obs)."""
-        mean_abs = obs.detach().to(self.obs_scale).abs().mean(dim=0)
-        scale = torch.where(mean_abs > 1e-12, mean_abs, torch.ones_like(mean_abs))
+        """Set the delta / q scales to their median absolute value over ``obs`` (N, num_obs)."""
+        typical = obs.detach().to(self.obs_scale).abs().median(dim=0).values
+        scale = torch.where(typical > 1e-12, typical, torch.ones_like(typical))
         scale[0] = 1.0  # a is a cosine in [-1, 1]: already on a fixed scale
         self.obs_scale.copy_(scale)
 
@@ -73,10 +75,15 @@ class MonotoneEstimator(nn.Module):
 
 
 class CalibrationBuffer:
-    """All calibration pairs ((o, r_prev), s) collected so far (Alg. 1, line 7); never evicted."""
+    """The calibration pairs ((o, r_prev), s) collected so far (Alg. 1, line 7), the newest
+    ``capacity`` of them: the paper keeps all; a bound keeps a long run's refit cheap and lets a
+    hostile pair age out."""
 
-    def __init__(self, num_obs: int = 3) -> None:
+    def __init__(self, num_obs: int = 3, capacity: int = 512) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
         self.num_obs = num_obs
+        self.capacity = capacity
         self._obs: list[list[float]] = []
         self._r_prev: list[float] = []
         self._s: list[float] = []
@@ -91,6 +98,14 @@ class CalibrationBuffer:
         self._obs.append(values)
         self._r_prev.append(float(r_prev))
         self._s.append(float(s))
+        if len(self._s) > self.capacity:  # the oldest pair goes
+            del self._obs[0], self._r_prev[0], self._s[0]
+
+    def typical(self, column: int) -> float | None:
+        """The median magnitude of one observation value over the stored pairs (None when empty)."""
+        if not self._obs:
+            return None
+        return float(torch.tensor([abs(o[column]) for o in self._obs]).median())
 
     def __len__(self) -> int:
         return len(self._s)

@@ -1,0 +1,99 @@
+"""Bounded influence per device: what one device's finite values can do to the shared model.
+
+Values that are finite and under ``MAX_ABS_VALUE`` can still wreck a run: one accepted activation
+at ~9x the honest maximum took a digits run from 0.81 to 0.16. The bounds here come from what the
+fleet itself has been sending, so they need no tuning per backbone:
+
+* **Activations** (``ActivationBound``): per split, each device's recent per-sample L2 norms;
+  the bound is ``factor`` x the median over devices of each device's median norm. A sample above
+  it is scaled down onto it (its direction kept) and counted. A median over devices means one
+  device cannot move the bound: it would need to be most of the fleet.
+* **Updates** (``clip_updates``): per aggregation unit, each device's change from the round's
+  global weights is scaled down to ``factor`` x the median change of the round's devices.
+
+Clipping, not refusal: an honest device whose batch lands just over the bound loses a little
+signal, not its round. docs/protocol.md, "Bounded influence", gives what it costs honest runs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["ActivationBound", "clip_updates"]
+
+_PER_DEVICE = 256  # per-sample norms kept per device and split
+
+
+class ActivationBound:
+    """Per split: recent per-sample activation norms by device; samples over the bound are clipped."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = float(factor)
+        self.norms: dict[int, dict[str, deque[float]]] = {}
+
+    def bound(self, k: int, fleet: int) -> float | None:
+        """factor x median over devices of their median norm at split k; None until at least
+        min(2, fleet) devices have been heard at k (nothing to compare a lone device with)."""
+        seen = self.norms.get(k, {})
+        if not self.factor or len(seen) < min(2, fleet) or not seen:
+            return None
+        medians = torch.tensor([float(torch.tensor(list(d)).median()) for d in seen.values()])
+        return self.factor * float(medians.median())
+
+    def clip(self, k: int, z: Tensor, fleet: int) -> tuple[Tensor, Tensor | None, int]:
+        """``z`` with every sample's norm at most the bound, the per-sample scale (None: untouched;
+        shaped to broadcast over ``z``) and how many samples were scaled."""
+        limit = self.bound(k, fleet)
+        if limit is None:
+            return z, None, 0
+        norms = z.flatten(1).norm(dim=1)
+        over = norms > limit
+        if not bool(over.any()):
+            return z, None, 0
+        scale = torch.where(over, limit / norms.clamp_min(1e-30), torch.ones_like(norms))
+        scale = scale.view(-1, *([1] * (z.dim() - 1)))
+        return z * scale, scale, int(over.sum())
+
+    def accept(self, device: str, k: int, z: Tensor) -> None:
+        """Remember an accepted (already clipped) activation's per-sample norms."""
+        if not self.factor:
+            return
+        rows = self.norms.setdefault(k, {}).setdefault(device, deque(maxlen=_PER_DEVICE))
+        rows.extend(z.detach().flatten(1).norm(dim=1).tolist())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {str(k): {d: list(v) for d, v in rows.items()} for k, rows in self.norms.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.norms = {int(k): {d: deque(v, maxlen=_PER_DEVICE) for d, v in rows.items()} for k, rows in state.items()}
+
+
+@torch.no_grad()
+def clip_updates(global_units: dict[int, dict[str, Tensor]], updates: dict[str, dict[int, dict[str, Tensor]]],
+                 factor: float) -> dict[str, int]:
+    """Scale each device's change of each unit down to ``factor`` x the round's median change of
+    that unit (in place); returns how many units were clipped per device. Needs 3 devices or more
+    for a median that one device cannot set."""
+    clipped: dict[str, int] = {}
+    if not factor or len(updates) < 3:
+        return clipped
+    units = {u for states in updates.values() for u in states}
+    for u in units:
+        ref = global_units[u]
+        holders = {d: states[u] for d, states in updates.items() if u in states}
+        if len(holders) < 3:
+            continue
+        deltas = {d: {n: v - ref[n] for n, v in st.items() if v.is_floating_point()} for d, st in holders.items()}
+        norms = {d: float(torch.sqrt(sum((t.double() ** 2).sum() for t in ds.values()))) for d, ds in deltas.items()}
+        limit = factor * float(torch.tensor(list(norms.values())).median())
+        for d, norm in norms.items():
+            if norm > limit > 0:
+                s = limit / norm
+                for n, delta in deltas[d].items():
+                    holders[d][n].copy_(ref[n] + delta * s)
+                clipped[d] = clipped.get(d, 0) + 1
+    return clipped
