@@ -15,14 +15,20 @@ The role is stepped (docs/method.md, "Rounds"): ``handle(round_start)`` arms a r
   the same file), and reloads it on start: a device that reboots keeps its own prompts and r and does
   not replay the first round's batch order. The data never needs saving: both sides rebuild the
   partition from the run's seeded config (``fedsga_edge.runbuild``).
-  A round that fails, is refused or is overtaken rolls the agent back to the saved state, so a
-  half-done round leaves no trace (docs/protocol.md, "Faults").
+  A round that fails, is refused or is overtaken rolls the agent back to the state it had before
+  the round (kept in memory, so a fresh device without a state file is rolled back too): only a
+  round whose update the coordinator acked is saved, and a half-done round leaves no trace
+  (docs/protocol.md, "Faults").
+* it takes orders only from the coordinator (the claimed sender and, where the transport observes
+  one, the real sender), and a ``round_start`` or ``bye`` only within ``MAX_ROUNDS_AHEAD`` of the
+  newest round the coordinator confirmed (``device.guard``); refusals go to ``agent.log``, throttled.
 
 ``health()`` is what an operator (or a watchdog) reads: registered, rounds done, busy, last error.
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import queue
@@ -37,6 +43,7 @@ from fedsga_edge.runfiles import JsonLog, atomic_write
 from fedsga_edge.transport import Peer, TransportError
 from fedsga_edge.wire import Message, RemoteProtocolError
 
+from .guard import VERIFY_EVERY_S, LogThrottle, RoundGuard
 from .role import PrivateState, SplitClient, check_round_start
 
 __all__ = ["DeviceAgent", "RegistrationRefused", "STATE_FILE"]
@@ -44,6 +51,10 @@ __all__ = ["DeviceAgent", "RegistrationRefused", "STATE_FILE"]
 STATE_FILE = "state.npz"
 STATE_VERSION = 2
 _ARRAYS = ("prompts", "m_prev", "m_last", "H_prev")
+
+
+# What a round may change and a failed round must put back (state, batch order, the backend's generator).
+_Snapshot = tuple[PrivateState, Any, Any]
 
 
 class RegistrationRefused(Exception):
@@ -88,6 +99,13 @@ class DeviceAgent:
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
         self._serving = False
+        self.guard = RoundGuard()
+        self.refused = LogThrottle()  # orders refused, by event (health() reports the counts)
+        self._verify: Message | None = None  # a round_start too far ahead, to check with the coordinator
+        self._verify_after = 0.0
+        self._tls = threading.local()
+        if peer.on_reject is None:  # what the Peer refuses before _handle (a sender that is not its topic)
+            peer.on_reject = self._peer_rejected
         try:
             self.restored = self.load_state()
         except BaseException:
@@ -132,6 +150,7 @@ class DeviceAgent:
             else:
                 if reply.kind == "ack":
                     self.registered = True
+                    self._confirm_from_ack(reply)
                     self.log.info("registered", attempts=attempts, ack=reply.body)
                     return dict(reply.body)
                 reason = str(reply.body.get("reason", reply.kind))
@@ -187,6 +206,8 @@ class DeviceAgent:
             "last_error": self.last_error,
             "restored": self.restored,
             "finished": self.finished.is_set(),
+            "confirmed_round": self._confirmed(),
+            "refused": dict(self.refused.counts),
         }
 
     @property
@@ -196,24 +217,84 @@ class DeviceAgent:
     # -- delivery thread ----------------------------------------------------------------------------
     def _handle(self, msg: Message) -> Message | None:
         """Queue work and return at once: the delivery thread must never train."""
-        if msg.sender != self.server:
-            raise RemoteProtocolError(f"{self.cid} takes orders only from {self.server!r}, not {msg.sender!r:.140}")
+        seen = self._observed_sender()
+        if msg.sender != self.server or (seen is not None and seen != self.server):
+            came = f" (arrived from {seen!r:.140})" if seen is not None and seen != msg.sender else ""
+            self._refuse("order_refused", msg,
+                         f"{self.cid} takes orders only from {self.server!r}, not {msg.sender!r:.140}{came}")
         if msg.kind == "round_start":
-            check_round_start(msg.body)  # a malformed one must not supersede the round running now
-            with self._lock:
-                self._latest = max(self._latest, msg.round)
-                self._newest = msg
-            self._queue.put(msg)
+            try:
+                check_round_start(msg.body)  # a malformed one must not supersede the round running now
+            except RemoteProtocolError as exc:
+                self._refuse("round_start_refused", msg, str(exc))
+            problem = self.guard.too_far(msg.round) if msg.round > self._confirmed() else None
+            if problem is not None:  # a forged one would make every real round look stale
+                self._ask_coordinator(msg)
+                self._refuse("round_start_refused", msg, problem)
+            self._accept(msg)
             return None
         if msg.kind == "bye":
-            self.log.info("run_over", reason=str(msg.body.get("reason", ""))[:200])
+            problem = self.guard.too_far(msg.round, "bye") if msg.round > self._confirmed() else None
+            if problem is not None:
+                self._refuse("bye_refused", msg, problem)
+            self.log.info("run_over", round=msg.round, reason=str(msg.body.get("reason", ""))[:200])
             self.finished.set()
             return None
-        raise RemoteProtocolError(f"device {self.cid} does not accept {msg.kind!r}")
+        self._refuse("order_refused", msg, f"device {self.cid} does not accept {msg.kind!r:.40}")
+        return None  # not reached: _refuse raises
+
+    def _accept(self, msg: Message) -> None:
+        with self._lock:
+            self._latest = max(self._latest, msg.round)
+            self._newest = msg
+        self._queue.put(msg)
+
+    def _observed_sender(self) -> str | None:
+        """Who the transport saw send the message being handled (MQTT: its topic); None where it cannot tell."""
+        observed = getattr(self.peer.transport, "observed_sender", None)
+        return observed() if callable(observed) else None
+
+    def _refuse(self, event: str, msg: Message, reason: str) -> None:
+        """Log (throttled) and raise: the Peer answers with an error, or drops it when it came one-way."""
+        n = self.refused.count(event)
+        if n is not None:
+            self.log.warning(event, round=msg.round, kind=str(msg.kind)[:40], sender=str(msg.sender)[:140],
+                             reason=reason[:300], count=n)
+        self._tls.logged = reason  # the Peer reports this refusal to _peer_rejected too: logged once
+        raise RemoteProtocolError(reason)
+
+    def _peer_rejected(self, sender: str, kind: str, reason: str) -> None:
+        """The Peer's refusals (throttled by the Peer): undecodable, another run, a sender not its topic."""
+        logged, self._tls.logged = getattr(self._tls, "logged", None), None
+        if logged is not None and reason.startswith(logged[:200]):
+            return
+        self.log.warning("message_rejected", sender=str(sender)[:140], kind=str(kind)[:40], reason=reason[:300])
+
+    def _confirmed(self) -> int:
+        """The newest round the coordinator confirmed: acked at hello, answered a request of, or completed."""
+        self.guard.confirm(self.client.confirmed_round)
+        return self.guard.confirmed
+
+    def _confirm_from_ack(self, reply: Message) -> int | None:
+        """The coordinator's round in a hello ack (None when it names none)."""
+        t = reply.body.get("round")
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            return None
+        self.guard.confirm(t)
+        return t
+
+    def _ask_coordinator(self, msg: Message) -> None:
+        """Have the worker check a far-ahead round_start with the coordinator (at most every VERIFY_EVERY_S)."""
+        with self._lock:
+            now = time.monotonic()
+            if self._verify is None and now >= self._verify_after:
+                self._verify, self._verify_after = msg, now + VERIFY_EVERY_S
 
     # -- worker thread ------------------------------------------------------------------------------
     def _work(self) -> None:
         while not self._stop.is_set():
+            if self._verify is not None:
+                self._verify_round()
             try:
                 msg = self._queue.get(timeout=0.2)
             except queue.Empty:
@@ -227,6 +308,26 @@ class DeviceAgent:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 self.log.error("round_crash", round=msg.round, error=self.last_error[:500])
 
+    def _verify_round(self) -> None:
+        """Ask the coordinator (hello) which round it is in; run the far-ahead round_start only if it says so."""
+        with self._lock:
+            msg, self._verify = self._verify, None
+        if msg is None:
+            return
+        body = {"backend": self.backend, "num_samples": len(self.client.data), "capabilities": self.capabilities,
+                "rounds_done": self.rounds_done, "state_rounds": self.client.state.rounds}
+        try:
+            reply = self.peer.call(self.server, "hello", 0, body, timeout=10.0)
+        except (TransportError, RemoteProtocolError) as exc:
+            self.log.warning("round_start_unconfirmed", round=msg.round, error=f"{type(exc).__name__}: {exc}"[:300])
+            return
+        now = self._confirm_from_ack(reply) if reply.kind == "ack" else None
+        if now is None or now < msg.round:
+            self.log.warning("round_start_unconfirmed", round=msg.round, coordinator_round=now, reply=reply.kind)
+            return
+        self.log.info("round_start_confirmed", round=msg.round)
+        self._accept(msg)
+
     def _run_round(self, msg: Message) -> None:
         t = msg.round
         client = self.client
@@ -237,6 +338,7 @@ class DeviceAgent:
             self.log.error("round_refused", round=t, error=self.last_error[:500])
             self._report(t, self.last_error)
             return
+        before = self._snapshot()
         self._current = t
         started = time.perf_counter()
         self.log.info("round_begin", round=t, split=msg.body.get("split"), calibrate=bool(msg.body.get("calibrate")))
@@ -273,14 +375,36 @@ class DeviceAgent:
                 self.rounds_done += 1
                 self.last_error = None
                 self.save_state()
-            elif self.state_path.exists():  # an unfinished round leaves no trace (docs/protocol.md, "Faults")
-                self.load_state()
-                self.last_round = t
+            else:  # an unfinished round leaves no trace (docs/protocol.md, "Faults")
+                self._restore(before)
+                self._forget_unconfirmed(msg)
         finally:
             self._current = None
         level = "info" if outcome == "done" else "warning"
         self.log.log("round_end", level, round=t, outcome=outcome, wall_s=time.perf_counter() - started,
                      r_prev=client.state.r_prev, error=self.last_error if outcome != "done" else None)
+
+    def _forget_unconfirmed(self, msg: Message) -> None:
+        """A failed round the coordinator never answered a request of may not exist (a forged round_start
+        within the bound): it must not make the real rounds up to it look stale."""
+        if self._confirmed() >= msg.round:
+            return
+        with self._lock:
+            if self._newest is msg:
+                self._newest = None
+                self._latest = min(self._latest, self.guard.confirmed)
+
+    def _snapshot(self) -> _Snapshot:
+        """What a round may change of the private state, copied before it starts."""
+        return (copy.deepcopy(self.client.state), copy.deepcopy(self.client.rng.bit_generator.state),
+                self.client.backend.rng_state())
+
+    def _restore(self, snap: _Snapshot) -> None:
+        state, rng, backend_rng = snap
+        self.client.state = state
+        self.client.rng.bit_generator.state = rng
+        if backend_rng is not None:
+            self.client.backend.set_rng_state(backend_rng)
 
     def _superseded(self, msg: Message) -> bool:
         """A newer round_start arrived: a later round, or this round again from a resumed coordinator."""
@@ -347,4 +471,5 @@ class DeviceAgent:
             self.client.backend.set_rng_state(arrays["backend_rng"])
         self.rounds_done = int(meta["rounds_done"])
         self.last_round = int(meta["last_round"])
+        self.guard.confirm(self.last_round)  # saved only after the coordinator acked that round
         return True

@@ -38,6 +38,7 @@ class TorchBackend:
         self.data = data
         self.gen = gen
         self._opt: torch.optim.Optimizer | None = None
+        self._shapes: dict[str, tuple[int, ...]] | None = None  # the model's weight shapes, for weight_shape
 
     @property
     def model(self) -> SplitModel:
@@ -59,6 +60,12 @@ class TorchBackend:
 
     def unit_of(self, name: str) -> int:
         return self.model.unit_of(name)
+
+    def weight_shape(self, name: str) -> tuple[int, ...] | None:
+        self.model.unit_of(name)  # ValueError for a weight of another model
+        if self._shapes is None:
+            self._shapes = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
+        return self._shapes.get(name)
 
     def init_prompts(self, m: int) -> np.ndarray:
         return self.model.init_prompts(m, self.gen).numpy()

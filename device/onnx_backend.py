@@ -155,6 +155,14 @@ class OnnxBackend:
             raise ValueError(f"{name!r} is not a weight of the exported {self.manifest['model'].get('arch')}")
         return self._units[name]
 
+    def weight_shape(self, name: str) -> tuple[int, ...] | None:
+        """The export's shape of a weight; None for a block deeper than any export (``load`` skips it)."""
+        if name in self.state:
+            return tuple(self.state[name].shape)
+        if self.unit_of(name) >= max(self._depths.values()):
+            return None
+        raise ValueError(f"weight {name} is not in the exported prefix: artifacts of another model?")
+
     def load(self, weights: dict[str, np.ndarray]) -> None:
         """The coordinator's blocks into the shared state (blocks deeper than any export are not kept)."""
         deepest = max(self._depths.values())

@@ -61,6 +61,12 @@ class Backend(Protocol):
         """The model's aggregation unit of a weight (``SplitModel.unit_of``); ValueError if unknown."""
         ...
 
+    def weight_shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape ``load`` needs for a weight (None: the backend does not keep it); ValueError if unknown.
+
+        The role checks every weight the coordinator sends against it before ``load`` allocates anything."""
+        ...
+
     def init_prompts(self, m: int) -> np.ndarray: ...
 
     def inputs(self, images: np.ndarray, augment: bool) -> Any: ...
@@ -162,6 +168,9 @@ class SplitClient:
         self.state = PrivateState()
         self._task: _Task | None = None
         self.last_error: str | None = None
+        # The newest round the coordinator answered a request of (not with an error): proof that the
+        # round exists, unlike a one-way round_start that anyone on an open broker can publish.
+        self.confirmed_round = 0
 
     # -- message entry point --------------------------------------------------------------------
     def handle(self, msg: Message) -> Message | None:
@@ -194,12 +203,21 @@ class SplitClient:
             reply = self.peer.call(self.server, "update", task.t, done.value)
             if reply.kind == "error":
                 self.last_error = f"update refused: {reply.body.get('reason')}"
+            elif reply.kind != "ack":  # only an ack completes the round (and lets the agent save it)
+                self.last_error = f"update refused: the coordinator answered {reply.kind!r:.40}, not 'ack'"
+            else:
+                self._confirm(task.t)
             return False
         except (_Refused, BackendError, HeadError) as exc:
             self._give_up(task, str(exc))
             return False
         task.reply = self.peer.call(self.server, kind, task.t, body)
+        if task.reply.kind != "error":
+            self._confirm(task.t)
         return True
+
+    def _confirm(self, t: int) -> None:
+        self.confirmed_round = max(self.confirmed_round, t)
 
     def abort(self) -> None:
         """Drop the running round (its deadline passed); the device keeps its private state."""
@@ -221,8 +239,8 @@ class SplitClient:
         if full and be.name != "torch":
             raise BackendError(f"the {be.name} backend trains a prefix only; a full-model round (FedAvg, FedProx) "
                                "needs --backend torch")
+        have = _check_weights(be, body["weights"])
         be.load(body["weights"])
-        have = _units(be, body["weights"])
         use_prompts = fed is not None and fed.adapt and fed.prompts > 0
         if use_prompts and self.state.prompts is None:
             self.state.prompts = be.init_prompts(fed.prompts)
@@ -248,6 +266,7 @@ class SplitClient:
         if need or full:
             reply = yield "fetch", {"blocks": need, "head": full}
             _expect(reply, "weights")
+            _check_weights(be, reply.body["weights"])
             be.load(reply.body["weights"])
 
         loss_sum, steps = 0.0, 0
@@ -362,16 +381,29 @@ def check_round_start(body: dict[str, Any]) -> None:
         if split is None and body.get("fedsga") and not body.get("full"):
             for key in ("estimator", "phi_s", "prototypes", "proto_dim"):
                 body[key]
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise RemoteProtocolError(f"malformed round_start: {type(exc).__name__}: {exc}") from None
 
 
-def _units(be: Backend, names: Any) -> set[int]:
-    """The units the coordinator sent; a weight the model does not have means another model: refuse."""
-    try:
-        return {be.unit_of(n) for n in names}
-    except ValueError as exc:
-        raise _Refused(f"the coordinator sent weights of another model: {exc}") from None
+def _check_weights(be: Backend, weights: Any) -> set[int]:
+    """The units the coordinator sent, each weight checked against the device's model before ``load``
+    allocates a copy: a name the model does not have or a shape that differs means another model (or a
+    coordinator declaring sizes the device would have to allocate): refuse the round."""
+    if not isinstance(weights, dict):
+        raise _Refused(f"weights must be a map of arrays, not {type(weights).__name__}")
+    units = set()
+    for name, value in weights.items():
+        try:
+            units.add(be.unit_of(name))
+            want = be.weight_shape(name)
+        except ValueError as exc:
+            raise _Refused(f"the coordinator sent weights of another model: {exc}") from None
+        if not isinstance(value, np.ndarray) or value.dtype.kind not in "fiub":
+            raise _Refused(f"weight {name!r:.100} is not a numeric array")
+        if want is not None and tuple(value.shape) != tuple(want):
+            raise _Refused(f"weight {name!r:.100} has shape {tuple(value.shape)!s:.100}; this device's model "
+                           f"has {tuple(want)}: weights of another model")
+    return units
 
 
 def stable_hash(text: str) -> int:
