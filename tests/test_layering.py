@@ -9,7 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ["fedsga_edge/models", "fedsga_edge/data", "fedsga_edge/method", "fedsga_edge/wire", "fedsga_edge/transport",
-        "fedsga_edge/config.py", "fedsga_edge/options.py", "fedsga_edge/tensors.py", "fedsga_edge/runfiles.py"]
+        "fedsga_edge/config.py", "fedsga_edge/options.py", "fedsga_edge/tensors.py", "fedsga_edge/runfiles.py",
+        "fedsga_edge/logthrottle.py"]
 ROLES = ["coordinator", "device", "export"]
 WIRING = ("fedsga_edge.cli", "fedsga_edge.simulation", "fedsga_edge.runbuild")
 ABOVE_CORE = ("fedsga_edge.coordinator", "fedsga_edge.device", "fedsga_edge.export", *WIRING)

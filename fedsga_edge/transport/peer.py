@@ -22,10 +22,14 @@ transport wants, and adds the two things every handler needs on MQTT:
 * robustness -- bytes that do not decode, a message for another run, or a
   RemoteProtocolError raised by the handler (the role judged the peer wrong)
   become an ``error`` reply, ``peer.errors += 1`` and ``peer.rejections[sender]
-  += 1``; ``on_reject(sender, kind, reason)`` (if set) hears of the first 20
-  per sender and then of every power of two, so a flood cannot flood the log.
-  The handler keeps serving. Anything else a handler raises is our bug and
-  propagates.
+  += 1``. The log and ``on_reject(sender, kind, reason)`` (if set) hear of the
+  first 10 per sender each minute, then of one summary with the count
+  (``logthrottle``), so a flood cannot flood the log. The handler keeps
+  serving. Anything else a handler raises is our bug and propagates.
+* check before decode -- the envelope is checked before the body is decoded:
+  run, sender (against the observed one) and then the role's ``admit``
+  (if set: it raises RemoteProtocolError for a round or kind it will not
+  take), so a message refused on its envelope never builds a tensor.
 * identity -- a transport that knows who really sent the bytes (MQTT: the
   topic they arrived on, which broker ACLs tie to the login) exposes it as
   ``observed_sender()``; a message whose ``sender`` differs is answered with an
@@ -46,7 +50,8 @@ from typing import Any
 
 import numpy as np
 
-from ..wire import TENSOR_FORMATS, LocalProtocolError, Message, RemoteProtocolError, decode, encode
+from ..logthrottle import Throttle, describe
+from ..wire import TENSOR_FORMATS, Admit, Envelope, LocalProtocolError, Message, RemoteProtocolError, decode, encode
 from .base import Handler, Transport, check_address
 
 __all__ = ["LOSSY_FIELDS", "LOSSY_KINDS", "MessageHandler", "Peer"]
@@ -107,9 +112,11 @@ class Peer:
         cache_total_bytes: int = 256 * 1024 * 1024,
         max_senders: int = 1024,
         on_reject: RejectHook | None = None,
+        admit: Admit | None = None,
     ) -> None:
         """``cache_size`` entries and ``cache_bytes`` of replies per sender, ``cache_total_bytes`` and
-        ``max_senders`` in all bound the reply cache (see the module doc)."""
+        ``max_senders`` in all bound the reply cache (see the module doc); ``admit`` is the role's check
+        of an incoming envelope, run before the body is decoded."""
         check_address(me)
         if tensor_format not in TENSOR_FORMATS:
             raise LocalProtocolError(f"unknown tensor_format {tensor_format!r}; use one of {TENSOR_FORMATS}")
@@ -124,6 +131,8 @@ class Peer:
         self.replays = 0  # repeats whose reply was dropped from the cache: refused, not handled twice
         self.rejections: Counter[str] = Counter()  # error replies sent, by (observed) sender
         self.on_reject = on_reject
+        self.admit = admit
+        self.log_throttle = Throttle()  # rejections written to the log and on_reject: per sender, per minute
         self._cache_size = cache_size
         self._cache_bytes = cache_bytes
         self._cache_total_bytes = cache_total_bytes
@@ -158,8 +167,7 @@ class Peer:
         payload = self._encode(self.message(kind, round, body))
         raw = self.transport.request(self.me, dst, payload, timeout=timeout)
         try:
-            rep = decode(raw)
-            self._check_run(rep)
+            rep = decode(raw, admit=self._check_run)
         except RemoteProtocolError:
             with self._lock:
                 self.errors += 1
@@ -185,9 +193,7 @@ class Peer:
         def on_bytes(data: bytes) -> bytes | None:
             seen = observed() if observed is not None else None
             try:
-                msg = decode(data)
-                self._check_run(msg)
-                self._check_sender(msg, seen)
+                msg = decode(data, admit=lambda env: self._check_envelope(env, seen))
             except RemoteProtocolError as e:
                 return self._error_reply(e, 0, seen or "?", "?")
             key = (msg.sender, msg.seq)
@@ -257,9 +263,16 @@ class Peer:
     def _encode(self, msg: Message) -> bytes:
         return encode(msg, tensor_format=self.format_for(msg))
 
-    def _check_run(self, msg: Message) -> None:
-        if msg.run != self.run:
-            raise RemoteProtocolError(f"{msg.kind!r} from {msg.sender!r} is for run {msg.run!r}, not {self.run!r}")
+    def _check_run(self, env: Envelope) -> None:
+        if env.run != self.run:
+            raise RemoteProtocolError(f"{env.kind!r} from {env.sender!r:.140} is for run {env.run!r:.140}, not {self.run!r}")
+
+    def _check_envelope(self, env: Envelope, seen: str | None) -> None:
+        """Before the body is decoded: this run, the sender the transport saw, then the role's ``admit``."""
+        self._check_run(env)
+        self._check_sender(env, seen)
+        if self.admit is not None:
+            self.admit(env)
 
     def _remember(self, sender: str, seq: int, entry: _Entry) -> None:
         """Cache one answer (under the lock), then enforce the per-sender and global bounds."""
@@ -313,10 +326,10 @@ class Peer:
         return self._cached_bytes
 
     @staticmethod
-    def _check_sender(msg: Message, seen: str | None) -> None:
-        if seen is not None and msg.sender != seen:
+    def _check_sender(env: Envelope, seen: str | None) -> None:
+        if seen is not None and env.sender != seen:
             raise RemoteProtocolError(
-                f"{msg.kind!r} claims sender {msg.sender!r:.140} but arrived from {seen!r}: rejected"
+                f"{env.kind!r} claims sender {env.sender!r:.140} but arrived from {seen!r}: rejected"
             )
 
     def _error_reply(self, e: RemoteProtocolError, round: int, sender: str, kind: str) -> bytes:
@@ -327,20 +340,31 @@ class Peer:
         return encode(self.message("error", round, {"reason": reason}), tensor_format=self.tensor_format)
 
     def _count_rejection(self, sender: str, kind: str, reason: str, *, notify: bool = True) -> None:
-        """Count an error reply to ``sender``; log the first 20 per sender, then every power of two."""
+        """Count an error reply to ``sender``; the log and ``on_reject`` hear of it through the throttle."""
         with self._lock:
             self.rejections[sender] += 1
             n = self.rejections[sender]
             while len(self.rejections) > 4 * self._max_senders:  # unknown senders cannot grow it forever
                 del self.rejections[next(iter(self.rejections))]
-        if notify and (n <= 20 or n & (n - 1) == 0):
+        if not notify:
+            return
+        ok, due = self.log_throttle.hit(("rejected", sender))
+        for s in due:  # a summary of what the throttle held back, as the sender's own line
+            who = s.key[1] if isinstance(s.key, tuple) else describe(s.key)
+            note = f"{s.suppressed} more rejections not logged in the last {s.seconds:.0f} s"
+            log.warning("%s: %s from %r", self.me, note, who)
+            self._tell(str(who), "*", note)
+        if ok:
             log.warning("%s: rejected %r from %r (%d so far): %s", self.me, kind, sender, n, reason)
-            hook = self.on_reject
-            if hook is not None:
-                try:
-                    hook(sender, kind, f"{reason} ({n} rejections of this sender so far)" if n > 1 else reason)
-                except Exception:  # a broken log must not turn a refusal into a crash
-                    log.exception("%s: on_reject hook failed", self.me)
+            self._tell(sender, kind, f"{reason} ({n} rejections of this sender so far)" if n > 1 else reason)
+
+    def _tell(self, sender: str, kind: str, reason: str) -> None:
+        hook = self.on_reject
+        if hook is not None:
+            try:
+                hook(sender, kind, reason)
+            except Exception:  # a broken log must not turn a refusal into a crash (ours: keep the traceback)
+                log.exception("%s: on_reject hook failed", self.me)
 
 
 def _holds_float(v: Any, depth: int = 0) -> bool:

@@ -1,7 +1,8 @@
 """Wire format: messages, the msgpack tensor codec, chunking. numpy + msgpack only (no torch)."""
 
 from .chunking import BROKER_PACKET_LIMITS, DEFAULT_HEADROOM, Reassembler, max_chunk_for, split_message
-from .codec import DTYPES, TENSOR_FORMATS, decode, encode
+from .codec import DTYPES, MAX_EXPANSION, TENSOR_FORMATS, Admit, decode, encode
+from .envelope import Envelope
 from .errors import LocalProtocolError, RemoteProtocolError, WireError
 from .messages import KINDS, PROTOCOL_VERSION, REQUIRED_FIELDS, Message, check_body
 
@@ -10,9 +11,12 @@ __all__ = [
     "DEFAULT_HEADROOM",
     "DTYPES",
     "KINDS",
+    "MAX_EXPANSION",
     "PROTOCOL_VERSION",
     "REQUIRED_FIELDS",
     "TENSOR_FORMATS",
+    "Admit",
+    "Envelope",
     "LocalProtocolError",
     "Message",
     "Reassembler",

@@ -22,6 +22,10 @@ hands back for the ``bin`` field: no copy beyond msgpack's own (msgpack cannot
 expose slices of the input buffer). Call ``.copy()`` before writing in place.
 fp16 / int8 tensors decode into fresh, writable arrays.
 
+Decoding checks before it builds: the envelope first (``wire/envelope.py`` reads it without
+touching the body, and ``decode(admit=...)`` lets the receiver refuse on it), then each tensor's
+declared dtype x shape against its bytes, then the message's budget for fresh arrays.
+
 Anything malformed in the input raises RemoteProtocolError; asking to encode
 something the format cannot hold raises LocalProtocolError.
 """
@@ -30,15 +34,18 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import numpy as np
 
+from .envelope import Envelope, read_envelope
 from .errors import LocalProtocolError, RemoteProtocolError, WireError
 from .messages import KINDS, PROTOCOL_VERSION, Message, check_body
 
-__all__ = ["DTYPES", "MAX_DEPTH", "MAX_ITEMS", "TENSOR_FORMATS", "TENSOR_MARK", "decode", "encode"]
+__all__ = ["DTYPES", "EXPANSION_ALLOWANCE", "MAX_DEPTH", "MAX_EXPANSION", "MAX_ITEMS", "TENSOR_FORMATS", "TENSOR_MARK",
+           "Admit", "Envelope", "decode", "encode"]
 
 TENSOR_FORMATS: tuple[str, ...] = ("raw", "fp16", "int8")
 DTYPES: frozenset[str] = frozenset(
@@ -54,6 +61,12 @@ MAX_DEPTH = 32  # nesting of body containers; deeper is a bug or an attack
 # Python ~60, so without a budget a 100 MB message of nested empty lists would take GBs to decode.
 # Honest messages hold a few thousand (a round start: ~6 per tensor plus the configs).
 MAX_ITEMS = 200_000
+# Fresh arrays one message may decode into (fp16 / int8 tensors; raw ones are views): 4 x its bytes, what
+# int8 float32 tensors take (fp16 float32: 2x), plus 1 MiB so small float64 tensors may use int8 (8x) too.
+# A message of int8 bytes that declares float64 throughout is refused before anything is allocated.
+MAX_EXPANSION = 4
+EXPANSION_ALLOWANCE = 1 << 20
+_BLOCK = 1 << 20  # elements per step of int8 arithmetic done wider than the output (8 MiB of float64 scratch)
 _MAX_NDIM = 32
 _MAX_ID_LEN = 256  # run id / sender id
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack can carry
@@ -71,7 +84,7 @@ def encode(msg: Message, *, tensor_format: str = "raw") -> bytes:
     """
     if tensor_format not in TENSOR_FORMATS:
         raise LocalProtocolError(f"unknown tensor_format {tensor_format!r}; use one of {TENSOR_FORMATS}")
-    _check_envelope(msg.kind, msg.run, msg.round, msg.seq, msg.sender, msg.body, LocalProtocolError)
+    _check_envelope(msg.kind, msg.run, msg.round, msg.seq, msg.sender, type(msg.body).__name__, LocalProtocolError)
     check_body(msg.kind, msg.body, LocalProtocolError)
     envelope = {
         "v": PROTOCOL_VERSION,
@@ -167,11 +180,48 @@ def _int8_math(dtype: np.dtype[Any] | str, scale: float) -> np.dtype[Any]:
 
 # --------------------------------------------------------------------- decode
 
+Admit = Callable[[Envelope], None]
 
-def decode(data: bytes | bytearray | memoryview) -> Message:
-    """Parse and validate one message; any defect raises RemoteProtocolError."""
+
+def decode(data: bytes | bytearray | memoryview, *, admit: Admit | None = None) -> Message:
+    """Parse and validate one message; any defect raises RemoteProtocolError.
+
+    Two phases, so a message its receiver would refuse costs no tensor: the envelope (version,
+    kind, run, round, seq, sender) is read and checked first, then ``admit(envelope)`` runs
+    (it raises RemoteProtocolError to refuse: another run, a sender that is not the topic's, a
+    round or kind the role does not take), and only then is the body decoded. Every tensor's
+    declared dtype x shape is checked against the bytes present before an array is built, and
+    the fresh arrays of one message (fp16 / int8 tensors) may total at most
+    ``MAX_EXPANSION x len(data) + EXPANSION_ALLOWANCE`` bytes (docs/protocol.md, "What is rejected").
+    """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise LocalProtocolError(f"decode() takes bytes, got {type(data).__name__}")
+    view = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
+    try:
+        fields, span, body_type = read_envelope(view)
+    except LookupError:
+        _not_a_map(view)
+        raise  # pragma: no cover - _not_a_map always raises
+    v = fields.get("v")
+    if v != PROTOCOL_VERSION or not _is_int(v):
+        raise RemoteProtocolError(f"unsupported protocol version {v!r:.80}; this side speaks version {PROTOCOL_VERSION}")
+    keys = fields.keys() | ({"body"} if span is not None else set())
+    if keys != _ENVELOPE_KEYS:
+        missing = sorted(_ENVELOPE_KEYS - keys)
+        extra = sorted(f"{k!r:.40}" for k in keys - _ENVELOPE_KEYS)
+        raise RemoteProtocolError(f"bad envelope: missing {missing}, unexpected {extra}")
+    kind, run, rnd, seq, sender = fields["kind"], fields["run"], fields["round"], fields["seq"], fields["sender"]
+    _check_envelope(kind, run, rnd, seq, sender, body_type, RemoteProtocolError)
+    if admit is not None:
+        admit(Envelope(kind=kind, run=run, round=rnd, seq=seq, sender=sender))
+    assert span is not None
+    body = _unpack(_unpack_msgpack(view[span[0]:span[1]]), 0, "body", _Budget(len(view)))
+    check_body(kind, body, RemoteProtocolError)
+    return Message(kind=kind, run=run, round=rnd, seq=seq, sender=sender, body=body)
+
+
+def _unpack_msgpack(view: memoryview) -> Any:
+    """msgpack's objects for ``view``, with the element budget (tensor data stays bytes)."""
     left = [MAX_ITEMS]
 
     def budget(container: Any) -> Any:  # called as each list / map is finished
@@ -181,33 +231,45 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         return container
 
     try:
-        env = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, max_ext_len=0,
-                              max_array_len=MAX_ITEMS, max_map_len=MAX_ITEMS, list_hook=budget, object_hook=budget)
+        return msgpack.unpackb(view, raw=False, strict_map_key=True, use_list=True, max_ext_len=0,
+                               max_array_len=MAX_ITEMS, max_map_len=MAX_ITEMS, list_hook=budget, object_hook=budget)
     except Exception as e:  # msgpack raises a zoo of ValueError subclasses
-        raise RemoteProtocolError(f"not a msgpack message ({len(data)} bytes): {e}") from e
-    if not isinstance(env, dict):
-        raise RemoteProtocolError(f"message must be a msgpack map, got {type(env).__name__}")
-    v = env.get("v")
-    if v != PROTOCOL_VERSION or not _is_int(v):
-        raise RemoteProtocolError(f"unsupported protocol version {v!r}; this side speaks version {PROTOCOL_VERSION}")
-    if env.keys() != _ENVELOPE_KEYS:
-        missing = sorted(_ENVELOPE_KEYS - env.keys())
-        extra = sorted(map(repr, env.keys() - _ENVELOPE_KEYS))
-        raise RemoteProtocolError(f"bad envelope: missing {missing}, unexpected {extra}")
-    kind, run, rnd, seq, sender = env["kind"], env["run"], env["round"], env["seq"], env["sender"]
-    _check_envelope(kind, run, rnd, seq, sender, env["body"], RemoteProtocolError)
-    body = _unpack(env["body"], 0, "body")
-    check_body(kind, body, RemoteProtocolError)
-    return Message(kind=kind, run=run, round=rnd, seq=seq, sender=sender, body=body)
+        raise RemoteProtocolError(f"not a msgpack message ({len(view)} bytes): {e}") from e
+
+
+def _not_a_map(view: memoryview) -> None:
+    """Say why a message that is not a msgpack map is refused: invalid msgpack, or what it is."""
+    top = _unpack_msgpack(view)
+    raise RemoteProtocolError(f"message must be a msgpack map, got {type(top).__name__}")
+
+
+class _Budget:
+    """Bytes of fresh arrays one message may still decode into: ``MAX_EXPANSION`` x its size plus
+    ``EXPANSION_ALLOWANCE``. Raw tensors are views and cost nothing; fp16 and int8 ones cost their
+    decoded size, checked before the array is allocated."""
+
+    __slots__ = ("cap", "left")
+
+    def __init__(self, message_bytes: int) -> None:
+        self.cap = self.left = MAX_EXPANSION * message_bytes + EXPANSION_ALLOWANCE
+
+    def take(self, nbytes: int, path: str, what: str) -> None:
+        if nbytes > self.left:
+            raise RemoteProtocolError(
+                f"{path}: {what} decodes to {nbytes} bytes; this message may decode to {self.cap} bytes "
+                f"of arrays in all ({MAX_EXPANSION} x its size + {EXPANSION_ALLOWANCE}), {self.left} left"
+            )
+        self.left -= nbytes
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_envelope(kind: Any, run: Any, rnd: Any, seq: Any, sender: Any, body: Any, error: type[WireError]) -> None:
+def _check_envelope(kind: Any, run: Any, rnd: Any, seq: Any, sender: Any, body_type: str, error: type[WireError]) -> None:
+    """``body_type`` is the Python type name the body has (or would have, built)."""
     if not isinstance(kind, str) or kind not in KINDS:
-        raise error(f"unknown message kind {kind!r}; known: {', '.join(KINDS)}")
+        raise error(f"unknown message kind {kind!r:.80}; known: {', '.join(KINDS)}")
     if not isinstance(run, str) or len(run) > _MAX_ID_LEN:
         raise error(f"{kind!r}: run must be a str of at most {_MAX_ID_LEN} chars, got {run!r:.80}")
     if not isinstance(sender, str) or not 0 < len(sender) <= _MAX_ID_LEN:
@@ -215,32 +277,32 @@ def _check_envelope(kind: Any, run: Any, rnd: Any, seq: Any, sender: Any, body: 
     for name, n in (("round", rnd), ("seq", seq)):
         if not _is_int(n) or not 0 <= n <= _INT_MAX:
             raise error(f"{kind!r}: {name} must be a non-negative 64-bit int, got {n!r:.80}")
-    if not isinstance(body, dict):
-        raise error(f"{kind!r}: body must be a map, got {type(body).__name__}")
+    if body_type != "dict":
+        raise error(f"{kind!r}: body must be a map, got {body_type}")
 
 
-def _unpack(v: Any, depth: int, path: str) -> Any:
+def _unpack(v: Any, depth: int, path: str, budget: _Budget) -> Any:
     if depth > MAX_DEPTH:
         raise RemoteProtocolError(f"{path}: nested deeper than {MAX_DEPTH}")
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     if isinstance(v, list):
-        return [_unpack(x, depth + 1, f"{path}[{i}]") for i, x in enumerate(v)]
+        return [_unpack(x, depth + 1, f"{path}[{i}]", budget) for i, x in enumerate(v)]
     if isinstance(v, dict):
         if TENSOR_MARK in v:
-            return _unpack_tensor(v, path)
+            return _unpack_tensor(v, path, budget)
         out = {}
         for k, x in v.items():
             if not isinstance(k, str):
                 raise RemoteProtocolError(f"{path}: map keys must be str, got {type(k).__name__}")
-            out[k] = _unpack(x, depth + 1, f"{path}[{k!r}]")
+            out[k] = _unpack(x, depth + 1, f"{path}[{k!r}]", budget)
         return out
     raise RemoteProtocolError(f"{path}: unexpected {type(v).__name__} value outside a tensor")
 
 
-def _unpack_tensor(t: dict[Any, Any], path: str) -> np.ndarray:
+def _unpack_tensor(t: dict[Any, Any], path: str, budget: _Budget) -> np.ndarray:
     if not t.keys() <= _TENSOR_KEYS:
-        extra = sorted(map(repr, t.keys() - _TENSOR_KEYS))
+        extra = sorted(f"{k!r:.40}" for k in t.keys() - _TENSOR_KEYS)
         raise RemoteProtocolError(f"{path}: unexpected tensor keys {extra}")
     if t[TENSOR_MARK] != _TENSOR_VERSION or not _is_int(t[TENSOR_MARK]):
         raise RemoteProtocolError(
@@ -254,7 +316,7 @@ def _unpack_tensor(t: dict[Any, Any], path: str) -> np.ndarray:
         raise RemoteProtocolError(f"{path}: shape must be a list of at most {_MAX_NDIM} non-negative ints")
     if not isinstance(data, bytes):
         raise RemoteProtocolError(f"{path}: tensor data must be bin, got {type(data).__name__}")
-    if enc not in TENSOR_FORMATS:
+    if not isinstance(enc, str) or enc not in TENSOR_FORMATS:
         raise RemoteProtocolError(f"{path}: unknown tensor encoding {enc!r:.40}")
     floating = dtype.startswith("float")
     if enc != "raw" and not floating:
@@ -262,9 +324,13 @@ def _unpack_tensor(t: dict[Any, Any], path: str) -> np.ndarray:
     if ("scale" in t) != (enc == "int8"):
         raise RemoteProtocolError(f"{path}: 'scale' goes with int8 encoding and only with it")
     wire = {"raw": np.dtype(dtype).newbyteorder("<"), "fp16": np.dtype("<f2"), "int8": np.dtype("i1")}[enc]
-    expected = math.prod(shape) * wire.itemsize
-    if expected != len(data):
-        raise RemoteProtocolError(f"{path}: shape {shape} of {enc} {dtype} needs {expected} bytes, got {len(data)}")
+    count = math.prod(shape)  # Python ints: a claimed terabyte is a number, not an allocation
+    if count * wire.itemsize != len(data):
+        raise RemoteProtocolError(
+            f"{path}: shape {shape} of {enc} {dtype} needs {count * wire.itemsize} bytes, got {len(data)}")
+    scale = _int8_scale(t, dtype, path) if enc == "int8" else 0.0
+    if enc != "raw":  # a fresh array of the declared dtype: inside the message's budget, or refused unbuilt
+        budget.take(count * np.dtype(dtype).itemsize, path, f"{enc} {dtype} tensor of shape {shape}")
     try:
         arr = np.frombuffer(data, dtype=wire).reshape(shape)
     except (ValueError, OverflowError) as e:  # e.g. [0, 2**62]: zero bytes, impossible shape
@@ -274,14 +340,36 @@ def _unpack_tensor(t: dict[Any, Any], path: str) -> np.ndarray:
     if enc == "fp16":
         return arr.astype(dtype)
     if enc == "int8":
-        scale = t["scale"]
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 <= scale < math.inf):
-            raise RemoteProtocolError(f"{path}: int8 scale must be a finite non-negative number")
-        if scale * 127 > float(np.finfo(dtype).max) * 1.0001:  # no honest sender makes one
-            raise RemoteProtocolError(f"{path}: int8 scale {scale:g} overflows {dtype}")
-        out = np.empty(arr.shape, dtype=_int8_math(dtype, scale))
-        np.multiply(arr, scale, out=out)  # out=: a 0-d result stays an array
-        return out.astype(dtype, copy=False)
+        return _dequantize(arr, scale, dtype)
     if sys.byteorder == "big" and arr.dtype.byteorder == "<":  # pragma: no cover - little-endian CI
         arr = arr.astype(arr.dtype.newbyteorder("="))
     return arr
+
+
+def _int8_scale(t: dict[Any, Any], dtype: str, path: str) -> float:
+    """The int8 scale: a finite float >= 0 whose 127 steps fit ``dtype``. An int is refused (it would
+    overflow or wrap in int8 arithmetic); 0.0 is what the encoder sends for an all-zero tensor."""
+    scale = t["scale"]
+    if not isinstance(scale, float) or not 0.0 <= scale < math.inf:
+        raise RemoteProtocolError(f"{path}: int8 scale must be a finite float >= 0, got {scale!r:.40}")
+    if scale * 127 > float(np.finfo(dtype).max) * 1.0001:  # no honest sender makes one
+        raise RemoteProtocolError(f"{path}: int8 scale {scale:g} overflows {dtype}")
+    return scale
+
+
+def _dequantize(q: np.ndarray, scale: float, dtype: str) -> np.ndarray:
+    """q * scale as ``dtype``, the one array of the declared size; where the arithmetic needs a wider
+    dtype it runs in blocks of ``_BLOCK`` elements, so the scratch stays small (same values as a whole-array
+    multiply: the operation is elementwise)."""
+    math_dtype = _int8_math(dtype, scale)
+    out = np.empty(q.shape, dtype=dtype)
+    flat_q, flat_out = q.reshape(-1), out.reshape(-1)
+    if math_dtype == out.dtype:
+        np.multiply(flat_q, scale, out=flat_out)
+        return out
+    scratch = np.empty(min(_BLOCK, flat_q.size), dtype=math_dtype)
+    for i in range(0, flat_q.size, _BLOCK):
+        part = scratch[: min(_BLOCK, flat_q.size - i)]
+        np.multiply(flat_q[i : i + _BLOCK], scale, out=part)
+        flat_out[i : i + _BLOCK] = part
+    return out

@@ -13,6 +13,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from ...logthrottle import ThrottledLog
 from ..base import Handler, TransportError, TransportStats
 from .frames import Frame, as_bytes_view
 from .health import Health
@@ -87,6 +88,9 @@ class HandlerPool:
         self.queued_bytes = 0
         self._seen = SeenRequests()
         self._thread_state = threading.local()
+        # A handler that raises is our bug (roles answer bad input with an error reply), but bad input
+        # triggers it: its tracebacks are throttled like lines about hostile input.
+        self.noise = ThrottledLog(log)
 
     # ------------------------------------------------------------- the table (under the transport's lock)
 
@@ -184,7 +188,10 @@ class HandlerPool:
             out = w.handler(job.payload)
         except Exception as e:
             self._health.count("handler_errors")
-            log.exception("%s: handler of %r raised", self._client_id, w.address)
+            ok, due = self.noise.throttle.hit(("handler errors of", w.address))
+            self.noise.write(due)
+            if ok:
+                log.exception("%s: handler of %r raised", self._client_id, w.address)
             if job.op == "req":
                 reason = f"handler of {w.address!r} raised {type(e).__name__}: {e}"
                 self._out.publish_error(job.reply_topic, job.cid, reason)

@@ -2,7 +2,9 @@
 then hand replies to the pending requests and requests to the handlers.
 
 Nothing here may raise into paho: a bad frame is counted and dropped (a bad request refused),
-and a bug is logged, so one hostile or broken publisher cannot stop the network thread.
+and a bug is logged, so one hostile or broken publisher cannot stop the network thread. Lines about
+bad frames go through a ``ThrottledLog`` (fedsga_edge/logthrottle.py), keyed by problem and topic,
+so a flood of them is counted and summarised instead of written out one by one.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ...logthrottle import ThrottledLog
 from ...wire import Reassembler, RemoteProtocolError
 from .frames import Frame, check_chunk_head, parse_frame
 from .health import Health
@@ -44,6 +47,7 @@ class Inbound:
         self._dispatch = dispatch
         self.reassembler = Reassembler(max_buffer_bytes, reassembly_timeout,
                                        max_owner_pending=MAX_PARTIAL_PER_SENDER)
+        self.noise = ThrottledLog(log)  # lines about hostile frames: counted, the first few written
 
     def on_message(self, client: Any, userdata: Any, message: Any) -> None:
         """paho's ``on_message``."""
@@ -62,7 +66,7 @@ class Inbound:
             frame = parse_frame(data)
         except RemoteProtocolError as e:
             self._health.count("garbage")
-            log.warning("%s: dropped garbage on %s: %s", self._client_id, topic, e)
+            self.noise.warning(("garbage frames on", topic), "%s: dropped garbage on %s: %s", self._client_id, topic, e)
             return
         reply_topic = topic if dst == BROADCAST else self._topics.route(dst, src)
         payload = frame.p
@@ -89,7 +93,8 @@ class Inbound:
             # except for chunks that contradict their siblings: then the requester hears it more
             # than once, and every answer after the first is a late reply.
             self._health.count("rejected")
-            log.warning("%s: dropped a chunk of %s on %s: %s", self._client_id, frame.cid, topic, e)
+            self.noise.warning(("rejected chunks on", topic), "%s: dropped a chunk of %s on %s: %s",
+                               self._client_id, frame.cid, topic, e)
             if frame.op == "req":
                 self._out.publish_error(reply_topic, frame.cid, f"rejected: {e}")
             return None

@@ -12,6 +12,8 @@ from .topics import Topics
 
 __all__ = ["Pending", "PendingReplies"]
 
+_MAX_REASON = 1000  # bytes of an err frame's reason kept: it ends up in exceptions and logs
+
 
 @dataclass(slots=True)
 class Pending:
@@ -69,7 +71,7 @@ class PendingReplies:
             del self._pending[frame.cid]
         src, dst = self._topics.classify(topic) or ("?", "?")
         if frame.op == "err":
-            pending.error = payload.decode("utf-8", "replace")
+            pending.error = bytes(payload[:_MAX_REASON]).decode("utf-8", "replace")  # the peer's words, bounded
         else:
             pending.reply = payload
             if src not in self._local:  # our own replies were counted when published
