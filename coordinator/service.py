@@ -217,6 +217,7 @@ class CoordinatorService:
         summary = self.driver.run(self._make_summary, first=self.resumed_from + 1, files=self.files, started=started)
         self.summary = summary
         self._say_bye()
+        self.peer.flush_log()  # the rejections the log throttle held back: one summary line per sender
         self.log.info("run_end", rounds=len(self.records), final_acc=summary.get("final_acc"),
                       failures=summary.get("failures"), wall_s=summary.get("wall_s"), resumed_from=self.resumed_from,
                       **self.counters())

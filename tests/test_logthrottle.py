@@ -138,3 +138,15 @@ def test_throttle_arguments_are_checked() -> None:
     for bad in ({"first": -1}, {"interval": 0}, {"max_keys": 0}, {"max_lines": 0}):
         with pytest.raises(ValueError):
             Throttle(**bad)
+
+
+def test_peer_flush_log_writes_the_owed_summary_at_the_end_of_a_run() -> None:
+    heard: list[tuple[str, str, str]] = []
+    peer = Peer(LoopbackTransport(), "coordinator", "r", on_reject=lambda *a: heard.append(a))
+    serve = peer.serve(lambda m: None, sender_of=lambda: "client-1")
+    other_run = encode(Message("activation", "other", 1, 1, "client-1", {"z": _z(), "y": _y(), "split": 1}))
+    for _ in range(25):
+        serve(other_run)
+    peer.flush_log()
+    assert len(heard) == 11 and heard[0][1] == "activation"  # the envelope's kind names the refusal
+    assert heard[-1][:2] == ("client-1", "*") and heard[-1][2].startswith("15 more rejections")

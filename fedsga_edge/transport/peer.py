@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from ..logthrottle import Throttle, describe
+from ..logthrottle import Summary, Throttle, describe
 from ..wire import TENSOR_FORMATS, Admit, Envelope, LocalProtocolError, Message, RemoteProtocolError, decode, encode
 from .base import Handler, Transport, check_address
 
@@ -192,10 +192,16 @@ class Peer:
 
         def on_bytes(data: bytes) -> bytes | None:
             seen = observed() if observed is not None else None
+            heard: list[Envelope] = []  # the envelope, once read: its kind names the refusal in the log
+
+            def admit(env: Envelope) -> None:
+                heard.append(env)
+                self._check_envelope(env, seen)
+
             try:
-                msg = decode(data, admit=lambda env: self._check_envelope(env, seen))
+                msg = decode(data, admit=admit)
             except RemoteProtocolError as e:
-                return self._error_reply(e, 0, seen or "?", "?")
+                return self._error_reply(e, 0, seen or "?", heard[0].kind if heard else "?")
             key = (msg.sender, msg.seq)
             digest = hashlib.blake2b(data, digest_size=16).digest()
             with self._lock:
@@ -349,14 +355,23 @@ class Peer:
         if not notify:
             return
         ok, due = self.log_throttle.hit(("rejected", sender))
-        for s in due:  # a summary of what the throttle held back, as the sender's own line
-            who = s.key[1] if isinstance(s.key, tuple) else describe(s.key)
-            note = f"{s.suppressed} more rejections not logged in the last {s.seconds:.0f} s"
-            log.warning("%s: %s from %r", self.me, note, who)
-            self._tell(str(who), "*", note)
+        self._summarise(due)
         if ok:
             log.warning("%s: rejected %r from %r (%d so far): %s", self.me, kind, sender, n, reason)
             self._tell(sender, kind, f"{reason} ({n} rejections of this sender so far)" if n > 1 else reason)
+
+    def flush_log(self) -> None:
+        """Write the summaries the log throttle still owes (at the end of a run)."""
+        self._summarise(self.log_throttle.flush())
+
+    def _summarise(self, due: list[Summary]) -> None:
+        """What the throttle held back, one line per sender (kind ``*`` for on_reject)."""
+        for s in due:
+            who = s.key[1] if isinstance(s.key, tuple) else describe(s.key)
+            scope = f" of {s.keys} senders" if s.keys > 1 else ""
+            note = f"{s.suppressed} more rejections{scope} not logged in the last {s.seconds:.0f} s"
+            log.warning("%s: %s from %r", self.me, note, who)
+            self._tell(str(who), "*", note)
 
     def _tell(self, sender: str, kind: str, reason: str) -> None:
         hook = self.on_reject
