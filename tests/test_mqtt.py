@@ -8,6 +8,7 @@ with a reason when no mosquitto binary exists (``apt-get install mosquitto``).
 
 from __future__ import annotations
 
+import logging
 import shutil
 import signal
 import subprocess
@@ -241,6 +242,40 @@ def test_garbage_gets_an_error_reply_and_the_handler_keeps_serving(
     raw.loop_stop()
     assert dev.call("coordinator", "hello", 0, timeout=5).body == {"kind": "hello"}
     assert coord.errors == 1 and ct.counters["garbage"] == 1 and len(seen) == 1
+
+
+def test_a_flood_of_garbage_and_bad_scales_logs_a_few_lines_and_a_summary(
+    broker: Broker, transports: Callable[..., MqttTransport], caplog: pytest.LogCaptureFixture
+) -> None:
+    """300 garbage frames and 300 int8 messages with an int scale: 10 lines each (no traceback), and the
+    summaries with the counts when the transport closes and the Peer flushes (docs/protocol.md)."""
+    ct, dt = transports(broker), transports(broker)
+    coord, dev, seen = _echo_peers(ct, dt)
+    z = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    good = encode(Message("activation", RUN, 1, 1, "client-1", {"z": z, "y": np.arange(3), "split": 1}),
+                  tensor_format="int8")
+    bad = good.replace(b"\xa5scale\xcb", b"\xa5scale\xd3")  # the float64 scale's bytes as an int64
+    raw = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="raw")
+    raw.connect("127.0.0.1", broker.port)
+    raw.loop_start()
+    with caplog.at_level(logging.WARNING):
+        for i in range(300):
+            raw.publish(f"fedsga/{RUN}/up/client-1", b"\xff\xfe garbage", qos=1)
+            raw.publish(f"fedsga/{RUN}/up/client-1", _pack_frame("send", f"x{i}", p=bad), qos=1).wait_for_publish(2)
+        deadline = time.monotonic() + 20
+        while (ct.counters["garbage"] < 300 or coord.errors < 300) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ct.counters["garbage"] == 300 and coord.errors == 300 and seen == []
+        coord.flush_log()
+        ct.close()
+    raw.disconnect()
+    raw.loop_stop()
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("dropped garbage" in m for m in lines) == 10
+    assert sum("int8 scale" in m for m in lines) == 10
+    assert any(m.startswith("290 more garbage frames on fedsga/run-1/up/client-1 not logged") for m in lines), lines
+    assert any("290 more rejections not logged" in m for m in lines), lines
+    assert len(lines) <= 24 and not any(r.exc_info for r in caplog.records)
 
 
 def test_a_message_claiming_another_sender_is_rejected(

@@ -110,8 +110,9 @@ class MqttTransport(Transport):
         self._pending = PendingReplies(self._lock, self._topics, self.stats, self._local, health)
         self._handlers = HandlerPool(self._lock, coordinator, max_buffer_bytes, self._out, self.stats, self._local,
                                      health, client_id)
-        inbound = Inbound(self._topics, self._out, health, client_id, max_buffer_bytes=max_buffer_bytes,
-                          reassembly_timeout=reassembly_timeout, answer=self._pending.answer, dispatch=self._dispatch)
+        self._inbound = inbound = Inbound(self._topics, self._out, health, client_id, max_buffer_bytes=max_buffer_bytes,
+                                          reassembly_timeout=reassembly_timeout, answer=self._pending.answer,
+                                          dispatch=self._dispatch)
         self.reassembler = inbound.reassembler
         client.on_message = inbound.on_message
         self._session.connect(host, port, keepalive, connect_timeout)
@@ -220,6 +221,8 @@ class MqttTransport(Transport):
         HandlerPool.stop(workers)
         self._session.shutdown(*state)
         HandlerPool.join(workers)
+        self._inbound.noise.flush()  # the summaries of throttled lines about bad frames still owed
+        self._handlers.noise.flush()
 
     # ------------------------------------------------------------- internals
 
