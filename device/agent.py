@@ -34,16 +34,18 @@ import json
 import queue
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fedsga_edge.logthrottle import Throttle, describe
 from fedsga_edge.runfiles import JsonLog, atomic_write
 from fedsga_edge.transport import Peer, TransportError
-from fedsga_edge.wire import Message, RemoteProtocolError
+from fedsga_edge.wire import Envelope, Message, RemoteProtocolError
 
-from .guard import VERIFY_EVERY_S, LogThrottle, RoundGuard
+from .guard import VERIFY_EVERY_S, RoundGuard
 from .role import PrivateState, SplitClient, check_round_start
 
 __all__ = ["DeviceAgent", "RegistrationRefused", "STATE_FILE"]
@@ -100,12 +102,15 @@ class DeviceAgent:
         self._worker: threading.Thread | None = None
         self._serving = False
         self.guard = RoundGuard()
-        self.refused = LogThrottle()  # orders refused, by event (health() reports the counts)
-        self._verify: Message | None = None  # a round_start too far ahead, to check with the coordinator
+        self.refused: Counter[str] = Counter()  # orders refused, by event (health() reports them)
+        self._throttle = Throttle()  # which refusals reach agent.log: per event and sender, per minute
+        self._verify: int | None = None  # the round of a round_start too far ahead, to check with the coordinator
         self._verify_after = 0.0
         self._tls = threading.local()
         if peer.on_reject is None:  # what the Peer refuses before _handle (a sender that is not its topic)
             peer.on_reject = self._peer_rejected
+        if getattr(peer, "admit", None) is None:  # the same checks on the envelope, before any tensor is built
+            peer.admit = self._admit
         try:
             self.restored = self.load_state()
         except BaseException:
@@ -207,7 +212,7 @@ class DeviceAgent:
             "restored": self.restored,
             "finished": self.finished.is_set(),
             "confirmed_round": self._confirmed(),
-            "refused": dict(self.refused.counts),
+            "refused": dict(self.refused),
         }
 
     @property
@@ -217,49 +222,60 @@ class DeviceAgent:
     # -- delivery thread ----------------------------------------------------------------------------
     def _handle(self, msg: Message) -> Message | None:
         """Queue work and return at once: the delivery thread must never train."""
-        seen = self._observed_sender()
-        if msg.sender != self.server or (seen is not None and seen != self.server):
-            came = f" (arrived from {seen!r:.140})" if seen is not None and seen != msg.sender else ""
-            self._refuse("order_refused", msg,
-                         f"{self.cid} takes orders only from {self.server!r}, not {msg.sender!r:.140}{came}")
+        self._check_order(msg)  # the Peer ran it on the envelope already (admit); again for a Peer without one
         if msg.kind == "round_start":
             try:
                 check_round_start(msg.body)  # a malformed one must not supersede the round running now
             except RemoteProtocolError as exc:
                 self._refuse("round_start_refused", msg, str(exc))
-            problem = self.guard.too_far(msg.round) if msg.round > self._confirmed() else None
-            if problem is not None:  # a forged one would make every real round look stale
-                self._ask_coordinator(msg)
-                self._refuse("round_start_refused", msg, problem)
-            self._accept(msg)
+            with self._lock:
+                self._latest = max(self._latest, msg.round)
+                self._newest = msg
+            self._queue.put(msg)
             return None
-        if msg.kind == "bye":
-            problem = self.guard.too_far(msg.round, "bye") if msg.round > self._confirmed() else None
-            if problem is not None:
-                self._refuse("bye_refused", msg, problem)
-            self.log.info("run_over", round=msg.round, reason=str(msg.body.get("reason", ""))[:200])
-            self.finished.set()
-            return None
-        self._refuse("order_refused", msg, f"device {self.cid} does not accept {msg.kind!r:.40}")
-        return None  # not reached: _refuse raises
+        # a bye
+        self.log.info("run_over", round=msg.round, reason=str(msg.body.get("reason", ""))[:200])
+        self.finished.set()
+        return None
 
-    def _accept(self, msg: Message) -> None:
-        with self._lock:
-            self._latest = max(self._latest, msg.round)
-            self._newest = msg
-        self._queue.put(msg)
+    def _admit(self, env: Envelope) -> None:
+        """The Peer's check of an envelope before its body (the round's weights) is decoded."""
+        self._check_order(env)
+
+    def _check_order(self, msg: Envelope | Message) -> None:
+        """Only the coordinator (claimed and, where the transport observes one, real sender) gives orders:
+        a ``round_start`` or a ``bye``, for a round within the bound (``device.guard``)."""
+        seen = self._observed_sender()
+        if msg.sender != self.server or (seen is not None and seen != self.server):
+            came = f" (arrived from {seen!r:.140})" if seen is not None and seen != msg.sender else ""
+            self._refuse("order_refused", msg,
+                         f"{self.cid} takes orders only from {self.server!r}, not {msg.sender!r:.140}{came}")
+        if msg.kind not in ("round_start", "bye"):
+            self._refuse("order_refused", msg, f"device {self.cid} does not accept {msg.kind!r:.40}")
+        problem = self.guard.too_far(msg.round, msg.kind) if msg.round > self._confirmed() else None
+        if problem is not None:  # a forged round_start would make every real round look stale
+            if msg.kind == "round_start":
+                self._ask_coordinator(msg.round)
+            self._refuse(f"{msg.kind}_refused", msg, problem)
 
     def _observed_sender(self) -> str | None:
         """Who the transport saw send the message being handled (MQTT: its topic); None where it cannot tell."""
         observed = getattr(self.peer.transport, "observed_sender", None)
         return observed() if callable(observed) else None
 
-    def _refuse(self, event: str, msg: Message, reason: str) -> None:
-        """Log (throttled) and raise: the Peer answers with an error, or drops it when it came one-way."""
-        n = self.refused.count(event)
-        if n is not None:
-            self.log.warning(event, round=msg.round, kind=str(msg.kind)[:40], sender=str(msg.sender)[:140],
-                             reason=reason[:300], count=n)
+    def _refuse(self, event: str, msg: Envelope | Message, reason: str) -> None:
+        """Count, log (throttled) and raise: the Peer answers with an error, or drops it when it came one-way."""
+        sender = str(msg.sender)[:140]
+        with self._lock:
+            self.refused[event] += 1
+            n = self.refused[event]
+        ok, due = self._throttle.hit((event, sender))
+        for summary in due:
+            self.log.warning("refusals_not_logged", what=describe(summary.key)[:200], count=summary.suppressed,
+                             seconds=round(summary.seconds))
+        if ok:
+            self.log.warning(event, round=msg.round, kind=str(msg.kind)[:40], sender=sender, reason=reason[:300],
+                             count=n)
         self._tls.logged = reason  # the Peer reports this refusal to _peer_rejected too: logged once
         raise RemoteProtocolError(reason)
 
@@ -283,12 +299,12 @@ class DeviceAgent:
         self.guard.confirm(t)
         return t
 
-    def _ask_coordinator(self, msg: Message) -> None:
-        """Have the worker check a far-ahead round_start with the coordinator (at most every VERIFY_EVERY_S)."""
+    def _ask_coordinator(self, t: int) -> None:
+        """Have the worker ask the coordinator's round after a far-ahead round_start (at most every VERIFY_EVERY_S)."""
         with self._lock:
             now = time.monotonic()
             if self._verify is None and now >= self._verify_after:
-                self._verify, self._verify_after = msg, now + VERIFY_EVERY_S
+                self._verify, self._verify_after = t, now + VERIFY_EVERY_S
 
     # -- worker thread ------------------------------------------------------------------------------
     def _work(self) -> None:
@@ -309,24 +325,25 @@ class DeviceAgent:
                 self.log.error("round_crash", round=msg.round, error=self.last_error[:500])
 
     def _verify_round(self) -> None:
-        """Ask the coordinator (hello) which round it is in; run the far-ahead round_start only if it says so."""
+        """After a far-ahead round_start, ask the coordinator (hello) which round it is in. A real one moves
+        the bound, so a device that lagged that far takes part again from the next round_start on; a
+        forged one changes nothing (its body was never decoded, so it is not run either way)."""
         with self._lock:
-            msg, self._verify = self._verify, None
-        if msg is None:
+            t, self._verify = self._verify, None
+        if t is None:
             return
         body = {"backend": self.backend, "num_samples": len(self.client.data), "capabilities": self.capabilities,
                 "rounds_done": self.rounds_done, "state_rounds": self.client.state.rounds}
         try:
             reply = self.peer.call(self.server, "hello", 0, body, timeout=10.0)
         except (TransportError, RemoteProtocolError) as exc:
-            self.log.warning("round_start_unconfirmed", round=msg.round, error=f"{type(exc).__name__}: {exc}"[:300])
+            self.log.warning("round_start_unconfirmed", round=t, error=f"{type(exc).__name__}: {exc}"[:300])
             return
         now = self._confirm_from_ack(reply) if reply.kind == "ack" else None
-        if now is None or now < msg.round:
-            self.log.warning("round_start_unconfirmed", round=msg.round, coordinator_round=now, reply=reply.kind)
-            return
-        self.log.info("round_start_confirmed", round=msg.round)
-        self._accept(msg)
+        if now is None or now < t:
+            self.log.warning("round_start_unconfirmed", round=t, coordinator_round=now, reply=str(reply.kind)[:40])
+        else:
+            self.log.info("round_start_confirmed", round=t, coordinator_round=now)
 
     def _run_round(self, msg: Message) -> None:
         t = msg.round

@@ -1,4 +1,4 @@
-"""What a device takes from its coordinator, and how it refuses the rest without flooding its log.
+"""How far ahead of what the coordinator confirmed a device takes a round.
 
 A ``round_start`` is a one-way message: on an open broker (or with a stolen coordinator login) anybody
 can publish one on a device's down topic. A reply to the device's own request is stronger evidence: it
@@ -10,15 +10,13 @@ real round look stale (docs/protocol.md, "Faults").
 
 from __future__ import annotations
 
-from collections import Counter
-
-__all__ = ["MAX_ROUNDS_AHEAD", "VERIFY_EVERY_S", "LogThrottle", "RoundGuard"]
+__all__ = ["MAX_ROUNDS_AHEAD", "VERIFY_EVERY_S", "RoundGuard"]
 
 # How far a round_start may lead the newest confirmed round. An honest coordinator sends round t+1
 # after round t, and a device confirms a round as soon as its first request is answered; it lags more
 # only when it got no answer for many rounds in a row (its uplink down while round_starts still arrive).
 # 100 rounds is hours of that at any useful deadline, yet far below 2^64; a device past it asks the
-# coordinator (hello) and runs the round once the coordinator's answer confirms it.
+# coordinator (hello), and once the ack names that round it takes the next round_start.
 MAX_ROUNDS_AHEAD = 100
 VERIFY_EVERY_S = 30.0  # at most one such hello per this many seconds: forged round_starts cannot flood the coordinator
 
@@ -43,17 +41,3 @@ class RoundGuard:
             return None
         return (f"{kind} for round {t} is more than {self.ahead} rounds ahead of round {self.confirmed}, the newest "
                 "the coordinator confirmed to this device")
-
-
-class LogThrottle:
-    """Counts refusals per event; says which to log: the first 20, then every power of two (as the Peer does)."""
-
-    def __init__(self, first: int = 20) -> None:
-        self.first = first
-        self.counts: Counter[str] = Counter()
-
-    def count(self, event: str) -> int | None:
-        """This refusal's number when it should be logged, else None."""
-        self.counts[event] += 1
-        n = self.counts[event]
-        return n if n <= self.first or n & (n - 1) == 0 else None

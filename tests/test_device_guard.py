@@ -214,6 +214,36 @@ def test_a_round_abandoned_before_the_ack_saves_nothing(digits, tmp_path) -> Non
     again.log.close()
 
 
+def test_a_device_that_lagged_past_the_bound_asks_the_coordinator_and_takes_the_next_round(digits, tmp_path) -> None:
+    """An honest device can lag more than the bound (no answer for 100 rounds): the refused round_start makes
+    it ask the coordinator's round (hello); once the ack names that round, the next round_start is taken."""
+    cfg = tiny()
+    transport = LoopbackTransport()
+    coordinator = Peer(transport, "coordinator", default_run_id(cfg))
+    at, hellos = {"round": 0}, []
+
+    def answer(msg: Message) -> Message:
+        hellos.append(msg.round)
+        return coordinator.reply(msg, "ack", {"rounds": 500, "round": at["round"], "round_timeout": 20.0,
+                                              "registered": 1})
+
+    coordinator.register(answer)
+    agent = device_agent(cfg, 0, transport, tmp_path / "state-0", bundle=digits)
+    agent.peer.register(agent._handle)  # serving, but no worker: queued rounds stay queued
+    agent.register(timeout=10)
+    at["round"] = 150
+    forge(transport, cfg, agent.cid, "round_start", 150, round_start_body())
+    assert agent._queue.empty() and agent.refused == {"round_start_refused": 1} and agent._verify == 150
+    agent._verify_round()  # what the worker does next
+    assert agent.health()["confirmed_round"] == 150 and len(hellos) == 2
+    forge(transport, cfg, agent.cid, "round_start", 151, round_start_body())
+    assert agent._queue.qsize() == 1
+    forge(transport, cfg, agent.cid, "round_start", 2**64 - 1, round_start_body())  # within 30 s: no second hello
+    assert agent._verify is None and agent.refused == {"round_start_refused": 2}
+    assert [e["event"] for e in events(tmp_path / "state-0")].count("round_start_confirmed") == 1
+    agent.stop()
+
+
 def test_the_round_guard_bounds_rounds_ahead_of_the_newest_confirmed() -> None:
     guard = RoundGuard()
     assert guard.too_far(MAX_ROUNDS_AHEAD) is None and guard.too_far(MAX_ROUNDS_AHEAD + 1)
