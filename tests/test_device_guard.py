@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-
-from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
 from fedsga_edge.device.agent import STATE_FILE, DeviceAgent
 from fedsga_edge.device.guard import MAX_ROUNDS_AHEAD, RoundGuard
 from fedsga_edge.device.role import check_round_start
+
+from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
 from fedsga_edge.runbuild import build_client, coordinator_service, default_run_id, device_agent, plan_run
 from fedsga_edge.transport import LoopbackTransport, Peer, TransportError
 from fedsga_edge.wire import Message, RemoteProtocolError, encode
@@ -242,6 +243,50 @@ def test_a_device_that_lagged_past_the_bound_asks_the_coordinator_and_takes_the_
     assert agent._verify is None and agent.refused == {"round_start_refused": 2}
     assert [e["event"] for e in events(tmp_path / "state-0")].count("round_start_confirmed") == 1
     agent.stop()
+
+
+def test_over_mqtt_a_forged_round_start_and_bye_on_a_down_topic_are_refused_and_logged(digits, tmp_path) -> None:
+    """A real broker (open, as an intruder with a device login would find one without the ACL): frames
+    published straight on ``down/client-000`` reach the agent's checks, which refuse and log them."""
+    pytest.importorskip("paho.mqtt", reason="paho-mqtt is an optional dependency (fedsga-edge[device])")
+    import paho.mqtt.client as paho
+    from fedsga_edge.coordinator.broker import mosquitto_path, start_mosquitto
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from fedsga_edge.transport.mqtt import MqttTransport
+    from fedsga_edge.transport.mqtt.frames import pack_frame
+
+    if mosquitto_path() is None:
+        pytest.skip("no mosquitto binary (apt-get install mosquitto)")
+    cfg = tiny()
+    run = default_run_id(cfg)
+    (tmp_path / "broker").mkdir()
+    broker = start_mosquitto(tmp_path / "broker", timeout=5.0)
+    transport = MqttTransport("127.0.0.1", broker.port, run=run, client_id="client-000", connect_timeout=5.0)
+    try:
+        agent = device_agent(cfg, 0, transport, tmp_path / "state-0", bundle=digits)
+        agent.peer.register(agent._handle)  # serving, no worker: nothing here should run
+        raw = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id="client-001")
+        raw.connect("127.0.0.1", broker.port)
+        raw.loop_start()
+        topic = f"fedsga/{run}/down/client-000"
+        forged = [Message("round_start", run, 2**64 - 1, 1, "coordinator", round_start_body()),
+                  Message("bye", run, 1, 2, "client-001", {"reason": "forged"})]
+        for i, msg in enumerate(forged):
+            raw.publish(topic, pack_frame("send", f"f{i}", p=encode(msg)), qos=1).wait_for_publish(2)
+        raw.disconnect()
+        raw.loop_stop()
+        deadline = time.monotonic() + 10
+        while agent.peer.errors < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert agent.peer.errors == 2 and agent._queue.empty() and not agent.finished.is_set()
+        log = {e["event"]: e for e in events(tmp_path / "state-0")}
+        assert log["round_start_refused"]["round"] == 2**64 - 1
+        assert "claims sender 'client-001'" in log["message_rejected"]["reason"]
+        agent.stop()
+    finally:
+        transport.close()
+        broker.stop()
 
 
 def test_the_round_guard_bounds_rounds_ahead_of_the_newest_confirmed() -> None:
