@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedsga_edge.logthrottle import Summary, Throttle
 from fedsga_edge.runfiles import JsonLog, RunFiles, atomic_write, summarize
 from fedsga_edge.transport import Peer
 from fedsga_edge.wire import Message
@@ -91,6 +92,9 @@ class CoordinatorService:
         # replay): logged here too, throttled by the Peer (docs/protocol.md, "What is rejected").
         peer.on_reject = lambda sender, kind, reason: self.log.warning(
             "message_rejected", device=sender[:140], kind=kind, reason=reason[:300])
+        # The service's own lines about refused or failed requests: the first 10 per event and device a
+        # minute, then one `log_suppressed` line with the count (fedsga_edge/logthrottle.py).
+        self._noise = Throttle()
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # notified on hello, update, device error, bye
         self.registered: dict[str, dict[str, Any]] = {}  # device -> what its hello said
@@ -135,19 +139,31 @@ class CoordinatorService:
             self.log.info("update", round=msg.round, device=msg.sender, split=msg.body.get("split"),
                           train_loss=msg.body.get("train_loss"))
         elif msg.kind == "error":
-            self.log.warning("device_gave_up", round=msg.round, device=msg.sender,
-                             reason=str(msg.body.get("reason"))[:300])
+            self._warn("device_gave_up", msg.sender, round=msg.round, reason=str(msg.body.get("reason"))[:300])
         elif reply is not None and reply.kind == "error":
-            self.log.warning("request_refused", round=msg.round, device=msg.sender, kind=msg.kind,
-                             reason=str(reply.body.get("reason"))[:300])
+            self._warn("request_refused", msg.sender, round=msg.round, kind=msg.kind,
+                       reason=str(reply.body.get("reason"))[:300])
         return reply
+
+    def _warn(self, event: str, device: str, **fields: Any) -> None:
+        """A line about a device's refused or failed message, through the throttle (a flood stays a few lines)."""
+        ok, due = self._noise.hit((event, device))
+        self._write_suppressed(due)
+        if ok:
+            self.log.warning(event, device=device, **fields)
+
+    def _write_suppressed(self, due: list[Summary]) -> None:
+        for s in due:
+            event, device = s.key if isinstance(s.key, tuple) else (str(s.key), "*")
+            self.log.warning("log_suppressed", of=event, device=device, count=s.suppressed,
+                             seconds=round(s.seconds, 1), keys=s.keys)
 
     def _on_hello(self, msg: Message) -> Message:
         body = msg.body
         expected = self.co.clients.get(msg.sender)
         problem = _hello_problem(msg.sender, body, expected)
         if problem is not None:
-            self.log.warning("hello_refused", device=str(msg.sender)[:140], reason=problem)
+            self._warn("hello_refused", str(msg.sender)[:140], reason=problem)
             return self.peer.reply(msg, "error", {"reason": problem})
         with self._cond:
             again = msg.sender in self.registered
@@ -218,6 +234,7 @@ class CoordinatorService:
         self.summary = summary
         self._say_bye()
         self.peer.flush_log()  # the rejections the log throttle held back: one summary line per sender
+        self._write_suppressed(self._noise.flush())
         self.log.info("run_end", rounds=len(self.records), final_acc=summary.get("final_acc"),
                       failures=summary.get("failures"), wall_s=summary.get("wall_s"), resumed_from=self.resumed_from,
                       **self.counters())
