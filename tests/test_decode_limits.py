@@ -11,6 +11,8 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fedsga_edge.transport import LoopbackTransport, Peer
 from fedsga_edge.wire import MAX_EXPANSION, Envelope, Message, RemoteProtocolError, codec, decode, encode
@@ -213,3 +215,30 @@ def test_the_stated_bound_is_what_the_docs_say() -> None:
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
     assert f"{MAX_EXPANSION} x its size" in doc and math.isclose(codec.EXPANSION_ALLOWANCE, MiB)
+
+
+# ------------------------------------------------------------------ the envelope reader agrees with msgpack
+
+ENVELOPE = {"v": 1, "kind": "activation", "run": "r", "round": 3, "seq": 9, "sender": "client-1",
+            "body": {"z": {"__t": 1, "dtype": "float32", "shape": [2], "data": b"\0" * 8}, "y": {"__t": 1,
+                     "dtype": "int64", "shape": [1], "data": b"\0" * 8}, "split": 1, "o": [1.5, [None, "x"]]}}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(order=st.permutations(list(ENVELOPE)), cut=st.integers(0, 400), flip=st.integers(0, 400),
+       byte=st.integers(0, 255))
+def test_the_envelope_reader_agrees_with_msgpack_on_any_key_order_and_damage(order, cut, flip, byte) -> None:
+    """Whatever the key order, truncation or flipped byte: decode accepts exactly what msgpack reads as a whole
+    (and then with msgpack's values), and refuses everything else with RemoteProtocolError."""
+    data = bytearray(msgpack.packb({k: ENVELOPE[k] for k in order}, use_bin_type=True))
+    if flip < len(data):
+        data[flip] = byte
+    data = bytes(data[: max(cut, 1)]) if cut < len(data) else bytes(data)
+    try:
+        msg = decode(data)
+    except RemoteProtocolError:
+        return
+    ref = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0)  # raises if decode should have
+    assert (msg.kind, msg.run, msg.round, msg.seq, msg.sender) == tuple(
+        ref[k] for k in ("kind", "run", "round", "seq", "sender"))
+    assert msg.body.keys() == ref["body"].keys()
