@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from fedsga_edge.config import RunConfig
 from fedsga_edge.tensors import round_average_bn
 
+from .influence import clip_updates
 from .limits import all_finite
 
 __all__ = ["ServerCopy", "ServerSide", "SharedServer", "ContextServer", "PerClientServer", "SERVER_SIDES",
@@ -152,13 +153,12 @@ class PerClientServer(ServerSide):
         super().__init__(model, head, cfg, weight)
         self._snapshot: dict[str, Tensor] = {}
         self._copies: dict[str, ServerCopy] = {}
-        self._sums: dict[str, Tensor] = {}
-        self._weights: dict[str, float] = {}
+        self._done: dict[str, tuple[float, dict[str, Tensor]]] = {}  # device -> (weight, its trained state)
 
     def begin_round(self, snapshot: dict[str, Tensor]) -> None:
         super().begin_round(snapshot)
         self._snapshot = snapshot
-        self._copies, self._sums, self._weights = {}, {}, {}
+        self._copies, self._done = {}, {}
 
     def copy_for(self, device: str) -> ServerCopy:
         side = self._copies.get(device)
@@ -172,29 +172,47 @@ class PerClientServer(ServerSide):
 
     @torch.no_grad()
     def finish_device(self, device: str, depth: int) -> None:
-        """Add a finished device's copy to the data-weighted running sums, then drop it."""
+        """Keep a finished device's trained server state (the blocks it did not run, the head); drop its copy."""
         side = self._copies.pop(device, None)
         if side is None:
             return
-        w = self.weight(device)
-        trained = [(n, v) for n, v in side.model.state_dict().items() if side.model.unit_of(n) >= depth]
-        trained += [("head:" + n, v) for n, v in side.head.state_dict().items()]
-        for n, v in trained:
-            self._sums[n] = self._sums.get(n, 0) + w * v.double()
-            self._weights[n] = self._weights.get(n, 0.0) + w
+        trained = {n: v.clone() for n, v in side.model.state_dict().items() if side.model.unit_of(n) >= depth}
+        trained |= {"head:" + n: v.clone() for n, v in side.head.state_dict().items()}
+        self._done[device] = (self.weight(device), trained)
+
+    def _unit(self, name: str) -> int | str:
+        return "head" if name.startswith("head:") else self.model.unit_of(name)
 
     @torch.no_grad()
     def end_round(self, snapshot: dict[str, Tensor]) -> None:
-        """The averaged copies become the server's copy that enters aggregation (SplitFed-v1 style)."""
+        """The copies, each unit's change bounded like a device's update (coordinator/influence.py),
+        averaged by data weight, become the server's copy that enters aggregation (SplitFed-v1 style)."""
+        ref = dict(snapshot) | {"head:" + n: v for n, v in self.head.state_dict().items()}
+
+        def by_unit(state: dict[str, Tensor]) -> dict[Any, dict[str, Tensor]]:
+            units: dict[Any, dict[str, Tensor]] = {}
+            for n, v in state.items():
+                units.setdefault(self._unit(n), {})[n] = v
+            return units
+
+        clip_updates(by_unit(ref), {d: by_unit(st) for d, (_, st) in self._done.items()}, self.cfg.clip_updates)
+        sums: dict[str, Tensor] = {}
+        weights: dict[str, float] = {}
+        for w, trained in self._done.values():  # in the order devices finished
+            for n, v in trained.items():
+                sums[n] = sums.get(n, 0) + w * v.double()
+                weights[n] = weights.get(n, 0.0) + w
+
         def mean(key: str, like: Tensor) -> Tensor:
-            if key not in self._sums:
+            if key not in sums:
                 return like
-            m = self._sums[key] / self._weights[key]
+            m = sums[key] / weights[key]
             return m.to(like.dtype) if like.is_floating_point() else m.round().to(like.dtype)
 
         self.model.load_state_dict({n: mean(n, v) for n, v in snapshot.items()})
         self.head.load_state_dict({n: mean("head:" + n, v) for n, v in self.head.state_dict().items()})
         self._copies.clear()
+        self._done.clear()
 
 
 SERVER_SIDES: dict[str, type[ServerSide]] = {"shared": SharedServer, "per_client": PerClientServer}

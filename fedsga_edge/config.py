@@ -123,7 +123,7 @@ class RunConfig:
         "skew a single device's batch is nearly one class (docs/method.md, \"Server-side BatchNorm statistics\").",
         ge=0)
     clip_activations: float = opt(
-        5.0, "Bounded influence of one device: an activation sample whose L2 norm exceeds this many times the "
+        3.0, "Bounded influence of one device: an activation sample whose L2 norm exceeds this many times the "
         "fleet's typical norm at its split (the median over devices of each device's median) is scaled down to "
         "that bound before the server step; 0 = off (docs/protocol.md, \"Bounded influence\").", ge=0, finite=True)
     clip_updates: float = opt(
