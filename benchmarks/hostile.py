@@ -724,7 +724,8 @@ def checks(clean: dict[str, Any], hostile: dict[str, Any], cmp: dict[str, Any], 
     events = read_jsonl(run_dir / "coordinator.log")
     refused = [e for e in events if e.get("event") == "request_refused"]
     rejected = [e for e in events if e.get("event") == "message_rejected"]
-    reasons = " | ".join(str(e.get("reason")) for e in refused)
+    # refused by the Coordinator (request_refused) or already on the envelope, before decode (message_rejected)
+    reasons = " | ".join(str(e.get("reason")) for e in refused + rejected)
     check("coordinator.log names the must-show refusals", all(w in reasons for w in
                                                               ("non-finite", "not a device", "round")), reasons[:300])
     check("coordinator.log has the Peer's rejections", len(rejected) >= 3, len(rejected))

@@ -147,13 +147,14 @@ def test_every_flag_keeps_its_spelling_and_maps_to_its_field() -> None:
 
 
 @pytest.mark.parametrize(("cfg", "message"), [
-    (TrainConfig(lr=math.nan), "--lr must be a finite number > 0"),
-    (TrainConfig(batch_size=1), "--batch-size must be >= 2 (BatchNorm needs two samples)"),
+    (TrainConfig(lr=math.nan), "--lr must be a finite number in (0, 100]"),
+    (TrainConfig(batch_size=1), "--batch-size must lie in [2, 8192] (BatchNorm needs two samples)"),
     (TrainConfig(momentum=1.0), "--momentum must lie in [0, 1)"),
-    (TrainConfig(max_batches=-1), "--max-batches must be >= 0 (0 = all)"),
-    (FedSGAConfig(tau_m=0.0), "--tau-a and --tau-m must be finite numbers > 0"),
+    (TrainConfig(max_batches=-1), "--max-batches must lie in [0, 1000000] (0 = all)"),
+    (FedSGAConfig(tau_m=0.0), "--tau-a and --tau-m must be finite numbers in (0, 100]"),
     (FedSGAConfig(mu_proto=1.5), "--mu-proto must lie in [0, 1]"),
-    (FedSGAConfig(proto_dim=0), "--proto-dim must be >= 1"),
+    (FedSGAConfig(proto_dim=0), "--proto-dim must lie in [1, 4096]"),
+    (FedSGAConfig(prompts=10**6), "--prompts must lie in [0, 256]"),  # a coordinator's setting has an upper bound
     (RunConfig(schedule="round-robin"), "--schedule must be one of round-robin, random, sequential (got 'round-robin')"),
     (RunConfig(server_bn_context=True), "--server-bn-context must be an integer >= 0 (got True)"),
     (RunConfig(partition="dirichlet", alpha=0.0), "--alpha must be > 0"),
