@@ -528,7 +528,7 @@ def hostile_device(h: Harness) -> dict[str, Any]:
         hostile.flood(ix, rep, 160)
         for i in range(1, h.s.clients):
             h.device(i)
-        hostile.attack_rounds(ix, rep, h.run_dir, victim=victim, other=other)
+        hostile.attack_rounds(ix, rep, h.run_dir, victim=victim, other=other, misdeclared_mb=16)
     except (TimeoutError, RuntimeError) as exc:
         raise ScenarioFailed(f"the intruder could not go on: {exc}") from exc
     finally:

@@ -30,7 +30,10 @@ poisoned activations, replays, stale rounds. The must-show, in round 1:
 Replays: the same frames (a transport duplicate), the same payload under a new frame id (the Peer's
 reply cache answers; the step is not taken twice), the same (sender, seq) with a changed byte (what a
 turned-over cache lets through: the coordinator's seq check refuses it), and round 1's requests in
-round 2 (stale). Floods: 300 half-sent messages declaring 100 MiB each, then ``--flood-mb`` of real
+round 2 (stale). Also in round 1: ``--misdeclared-mb`` MiB of int8 bytes declared float64 (refused
+before a float64 array exists; the peak RSS lines show what it cost). On device 0's down topic:
+well-formed orders no coordinator gives (round 2^64-1, a bye for it, a bye claiming another device).
+Floods: 300 half-sent messages declaring 100 MiB each, then ``--flood-mb`` of real
 part bytes from three made-up senders, more than the 128 MiB reassembly cap.
 
 Bit-identical needs a deterministic run: ``--strategy static --server-copies per-client``. With one
@@ -306,6 +309,30 @@ def _spoil_values(arr: np.ndarray, how: str) -> np.ndarray:
 _SMALL = {"z": np.linspace(-1, 1, 2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3), "y": np.array([1, 2]), "split": 1}
 
 
+def request_chunked(ix: Intruder, topic: str, payload: bytes, timeout: float = 120.0) -> tuple[str, Any]:
+    """``payload`` as one request in 200 kB chunks (how a big message travels: its id names the sender
+    whose topic it is on), and its answer."""
+    cid = ix.cid()
+    for part in split_message(payload, max_chunk=200_000, msg_id=f"{topic.rsplit('/', 1)[-1]}#{cid}"):
+        ix.publish(topic, frame("req", cid, chunk=part))
+    return ix.wait(cid, timeout)
+
+
+def misdeclared(ix: Intruder, rep: Report, *, victim: str, mb: int, round: int, log: Any = print) -> None:
+    """``mb`` MiB of int8 bytes declared float64 (8x the bytes once decoded), as an activation of the
+    victim for ``round``: refused before any float64 array exists (docs/protocol.md, "Check before
+    decode"); the coordinator's peak RSS is reported beside the clean run's."""
+    n = mb * 2**20
+    z = {"__t": 1, "dtype": "float64", "shape": [n // 64, 64], "data": bytes(n), "enc": "int8", "scale": 0.5}
+    body = {"z": z, "y": tensor(np.zeros(n // 64, np.int64)[:2]), "split": 2}
+    payload = pack("activation", body, run=ix.run, round=round, seq=10**12, sender=victim)
+    started = time.monotonic()
+    rep.note(f"misdeclared_{mb}MiB", request_chunked(ix, f"{ix.base}/up/{victim}", payload), expect=("error",))
+    got = rep.examples.get(f"misdeclared_{mb}MiB/error") or rep.examples.get(f"misdeclared_{mb}MiB/err", "?")
+    log(f"[hostile] {mb} MiB of int8 declared float64: {got[:160]} "
+        f"({time.monotonic() - started:.1f} s)")
+
+
 def attack_idle(ix: Intruder, rep: Report, *, victim: str, other: str, examples: int, seed: int = 0) -> None:
     """The coordinator serves, no round runs yet: garbage, wrong types, disallowed dtypes, terabyte
     shapes, other names, another run, and a hypothesis fuzz of mutated and random messages."""
@@ -427,9 +454,18 @@ def attack_device(ix: Intruder, rep: Report, *, victim: str, other: str, example
     fuzz()
     for answer in outcome:  # a device answers a refused order with an error message
         rep.note("device:orders", answer, expect=("error",))
+    # Well-formed orders no coordinator gives: a round far in the future (it would make every real
+    # round look stale), a bye for it, and a bye claiming another device (docs/protocol.md, "Faults").
+    good = {"split": 1, "full": False, "train": {"lr": 0.1}, "weights": {}, "fedsga": None}
+    for name, kind, b, rnd, claim in (("forged_round_start_2^64-1", "round_start", good, 2**64 - 1, "coordinator"),
+                                      ("forged_bye_far_round", "bye", {}, 2**64 - 1, "coordinator"),
+                                      ("forged_bye_from_a_device", "bye", {}, 1, other)):
+        rep.note(name, ix.request(f"{down}/{victim}", pack(kind, b, run=run, round=rnd, seq=2**40, sender=claim),
+                                  timeout=10), expect=("error",))
 
 
-def attack_rounds(ix: Intruder, rep: Report, run_dir: Path, *, victim: str, other: str, log: Any = print) -> None:
+def attack_rounds(ix: Intruder, rep: Report, run_dir: Path, *, victim: str, other: str, log: Any = print,
+                  misdeclared_mb: int = 100) -> None:
     """Round 1 runs: the must-show, poisoned activations, replays; round 2: round 1's requests again
     (stale)."""
     run, up = ix.run, f"{ix.base}/up"
@@ -449,6 +485,8 @@ def attack_rounds(ix: Intruder, rep: Report, run_dir: Path, *, victim: str, othe
         if got[0] != "error" or want not in str(got[1]):
             rep.problems.append(f"must-show {name}: expected an error naming {want!r}, got {got}")
     log(f"[hostile] must-show: {rep.must_show}")
+    if misdeclared_mb:
+        misdeclared(ix, rep, victim=victim, mb=misdeclared_mb, round=t, log=log)
 
     seqs = itertools.count(seq + 2)
     poison = {
@@ -669,7 +707,8 @@ def run_field(out: Path, broker: RunningBroker, flags: list[str], clients: int, 
             device(i)
         if ix is not None and error is None:
             try:
-                attack_rounds(ix, rep, out, victim=devices[0], other=devices[-1], log=log)
+                attack_rounds(ix, rep, out, victim=devices[0], other=devices[-1], log=log,
+                              misdeclared_mb=hostile.get("misdeclared_mb", 100))
             except Exception as exc:  # noqa: BLE001 - reported as a failed check; the run goes on
                 error = f"attack_rounds: {type(exc).__name__}: {exc}"
         procs["coordinator"].wait(900)
@@ -764,6 +803,7 @@ def checks(clean: dict[str, Any], hostile: dict[str, Any], cmp: dict[str, Any], 
 
 
 def run_pair(out: Path, *, clients: int = 2, rounds: int = 2, examples: int = 150, flood_mb: int = 160,
+             misdeclared_mb: int = 100,
              concurrent: bool = False, log: Any = print) -> dict[str, Any]:
     """The clean run and the attacked one (each on its own broker; ``concurrent``: at the same time),
     compared bit for bit and checked; see the module doc."""
@@ -784,7 +824,7 @@ def run_pair(out: Path, *, clients: int = 2, rounds: int = 2, examples: int = 15
             clean()
         runs["hostile"] = run_field(out / "hostile", brokers[1], flags, clients, log=log, hostile={
             "run": "sim-0",  # the run id of seed 0 (fedsga_edge.runbuild.default_run_id)
-            "examples": examples, "flood_mb": flood_mb})
+            "examples": examples, "flood_mb": flood_mb, "misdeclared_mb": misdeclared_mb})
         if side is not None:
             side.join()
     finally:
@@ -804,6 +844,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--examples", type=int, default=150, help="hypothesis examples against the coordinator "
                                                                 "(a third of it against a device)")
     ap.add_argument("--flood-mb", type=int, default=160, help="MiB of half-sent chunks (the reassembly cap is 128)")
+    ap.add_argument("--misdeclared-mb", type=int, default=100,
+                    help="MiB of int8 bytes declared float64 sent as one activation in round 1 (0: none)")
     ap.add_argument("--concurrent", action="store_true", help="run the clean and the attacked run at the same time")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -811,7 +853,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--rounds and --clients must be >= 2: stale-round replays need a second round, and the "
                  "device-topic attack a device whose round has not started")
     res = run_pair(args.out, clients=args.clients, rounds=args.rounds, examples=args.examples, flood_mb=args.flood_mb,
-                   concurrent=args.concurrent, log=lambda s: print(s, flush=True))
+                   misdeclared_mb=args.misdeclared_mb, concurrent=args.concurrent, log=lambda s: print(s, flush=True))
     clean, hostile, cmp, rep = res["clean"], res["hostile"], res["compare"], res["hostile"]["report"]
     for c in res["checks"]:
         print(f"[hostile] {'ok    ' if c['ok'] else 'FAILED'} {c['check']}" + ("" if c["ok"] else f": {c['detail']}"))

@@ -27,12 +27,16 @@ def hostile():
 
 
 def test_a_hostile_device_changes_nothing_in_a_running_field_run(hostile, tmp_path) -> None:
-    res = hostile.run_pair(tmp_path, clients=2, rounds=3, examples=40, flood_mb=150, concurrent=True,
+    res = hostile.run_pair(tmp_path, clients=2, rounds=3, examples=40, flood_mb=150, misdeclared_mb=16, concurrent=True,
                            log=lambda s: print(s, flush=True))
     must = res["hostile"]["report"].must_show
     assert must["nan_activation"][0] == "error" and "non-finite" in must["nan_activation"][1]
     assert must["unknown_device"][0] == "error" and "not a device" in must["unknown_device"][1]
     assert must["other_round"][0] == "error" and "round 2, but round 1 is running" in must["other_round"][1]
+    answers = res["hostile"]["report"].answers
+    assert answers["misdeclared_16MiB"] == {"error": 1}  # refused (on its tensor's decode budget), not decoded
+    assert all(answers[k] == {"error": 1} for k in ("forged_round_start_2^64-1", "forged_bye_far_round",
+                                                     "forged_bye_from_a_device"))
     failed = [c for c in res["checks"] if not c["ok"]]
     assert not failed, failed
     assert res["compare"]["bit_identical"] and res["compare"]["acc_clean"] == res["compare"]["acc_hostile"]
