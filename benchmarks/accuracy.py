@@ -378,28 +378,28 @@ def _group(runs: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, A
     return groups
 
 
-def tables(runs: list[dict[str, Any]], partitions: list[str], methods: list[str]) -> str:
-    g = _group(runs)
-    parts = [p for p in partitions if any((m, p) in g for m in methods)]
+def _acc_table(g: dict, parts: list[str], methods: list[str], title: str, rows: list[str]) -> list[str]:
+    """Tables 2 and 4: final accuracy per method and partition."""
     out: list[str] = []
+    rows = [m for m in rows if m in methods and any((m, p) in g for p in parts)]
+    if not rows:
+        return out
+    out.append(f"**{title}** — final test accuracy (%), mean ± std over seeds")
+    out.append("")
+    out.append("| Method | " + " | ".join(partition_label(p) for p in parts) + " | seeds |")
+    out.append("|---|" + "---:|" * len(parts) + "---:|")
+    for m in rows:
+        cells = [_ms([s["final_acc"] for s in g.get((m, p), [])]) for p in parts]
+        n = max(len(g.get((m, p), [])) for p in parts)
+        out.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + f" | {n} |")
+    out.append("")
 
-    def acc_table(title: str, rows: list[str]) -> None:
-        rows = [m for m in rows if m in methods and any((m, p) in g for p in parts)]
-        if not rows:
-            return
-        out.append(f"**{title}** — final test accuracy (%), mean ± std over seeds")
-        out.append("")
-        out.append("| Method | " + " | ".join(partition_label(p) for p in parts) + " | seeds |")
-        out.append("|---|" + "---:|" * len(parts) + "---:|")
-        for m in rows:
-            cells = [_ms([s["final_acc"] for s in g.get((m, p), [])]) for p in parts]
-            n = max(len(g.get((m, p), [])) for p in parts)
-            out.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + f" | {n} |")
-        out.append("")
+    return out
 
-    acc_table("Table 2 (shape of the paper's): accuracy", MAIN_METHODS)
-    acc_table("Table 4 (shape of the paper's): ablations", ABLATIONS)
 
+def _cost_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:
+    """Table 5: client cost per method and partition."""
+    out: list[str] = []
     out.append("**Table 5 (shape of the paper's): client cost** — means over rounds, clients and seeds")
     out.append("")
     out.append("| Method | Partition | client params (K) | client MFLOPs/sample (fwd+bwd) | split histogram (k: client-rounds, all seeds) | wall s / run | MB on the wire / run |")
@@ -421,6 +421,12 @@ def tables(runs: list[dict[str, Any]], partitions: list[str], methods: list[str]
             )
     out.append("")
 
+    return out
+
+
+def _calibration_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:
+    """Sparse probes against probing every depth every round."""
+    out: list[str] = []
     cal_rows = [(m, p) for m in methods for p in parts if g.get((m, p)) and g[(m, p)][0].get("calibration_all_k_flops")]
     if cal_rows:
         out.append("**Calibration cost: sparse probes (Alg. 1) vs probing all K depths every round** — per run, mean over seeds")
@@ -440,6 +446,12 @@ def tables(runs: list[dict[str, Any]], partitions: list[str], methods: list[str]
                        f"| {allk / 1e9:.1f} | {allk / max(cal, 1):.1f}x | {frac} |")
         out.append("")
 
+    return out
+
+
+def _diagnostics_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:
+    """FedSGA's decisions in numbers."""
+    out: list[str] = []
     diag_rows = [(m, p) for m in methods for p in parts if g.get((m, p)) and g[(m, p)][0].get("diagnostics")]
     if diag_rows:
         out.append("**FedSGA diagnostics** — means over clients, rounds and seeds (s: calibration label 1[L1 <= (1+beta) Lref])")
@@ -460,6 +472,12 @@ def tables(runs: list[dict[str, Any]], partitions: list[str], methods: list[str]
                        f"| {mean_of('mean_delta')} | {mean_of('mean_q', '.3f')} |")
         out.append("")
 
+    return out
+
+
+def _split_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:
+    """Accuracy under each depth embedding."""
+    out: list[str] = []
     split_rows = [(m, p) for m in methods for p in parts
                   if g.get((m, p)) and all(s.get("final_acc_by_split") for s in g[(m, p)])
                   and any(len(set(s["final_acc_by_split"].values())) > 1 for s in g[(m, p)])]
@@ -477,6 +495,12 @@ def tables(runs: list[dict[str, Any]], partitions: list[str], methods: list[str]
             out.append(f"| {LABELS.get(m, m)} | {partition_label(p)} | " + " | ".join(cells) + f" | {heads} |")
         out.append("")
 
+    return out
+
+
+def _fedsga_vs_static(g: dict, parts: list[str], methods: list[str]) -> list[str]:
+    """FedSGA beside static at p_ref under each non-IID partition."""
+    out: list[str] = []
     # the issue's must-show: fedsga vs static under non-IID, same run
     for p in parts:
         if parse_partition(p)[0] == "iid" or ("fedsga", p) not in g or ("static", p) not in g:
@@ -490,6 +514,16 @@ def tables(runs: list[dict[str, Any]], partitions: list[str], methods: list[str]
             out.append(f"| {LABELS[m]} | {_ms([s['final_acc'] for s in ss])} | {np.mean([s['client_flops_per_sample'] for s in ss]) / 1e6:.2f} "
                        f"| {np.mean([s['client_params'] for s in ss]) / 1e3:.1f} |")
         out.append("")
+    return out
+
+
+def tables(runs: list[dict[str, Any]], partitions: list[str], methods: list[str]) -> str:
+    g = _group(runs)
+    parts = [p for p in partitions if any((m, p) in g for m in methods)]
+    out = _acc_table(g, parts, methods, "Table 2 (shape of the paper's): accuracy", MAIN_METHODS)
+    out += _acc_table(g, parts, methods, "Table 4 (shape of the paper's): ablations", ABLATIONS)
+    for section in (_cost_table, _calibration_table, _diagnostics_table, _split_table, _fedsga_vs_static):
+        out += section(g, parts, methods)
     return "\n".join(out)
 
 

@@ -56,6 +56,10 @@ DEVICE_STEPS: dict[tuple[str, str], str] = {
 }
 
 
+DEVICE_KINDS = ("hello", "bye", "fetch", "activation", "probe", "update", "error")  # what a device may send
+ROUND_KINDS = ("fetch", "activation", "probe", "update", "error")  # only inside the round they name
+
+
 class RoundError(RemoteProtocolError):
     """An event that the round's phase, membership or the device's sequence does not allow (the sender's fault)."""
 
@@ -99,6 +103,19 @@ class RoundState:
         if (step, kind) not in DEVICE_STEPS:
             raise RoundError(f"{kind!r} is not allowed after {device!r}'s {step!r} step in round {self.t}")
         self._move("request")
+
+    def check_envelope(self, sender: str, kind: str, round: int, devices: Any) -> None:
+        """What an envelope alone can tell, before its body (its tensors) is decoded: a device of the
+        run, a kind a device sends, a round message for the running round. ``check_request`` checks
+        again, with the device's sequence, once the body is there."""
+        if sender not in devices:
+            raise RoundError(f"unknown device {sender!r:.140}: not a device of this run")
+        if kind not in DEVICE_KINDS:
+            raise RoundError(f"a device does not send {kind!r:.40}")
+        if kind in ROUND_KINDS and self.phase != "training":
+            raise RoundError(f"no round is running (round {self.t} is {self.phase})")
+        if kind in ROUND_KINDS and round != self.t:
+            raise RoundError(f"message for round {round}, but round {self.t} is running")
 
     def advance(self, device: str, kind: str) -> None:
         """The device's request was answered: move it along its sequence."""

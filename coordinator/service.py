@@ -44,17 +44,13 @@ from typing import Any
 from fedsga_edge.logthrottle import Summary, Throttle
 from fedsga_edge.runfiles import JsonLog, RunFiles, atomic_write, summarize
 from fedsga_edge.transport import Peer
-from fedsga_edge.wire import Message, RemoteProtocolError
-from fedsga_edge.wire.envelope import Envelope
+from fedsga_edge.wire import Message
 
 from .checkpoint import RESUMABLE, CheckpointWriter, load_resume
 from .clock import MonotonicClock
 from .driver import RoundDriver
 from .scheduling import MessageScheduler
 from .server import Coordinator
-
-_DEVICE_KINDS = ("hello", "bye", "fetch", "activation", "probe", "update", "error")  # what a device may send
-_ROUND_KINDS = ("fetch", "activation", "probe", "update", "error")  # only inside the round they name
 
 __all__ = ["RESUMABLE", "CoordinatorService"]
 
@@ -100,7 +96,7 @@ class CoordinatorService:
         # minute, then one `log_suppressed` line with the count (fedsga_edge/logthrottle.py).
         self._noise = Throttle()
         if peer.admit is None:  # who, what and which round, checked before a body (its tensors) is decoded
-            peer.admit = self._admit
+            peer.admit = lambda env: coordinator.round.check_envelope(env.sender, env.kind, env.round, coordinator.clients)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # notified on hello, update, device error, bye
         self.registered: dict[str, dict[str, Any]] = {}  # device -> what its hello said
@@ -127,19 +123,6 @@ class CoordinatorService:
                       min_devices=self.min_devices, device=str(coordinator.device), resumed_from=self.resumed_from)
 
     # -- transport side (any thread) --------------------------------------------------------------
-    def _admit(self, env: Envelope) -> None:
-        """The Peer's check of an envelope before its body is decoded: a device of this run, a kind a
-        device sends, and a round message for the running round (the Coordinator checks all again)."""
-        if env.sender not in self.co.clients:
-            raise RemoteProtocolError(f"unknown device {env.sender!r:.140}: not a device of this run")
-        if env.kind not in _DEVICE_KINDS:
-            raise RemoteProtocolError(f"a device does not send {env.kind!r:.40}")
-        rs = self.co.round
-        if env.kind in _ROUND_KINDS and rs.phase != "training":
-            raise RemoteProtocolError(f"no round is running (round {rs.t} is {rs.phase})")
-        if env.kind in _ROUND_KINDS and env.round != rs.t:
-            raise RemoteProtocolError(f"message for round {env.round}, but round {rs.t} is running")
-
     def _handle(self, msg: Message) -> Message | None:
         """Every message for the coordinator's address; hello/bye are the service's, the rest the round's."""
         if msg.kind == "hello":

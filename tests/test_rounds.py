@@ -309,3 +309,18 @@ def test_mixed_depths_aggregate_through_the_coordinator(digits) -> None:
         num += server_w * seen["server"][name].double()
         den += server_w
         assert torch.allclose(co.model.state_dict()[name].double(), num / den, atol=1e-6), name
+
+
+def test_the_envelope_alone_refuses_strangers_odd_kinds_and_other_rounds() -> None:
+    """What the coordinator refuses before a body is decoded (the Peer's admit hook in the service)."""
+    rs = RoundState()
+    devices = {"a": 10, "b": 20}
+    rs.check_envelope("a", "hello", 0, devices)  # registration comes before any round
+    with pytest.raises(RoundError, match="no round is running"):
+        rs.check_envelope("a", "activation", 1, devices)
+    rs.begin(1, {"a": 1, "b": 1}, calibrate=False, deadline=None)
+    rs.check_envelope("b", "update", 1, devices)
+    for sender, kind, rnd, why in (("mallory", "activation", 1, "unknown device"), ("a", "round_start", 1, "does not send"),
+                                   ("a", "gradient", 1, "does not send"), ("a", "activation", 2**64 - 1, "round 1 is running")):
+        with pytest.raises(RoundError, match=why):
+            rs.check_envelope(sender, kind, rnd, devices)
