@@ -75,7 +75,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # -- tests that measure time run alone -------------------------------------------------------------------
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: pytest-timeout's clock starts after the wait
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """Under pytest-xdist, a test marked ``exclusive`` (it measures latency against a fixed bound) runs
     while no other worker runs a test: every test holds a shared lock from its setup to its teardown, an
