@@ -5,7 +5,10 @@ publish where: the topic a payload arrives on *is* its sender. This module write
 needs for that, and nothing here talks to a broker (no paho):
 
 * ``mosquitto.conf``: ``allow_anonymous false``, the password file, the ACL, one listener (TLS when
-  a certificate is given; then plaintext only on 127.0.0.1 if asked for);
+  a certificate is given; then plaintext only on 127.0.0.1 if asked for), and on every listener
+  ``use_username_as_clientid true``: the broker replaces the client id a client sends with its login,
+  so one login cannot take over another's MQTT session (a connection with a client id already
+  connected makes the broker drop the older one) by connecting with its client id;
 * ``acl``: per login, only its own topics (device ``D``: write ``up/D``, read ``down/D`` and
   ``bcast``, its own ``status/D``; the coordinator: read every ``up/+`` and ``status/+``, write
   every ``down/+`` and ``bcast``);
@@ -62,6 +65,10 @@ DEFAULT_MAX_PACKET = 256 * 1024  # >= every client's --max-packet (docs/protocol
 PBKDF2_ITERATIONS = 101  # what mosquitto_passwd 2.0 writes; passwords here are random 192-bit, not guessable
 CREDENTIALS_ENV = "FEDSGA_EDGE_BROKER"  # the device command's --broker, as an environment variable
 _FILE_NAMES = ("mosquitto.conf", "acl", "passwd")
+# A listener setting (Mosquitto 2.0): it must follow each `listener` line. The client id becomes the login,
+# so a login can only ever replace its own session, never the coordinator's or another device's.
+BIND_CLIENT_ID = ("# The client id is the login: no login can take over another's session.",
+                  "use_username_as_clientid true")
 _MQTT_SPECIAL = {"/": "the topic level separator", "+": "an MQTT wildcard", "#": "an MQTT wildcard"}
 _CONF_VALUE = re.compile(r"\S+")  # one token: Mosquitto splits its config lines on whitespace
 _HOST = re.compile(r"[A-Za-z0-9._:-]{1,253}")  # a name or an IPv4/IPv6 address: safe in a URL and a config line
@@ -232,7 +239,8 @@ def acl_text(spec: BrokerSpec) -> str:
     lines = [
         "# fedsga-edge broker ACL, written by `fedsga-edge broker-config` (docs/protocol.md, Topics).",
         f"# Scope: {scope}. Mosquitto silently drops a publish or a delivery a login is not granted here,",
-        "# so a device can neither speak for another device nor read another device's traffic.",
+        "# so a device can neither speak for another device nor read another device's traffic. The broker",
+        "# uses each login as its client id (use_username_as_clientid), so status/<client id> is status/<login>.",
         "",
         f"user {spec.coordinator}",
         f"topic read {t('up', '+')}",
@@ -278,16 +286,16 @@ def mosquitto_conf_text(spec: BrokerSpec, config_dir: str | Path) -> str:
     where = f" {spec.bind}" if spec.bind else ""
     if spec.tls is not None:
         lines += ["# Devices (and every client on another host): TLS only.", f"listener {spec.listen_port}{where}",
-                  f"certfile {spec.tls.cert}", f"keyfile {spec.tls.key}"]
+                  *BIND_CLIENT_ID, f"certfile {spec.tls.cert}", f"keyfile {spec.tls.key}"]
         if spec.tls.ca is not None:
             lines.append(f"cafile {spec.tls.ca}")
         lines.append("tls_version tlsv1.2")
     else:
         lines += ["# Plaintext: logins and payloads cross the network unencrypted. Give --tls-cert/--tls-key for TLS.",
-                  f"listener {spec.listen_port}{where}"]
+                  f"listener {spec.listen_port}{where}", *BIND_CLIENT_ID]
     if spec.loopback_port is not None:
         lines += ["", "# Plaintext for processes on this host only (e.g. the coordinator); logins and the ACL apply.",
-                  f"listener {spec.loopback_port} 127.0.0.1"]
+                  f"listener {spec.loopback_port} 127.0.0.1", *BIND_CLIENT_ID]
     return "\n".join(lines) + "\n"
 
 

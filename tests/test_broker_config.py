@@ -214,7 +214,8 @@ def test_with_tls_the_only_plaintext_listener_is_loopback(tmp_path: Path) -> Non
     lines = [ln for ln in conf.splitlines() if ln and not ln.startswith("#")]
     assert [ln for ln in lines if ln.startswith("listener")] == ["listener 8883", "listener 1883 127.0.0.1"]
     assert lines[lines.index("listener 8883") + 1:lines.index("listener 1883 127.0.0.1")] == [
-        "certfile /etc/c/server.crt", "keyfile /etc/c/server.key", "cafile /etc/c/ca.crt", "tls_version tlsv1.2"]
+        "use_username_as_clientid true", "certfile /etc/c/server.crt", "keyfile /etc/c/server.key",
+        "cafile /etc/c/ca.crt", "tls_version tlsv1.2"]
     for want in ("allow_anonymous false", "per_listener_settings false", "password_file /etc/m/passwd",
                  "acl_file /etc/m/acl"):
         assert want in lines
@@ -224,6 +225,18 @@ def test_with_tls_the_only_plaintext_listener_is_loopback(tmp_path: Path) -> Non
         write_broker_config(BrokerSpec(devices=("a",), tls=tls, host="h"), tmp_path / "x")
     with pytest.raises(BrokerConfigError, match="spaces"):
         mosquitto_conf_text(BrokerSpec(devices=("a",), host="h"), "/etc/my broker")
+
+
+def test_every_listener_binds_the_client_id_to_the_login() -> None:
+    """use_username_as_clientid is a listener setting in Mosquitto 2.0: it must follow each listener line
+    (before the first one it would configure Mosquitto's default listener instead)."""
+    tls = TlsFiles(Path("/c/s.crt"), Path("/c/s.key"))
+    for spec in (BrokerSpec(devices=("a",), host="h"), BrokerSpec(devices=("a",), host="h", loopback_port=1884),
+                 BrokerSpec(devices=("a",), host="h", tls=tls, loopback_port=1883)):
+        lines = [ln for ln in mosquitto_conf_text(spec, "/etc/m").splitlines() if ln and not ln.startswith("#")]
+        listeners = [i for i, ln in enumerate(lines) if ln.startswith("listener ")]
+        assert listeners and all(lines[i + 1] == "use_username_as_clientid true" for i in listeners), lines
+        assert lines.count("use_username_as_clientid true") == len(listeners)
 
 
 def test_deploy_examples_are_what_broker_config_writes() -> None:
@@ -314,14 +327,11 @@ def test_a_device_can_neither_speak_for_nor_listen_to_another(
         # B's honest upload reaches the coordinator, not A (subscribed to up/+).
         dev_b.publish(f"{up}/dev-b", b"b-up")
         assert coord.until(b"b-up") == [(f"{up}/dev-b", b"b-up")]
-        # The coordinator talks to B, then A, then everyone: A sees only its own and the broadcast.
-        c_pub = Client(b.port, files, "coordinator")  # a second coordinator connection, to publish
-        try:
-            c_pub.publish(f"{down}/dev-b", b"for-b")
-            c_pub.publish(f"{down}/dev-a", b"for-a")
-            c_pub.publish(bcast, b"to-all")
-        finally:
-            c_pub.close()
+        # The coordinator talks to B, then A, then everyone: A sees only its own and the broadcast. (On its one
+        # connection: the client id is the login, so a second coordinator connection would replace the first.)
+        coord.publish(f"{down}/dev-b", b"for-b")
+        coord.publish(f"{down}/dev-a", b"for-a")
+        coord.publish(bcast, b"to-all")
         assert dev_b.until(b"to-all") == [(f"{down}/dev-b", b"for-b"), (bcast, b"to-all")]  # no forged-bcast
         assert a.until(b"to-all") == [(f"{down}/dev-a", b"for-a"), (bcast, b"to-all")]  # no for-b, no b-up
         time.sleep(0.2)
@@ -409,3 +419,128 @@ def test_tls_end_to_end_with_the_credentials_files(
         u, p = _login(files, "client-000")
         MqttTransport("127.0.0.1", b.port, run=RUN, client_id=u, username=u, password=p, connect_timeout=1,
                       reconnect_min=0.05)
+
+
+# ------------------------------------------------------------------ session takeover by client id (issue 17, item 2)
+
+TAKEOVER = "already connected, closing old connection"  # Mosquitto's line when a client id connects twice
+
+
+def _connect_as(port: int, files: BrokerFiles, login: str, client_id: str) -> bool:
+    """One MQTT connection with ``login``'s password but any client id; True when the broker accepted it."""
+    accepted = threading.Event()
+    c = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=client_id)
+    c.username_pw_set(*_login(files, login))
+    c.on_connect = lambda cl, u, f, rc, p: None if rc.is_failure else accepted.set()
+    c.connect("127.0.0.1", port)
+    c.loop_start()
+    try:
+        return accepted.wait(5)
+    finally:
+        c.disconnect()
+        c.loop_stop()
+
+
+def _takeovers(files: BrokerFiles, client_id: str) -> int:
+    log = (files.conf.parent / "mosquitto.log").read_text()
+    return sum(f"Client {client_id} {TAKEOVER}" in ln for ln in log.splitlines())
+
+
+def _unbind(b: Broker, files: BrokerFiles) -> None:
+    """The control: restart the broker on the config as it was before use_username_as_clientid."""
+    text = files.conf.read_text()
+    files.conf.write_text("\n".join(ln for ln in text.splitlines() if "use_username_as_clientid" not in ln) + "\n")
+    b.restart()
+
+
+@pytest.mark.parametrize("bound", [True, False], ids=["generated", "without-use_username_as_clientid"])
+def test_a_device_login_cannot_take_over_the_coordinators_or_another_devices_session(
+        generated: Callable[..., tuple[Broker, BrokerFiles]], bound: bool) -> None:
+    b, files = generated(devices=("client-000", "client-001", "client-003"))
+    if not bound:
+        _unbind(b, files)
+    coord = MqttTransport.from_url(files.urls["coordinator"], run=RUN, connect_timeout=5, reconnect_min=0.05)
+    dev = MqttTransport.from_url(files.urls["client-001"], run=RUN, connect_timeout=5, reconnect_min=0.05)
+    assert (coord.client_id, dev.client_id) == ("coordinator", "client-001")  # no client id given: the login
+    try:
+        coord.register("coordinator", lambda data: data.upper())
+        dev.register("client-001", lambda data: data[::-1])
+        for i in range(6):  # client-003's login, with the coordinator's and client-001's ids in turn
+            assert _connect_as(b.port, files, "client-003", ("coordinator", "client-001")[i % 2])
+            for t in (coord, dev):  # each attempt finds both honest clients connected
+                assert t.wait_ready(10)
+        assert dev.request("client-001", "coordinator", b"still here", timeout=5) == b"STILL HERE"
+        time.sleep(0.3)  # the broker's log is written as it goes
+        lost = _takeovers(files, "coordinator") + _takeovers(files, "client-001")
+        if bound:
+            assert lost == 0 and _takeovers(files, "client-003") == 0  # nobody was connected as client-003
+            log = (files.conf.parent / "mosquitto.log").read_text()
+            assert log.count("as client-003 (") == 6  # each attempt was accepted as its own login
+        else:
+            assert lost >= 6, "without the setting every attempt replaces the honest client's connection"
+    finally:
+        dev.close()
+        coord.close()
+
+
+def _attack(port: int, files: BrokerFiles, stop: threading.Event, every: float,
+            tally: list[tuple[float, str]]) -> None:
+    """client-003's login reconnecting every ``every`` s, as the coordinator and as client-001 in turn."""
+    ids = itertools.cycle(("coordinator", "client-001"))
+    while not stop.wait(every):
+        cid = next(ids)
+        if _connect_as(port, files, "client-003", cid):
+            tally.append((time.monotonic(), cid))
+
+
+@pytest.mark.timeout(600)
+def test_a_round_completes_while_a_device_login_reconnects_as_the_coordinator_and_as_a_device(
+        generated: Callable[..., tuple[Broker, BrokerFiles]], digits, tmp_path: Path) -> None:
+    """The must-show of issue 17: three devices and the coordinator on a broker-config Mosquitto, each with
+    its own login; a fourth login reconnects every 0.1 s with the client id `coordinator`, then `client-001`,
+    through two rounds. Before use_username_as_clientid, every device failed round 1 and client-001 lost its bye."""
+    from fedsga_edge.config import RunConfig, TrainConfig
+    from fedsga_edge.runbuild import coordinator_service, default_run_id, device_agent
+
+    cfg = RunConfig(strategy="static", dataset="digits", clients=3, rounds=2, model="resnet18_cifar", width=0.25,
+                    seed=0, device="cpu", round_timeout=120.0,
+                    train=TrainConfig(local_epochs=1, batch_size=32, max_batches=2))
+    run = default_run_id(cfg)
+    b, files = generated(devices=("client-000", "client-001", "client-002", "client-003"), run=run)
+    stop, tally = threading.Event(), []
+    every = 0.1  # the run takes a few seconds: the attack must land many times inside it
+    attacker = threading.Thread(target=_attack, args=(b.port, files, stop, every, tally), daemon=True)
+    made: list[MqttTransport] = []
+    agents = []
+    try:
+        made.append(MqttTransport.from_url(files.urls["coordinator"], run=run, connect_timeout=5))
+        service = coordinator_service(cfg, made[0], tmp_path / "run", bundle=digits, register_timeout=60)
+        service.start()
+        attacker.start()
+        for i in range(3):
+            made.append(MqttTransport.from_url(files.urls[f"client-00{i}"], run=run, connect_timeout=5))
+            agents.append(device_agent(cfg, i, made[-1], tmp_path / f"state-{i}", bundle=digits))
+            agents[-1].start(timeout=60)
+        began = time.monotonic()  # every device registered: the rounds run from here
+        summary = service.wait(300)
+        ended = time.monotonic()
+        for a in agents:
+            assert a.finished.wait(30), f"{a.cid} never got its bye"
+    finally:
+        stop.set()
+        attacker.join(10)
+        for a in agents:
+            a.stop()
+        for t in reversed(made):
+            t.close()
+    during = [cid for at, cid in tally if began <= at <= ended]
+    print(f"\ntakeover: {len(during)} attacker connections accepted during the rounds ({ended - began:.1f} s; "
+          f"{len(tally)} in all, one every {every} s, as coordinator and client-001 in turn); "
+          f"devices completing each round {[len(r['splits']) for r in service.records]} of 3, "
+          f"failures {summary.get('failures')}")
+    assert len(service.records) == 2
+    for rec in service.records:
+        assert set(rec["splits"]) == {"client-000", "client-001", "client-002"} and rec["failures"] == {}
+    assert summary["failures"] == 0
+    assert during.count("coordinator") >= 2 and during.count("client-001") >= 2, tally  # it ran during the rounds
+    assert _takeovers(files, "coordinator") == 0 and _takeovers(files, "client-001") == 0

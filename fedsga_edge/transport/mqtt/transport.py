@@ -26,14 +26,19 @@ __all__ = ["MqttTransport"]
 log = logging.getLogger(__name__)
 
 
-def _check_settings(run: str, coordinator: str, client_id: str | None, max_packet: int,
+def _check_settings(run: str, coordinator: str, client_id: str | None, username: str | None, max_packet: int,
                     timeouts: tuple[float, ...]) -> str:
-    """Refuse settings that cannot work before touching the network; the client id to use."""
+    """Refuse settings that cannot work before touching the network; the client id to use.
+
+    Without one, a login connects as itself: a broker-config Mosquitto replaces every client id by the
+    login anyway (``use_username_as_clientid``), and its ACL grants ``status/<login>`` only."""
     for name, value in (("run", run), ("coordinator", coordinator)):
         try:
             check_address(value)
         except TransportError as e:
             raise TransportError(f"{name}: {e}") from None
+    if not client_id and username and _is_address(username):
+        client_id = username
     client_id = client_id or f"{run}-{os.urandom(6).hex()}"
     check_address(client_id)
     if max_packet < 4096:
@@ -41,6 +46,14 @@ def _check_settings(run: str, coordinator: str, client_id: str | None, max_packe
     if any(t <= 0 for t in timeouts):
         raise TransportError("timeouts must be positive")
     return client_id
+
+
+def _is_address(name: str) -> bool:
+    try:
+        check_address(name)
+    except TransportError:
+        return False
+    return True
 
 
 class MqttTransport(Transport):
@@ -86,7 +99,7 @@ class MqttTransport(Transport):
         must then be unique per process.
         """
         paho = import_paho()
-        client_id = _check_settings(run, coordinator, client_id, max_packet,
+        client_id = _check_settings(run, coordinator, client_id, username, max_packet,
                                     (request_timeout, connect_timeout, reassembly_timeout))
         self.stats = TransportStats()
         self.run = run
