@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -126,11 +126,41 @@ class _Refused(Exception):
     """The coordinator refused a request (or answered nonsense): this round cannot go on."""
 
 
+_R = TypeVar("_R")
+# A part of the round: yields (kind, body) requests, is sent each reply, returns its result.
+_Steps = Generator[tuple[str, dict[str, Any]], Message | None, _R]
+
+
 @dataclass
 class _Task:
     t: int
-    gen: Generator[tuple[str, dict[str, Any]], Message | None, dict[str, Any]]
+    gen: _Steps[dict[str, Any]]
     reply: Message | None = None
+
+
+@dataclass
+class _Plan:
+    """What the round start settled before the first request; ``prompts`` and ``report`` change as it runs."""
+
+    train: TrainConfig
+    fed: FedSGAConfig | None
+    full: bool  # a full-model round (FedAvg, FedProx): no split, the device trains head and all
+    calibrate: bool
+    prompts: np.ndarray | None
+    k: int  # the split (0 in a full-model round)
+    depth: int
+    have: set[int]  # the units the round start carried
+    report: dict[str, Any]  # what the update reports beside the weights
+
+
+@dataclass
+class _Trained:
+    """What local training leaves for the descriptor and the update."""
+
+    contrib: np.ndarray | None  # summed per-prompt contributions (Eq. 2), None without prompts
+    loss_sum: float = 0.0
+    steps: int = 0
+    new_prompts: np.ndarray | None = None
 
 
 def _expect(reply: Message | None, kind: str) -> Message:
@@ -231,7 +261,17 @@ class SplitClient:
         self.peer.send(self.server, "error", task.t, {"reason": reason})
 
     # -- one round --------------------------------------------------------------------------------
-    def _round(self, t: int, body: dict[str, Any]) -> Generator[tuple[str, dict[str, Any]], Message | None, dict[str, Any]]:
+    def _round(self, t: int, body: dict[str, Any]) -> _Steps[dict[str, Any]]:
+        """The round's requests in order (fetch, activation per batch, probe); returns the update."""
+        plan = self._plan(body)
+        yield from self._fetch(plan)
+        trained = yield from self._train(plan)
+        self._learn_prompts(plan, trained)
+        yield from self._calibrate(body, plan)
+        return self._update(plan, trained)
+
+    def _plan(self, body: dict[str, Any]) -> _Plan:
+        """Settings, the round's weights loaded, prompts, split and depth: everything before the first request."""
         be = self.backend
         train = from_wire(TrainConfig, body["train"])
         fed = from_wire(FedSGAConfig, body["fedsga"]) if body.get("fedsga") else None
@@ -245,80 +285,103 @@ class SplitClient:
         if use_prompts and self.state.prompts is None:
             self.state.prompts = be.init_prompts(fed.prompts)
         prompts = self.state.prompts if use_prompts else None
-
-        report: dict[str, Any] = {}
         calibrate = bool(body.get("calibrate"))
-        K = be.num_splits
-        k_ref = reference_index(K)
+        k, report = self._split(body, fed, full, calibrate, prompts)
+        depth = be.num_blocks if full else be.depth_of(k)
+        return _Plan(train, fed, full, calibrate, prompts, k, depth, have, report)
+
+    def _split(self, body: dict[str, Any], fed: FedSGAConfig | None, full: bool, calibrate: bool,
+               prompts: np.ndarray | None) -> tuple[int, dict[str, Any]]:
+        """None for a full-model round (0), the coordinator's if it names one, else FedSGA's choice."""
+        K = self.backend.num_splits
         if full:
-            k = 0
-        elif body.get("split") is not None:
+            return 0, {}
+        if body.get("split") is not None:
             k = int(body["split"])
             if not 1 <= k <= K:
                 raise _Refused(f"split {k} is not a candidate (1..{K})")
-        else:  # FedSGA: observe, estimate r, pick the split (docs/method.md)
-            assert fed is not None  # check_round_start guarantees it
-            k, report = self._choose_split(body, fed, prompts)
-            if calibrate:  # the probe compares the device's own trained blocks up to p_ref
-                k = max(k, k_ref)
-        depth = be.num_blocks if full else be.depth_of(k)
-        need = [j for j in range(depth) if j not in have]
-        if need or full:
-            reply = yield "fetch", {"blocks": need, "head": full}
-            _expect(reply, "weights")
-            _check_weights(be, reply.body["weights"])
-            be.load(reply.body["weights"])
+            return k, {}
+        assert fed is not None  # check_round_start guarantees it
+        k, report = self._choose_split(body, fed, prompts)  # observe, estimate r, pick (docs/method.md)
+        if calibrate:  # the probe compares the device's own trained blocks up to p_ref
+            k = max(k, reference_index(K))
+        return k, report
 
-        loss_sum, steps = 0.0, 0
-        contrib = np.zeros(len(prompts)) if prompts is not None else None
-        want_h1 = fed is not None and not full  # phi_s trains on pooled p_1 features (docs/method.md)
-        be.train_begin(train, depth, full, prompts)
+    def _fetch(self, plan: _Plan) -> _Steps[None]:
+        """Asks for the blocks (and, in a full-model round, the head) the round start did not carry."""
+        need = [j for j in range(plan.depth) if j not in plan.have]
+        if need or plan.full:
+            reply = _expect((yield "fetch", {"blocks": need, "head": plan.full}), "weights")
+            _check_weights(self.backend, reply.body["weights"])
+            self.backend.load(reply.body["weights"])
+
+    def _train(self, plan: _Plan) -> _Steps[_Trained]:
+        """Local epochs: full-model steps on the device, or one activation -> gradient exchange per batch."""
+        be = self.backend
+        done = _Trained(np.zeros(len(plan.prompts)) if plan.prompts is not None else None)
+        want_h1 = plan.fed is not None and not plan.full  # phi_s trains on pooled p_1 features (docs/method.md)
+        be.train_begin(plan.train, plan.depth, plan.full, plan.prompts)
         try:
-            for _ in range(train.local_epochs):
-                for idx in self._batches(train.batch_size, train.max_batches):
-                    x, y = self._inputs(idx, train.augment)
-                    if full:
-                        loss_sum += be.full_step(x, y)
-                        steps += 1
-                        continue
-                    z, h1 = be.forward(x, want_h1)
-                    req: dict[str, Any] = {"z": z, "y": y, "split": k}
-                    if h1 is not None:
-                        req["h1"] = h1
-                    reply = yield "activation", req
-                    _expect(reply, "gradient")
-                    dz = np.asarray(reply.body["dz"])
-                    if dz.shape != z.shape or not np.isfinite(dz).all():
-                        raise _Refused(f"gradient of shape {tuple(dz.shape)} for an activation {tuple(z.shape)}, or not finite")
-                    pg = be.backward(dz)
-                    if contrib is not None and pg is not None:
-                        contrib += prompt_contributions(*pg)
-                    loss_sum += float(reply.body["loss"])
-                    steps += 1
+            for _ in range(plan.train.local_epochs):
+                for idx in self._batches(plan.train.batch_size, plan.train.max_batches):
+                    x, y = self._inputs(idx, plan.train.augment)
+                    if plan.full:
+                        done.loss_sum += be.full_step(x, y)
+                    else:
+                        done.loss_sum += yield from self._exchange(plan.k, x, y, want_h1, done.contrib)
+                    done.steps += 1
         finally:
-            new_prompts = be.train_end()
-        if prompts is not None and new_prompts is not None:
-            self.state.prompts = prompts = new_prompts
-        if prompts is not None and fed is not None and contrib is not None:
-            mean_c = contrib / max(steps, 1)
+            done.new_prompts = be.train_end()
+        return done
+
+    def _exchange(self, k: int, x: Any, y: np.ndarray, want_h1: bool, contrib: np.ndarray | None) -> _Steps[float]:
+        """One batch through the split: z (and h1) up, dz down, one backward step; returns the server's loss."""
+        be = self.backend
+        z, h1 = be.forward(x, want_h1)
+        req: dict[str, Any] = {"z": z, "y": y, "split": k}
+        if h1 is not None:
+            req["h1"] = h1
+        reply = _expect((yield "activation", req), "gradient")
+        dz = np.asarray(reply.body["dz"])
+        if dz.shape != z.shape or not np.isfinite(dz).all():
+            raise _Refused(f"gradient of shape {tuple(dz.shape)} for an activation {tuple(z.shape)}, or not finite")
+        pg = be.backward(dz)
+        if contrib is not None and pg is not None:
+            contrib += prompt_contributions(*pg)
+        return float(reply.body["loss"])
+
+    def _learn_prompts(self, plan: _Plan, trained: _Trained) -> None:
+        """Keeps the trained prompts and their descriptor (Eq. 2) for the next round's observation."""
+        prompts, fed = plan.prompts, plan.fed
+        if prompts is not None and trained.new_prompts is not None:
+            self.state.prompts = plan.prompts = prompts = trained.new_prompts
+        if prompts is not None and fed is not None and trained.contrib is not None:
+            mean_c = trained.contrib / max(trained.steps, 1)
             self.state.m_prev = self.state.m_last
             self.state.m_last = descriptor(prompts, mean_c, fed.tau_m)
-            report["descriptor_entropy"] = weight_entropy(descriptor_weights(mean_c, fed.tau_m))
-        if calibrate and "r" in report:  # after local training, before aggregation (docs/method.md)
-            probe = self._probe(body, prompts, report["o"], report["r_prev"])
-            reply = yield "probe", probe
-            _expect(reply, "probe_result")
+            plan.report["descriptor_entropy"] = weight_entropy(descriptor_weights(mean_c, fed.tau_m))
+
+    def _calibrate(self, body: dict[str, Any], plan: _Plan) -> _Steps[None]:
+        """On a calibration round: the probe, after local training and before aggregation (docs/method.md)."""
+        report = plan.report
+        if plan.calibrate and "r" in report:
+            probe = self._probe(body, plan.prompts, report["o"], report["r_prev"])
+            reply = _expect((yield "probe", probe), "probe_result")
             report.update(L1=float(reply.body["L1"]), Lref=float(reply.body["Lref"]), s=int(reply.body["s"]),
                           probe_samples=len(probe["y"]))
+
+    def _update(self, plan: _Plan, trained: _Trained) -> dict[str, Any]:
+        """The update's body: the report (the observation vector stays private) and the trained weights."""
+        report = plan.report
         report.pop("o", None)
         self.state.rounds += 1
         report.update(
-            weights=be.weights(depth, full),
+            weights=self.backend.weights(plan.depth, plan.full),
             num_samples=len(self.data),
-            split=None if full else k,
-            depth=depth,
-            train_loss=loss_sum / max(steps, 1),
-            steps=steps,
+            split=None if plan.full else plan.k,
+            depth=plan.depth,
+            train_loss=trained.loss_sum / max(trained.steps, 1),
+            steps=trained.steps,
         )
         return report
 

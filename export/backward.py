@@ -645,104 +645,149 @@ def export_train_graphs(
     if example_batch < 2:
         raise ValueError("example_batch must be >= 2: a batch-1 example bakes batch 1 into the graph")
     start = time.perf_counter()
-    model = copy.deepcopy(model).train()  # exports trace train mode; the caller's model stays as it is
-    for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum != 0.1:
-            raise NotImplementedError(f"BatchNorm momentum {m.momentum}: the train graphs assume torch's 0.1")
+    model = _train_copy(model)
     prefix = _PrefixH1(model, depth).train()
-    params, stats = _state_names(prefix)
-    for name in params + stats:  # the device finds each weight's unit under these names (manifest "units")
-        model.unit_of(name)
-    state = dict(prefix.state_dict(keep_vars=True))
-    state = {k: v.detach() for k, v in state.items()}
-    x = torch.randn(example_batch, 3, model.input_size, model.input_size)
-    prompts = model.init_prompts(prompts_m)
-    dz = torch.randn(example_batch, *model.interface_shape(depth, prompts_m))
-    batch = torch.export.Dim("batch", min=1)
-    decomp = _decompositions()
+    ex = _examples(model, prefix, depth, prompts_m, example_batch)
     out_dir = Path(out_dir)
-    values = {"x": x, "dz": dz, "prompts": prompts} | {n: state[n] for n in params + stats}
-
     with export_friendly(model):
-        # 1. Eval-mode forward (BatchNorm with the given running statistics), weights as inputs.
-        prefix.eval()
-        ep = torch.export.export(prefix, (x, prompts), dynamic_shapes={"x": {0: batch}, "prompts": None})
-        ep = ep.run_decompositions({})
-        outs: list[tuple[OutputKind, str | int | None]] = [(OutputKind.USER_OUTPUT, 0), (OutputKind.USER_OUTPUT, 1)]
-        ev, _ = _lift(ep, state, ["x", "prompts", *params, *stats], outs)
-        ev_args = tuple(values[n] for n in ["x", "prompts", *params, *stats])
-        ds = {"args": ({0: batch}, *([None] * (len(ev_args) - 1)))}  # a *args module: dims under "args"
-        export_onnx(
-            torch.export.export(ev, ev_args, dynamic_shapes=ds).run_decompositions(decomp),
-            ev_args,
-            out_dir / f"{stem}.eval_fwd.onnx",
-            input_names=["x", "prompts", *params, *stats],
-            output_names=["z", "h1"],
-            opset=opset,
-        )
-        prefix.train()
-
-        # 2. Joint forward-backward of the surrogate loss, running statistics as inputs and outputs.
-        from torch.export.experimental import _export_forward_backward
-
-        sur = _Surrogate(model, depth, prompts).train()
-        sur_state = {k: v.detach() for k, v in sur.state_dict(keep_vars=True).items()}
-        ep = torch.export.export(sur, (x, dz), dynamic_shapes={"x": {0: batch}, "dz": {0: batch}})
-        with _joint_decompositions():
-            joint = _export_forward_backward(ep, joint_loss_index=0)
-        sur_params = ["prompts", *(f"prefix.{p}" for p in params)]
-        sur_stats = [f"prefix.{b}" for b in stats]
-        outs = [(OutputKind.USER_OUTPUT, 0)]
-        outs += [(OutputKind.BUFFER_MUTATION, b) for b in sur_stats]
-        outs += [(OutputKind.USER_OUTPUT, 1)]
-        outs += [(OutputKind.GRADIENT_TO_PARAMETER, p) for p in sur_params]
-        lifted, _ = _lift(joint, sur_state, ["x", "dz", *sur_params, *sur_stats], outs)
-        names = ["x", "dz", "prompts", *params, *stats]
-        args = tuple(values[n] for n in names)
-        ds = {"args": ({0: batch}, {0: batch}, *([None] * (len(args) - 2)))}
-        whole = torch.export.export(lifted, args, dynamic_shapes=ds).run_decompositions(decomp).module()
-        _simplify(whole)
-        _cse(whole)
-
-        # 3. Split it: the forward keeps what the backward needs, the backward does not recompute.
-        halves = _split_joint(whole, names, 2 + len(stats))
-        f_args = tuple(values[n] for n in halves.forward_inputs)
-        export_onnx(
-            torch.export.export(halves.forward, f_args, dynamic_shapes=_batch_dims(halves.forward_inputs, batch)),
-            f_args,
-            out_dir / f"{stem}.train_fwd.onnx",
-            input_names=halves.forward_inputs,
-            output_names=["z", *(f"new.{b}" for b in stats), "h1", *_saved_names(halves)],
-            opset=opset,
-        )
-        with torch.no_grad():
-            kept = list(halves.forward(*f_args))[2 + len(stats) :]
-        b_names = halves.backward_inputs
-        b_args = tuple(values[n] for n in b_names[: len(b_names) - len(kept)]) + tuple(kept)
-        b_dims = _batch_dims(b_names[: len(b_names) - len(kept)], batch) + tuple(
-            _saved_dims(n, batch) for n in halves.saved
-        )
-        export_onnx(
-            torch.export.export(halves.backward, b_args, dynamic_shapes=b_dims),
-            b_args,
-            out_dir / f"{stem}.train_bwd.onnx",
-            input_names=b_names,
-            output_names=["grad.prompts", *(f"grad.{p}" for p in params)],
-            opset=opset,
-        )
-
+        _export_eval(prefix, ex, out_dir / f"{stem}.eval_fwd.onnx", opset)
+        halves = _split_joint(_joint_graph(model, depth, ex), ex.joint_inputs, 2 + len(ex.stats))
+        _export_halves(halves, ex, out_dir, stem, opset)
     arrays = {k: v.cpu().numpy() for k, v in prefix.state_dict().items()}
     np.savez(out_dir / f"{stem}.state.npz", **arrays)
     return TrainGraphs(
         f"{stem}.train_fwd.onnx",
         f"{stem}.train_bwd.onnx",
         f"{stem}.state.npz",
-        params,
-        stats,
+        ex.params,
+        ex.stats,
         time.perf_counter() - start,
         f"{stem}.eval_fwd.onnx",
         _saved_names(halves),
         halves.backward_inputs,
+    )
+
+
+def _train_copy(model: SplitModel) -> SplitModel:
+    """A train-mode copy to trace (the caller's model stays as it is), refused if its BatchNorm is not torch's."""
+    model = copy.deepcopy(model).train()
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum != 0.1:
+            raise NotImplementedError(f"BatchNorm momentum {m.momentum}: the train graphs assume torch's 0.1")
+    return model
+
+
+@dataclass
+class _Examples:
+    """The example inputs every train graph is traced with, and the names the graphs give them."""
+
+    x: Tensor
+    prompts: Tensor
+    dz: Tensor
+    params: list[str]  # trainable parameters (state-dict keys)
+    stats: list[str]  # BatchNorm running statistics
+    state: dict[str, Tensor]  # the prefix's state, detached
+    batch: Any  # the dynamic batch dimension (torch.export.Dim)
+    decomp: dict  # the decompositions each export runs
+
+    @property
+    def values(self) -> dict[str, Tensor]:
+        """Every graph input by name."""
+        return {"x": self.x, "dz": self.dz, "prompts": self.prompts} | {n: self.state[n] for n in self.params + self.stats}
+
+    @property
+    def joint_inputs(self) -> list[str]:
+        return ["x", "dz", "prompts", *self.params, *self.stats]
+
+
+def _examples(model: SplitModel, prefix: _PrefixH1, depth: int, prompts_m: int, example_batch: int) -> _Examples:
+    """Random example inputs (x, then prompts, then dz) and the prefix's state names, each one the model's."""
+    params, stats = _state_names(prefix)
+    for name in params + stats:  # the device finds each weight's unit under these names (manifest "units")
+        model.unit_of(name)
+    state = {k: v.detach() for k, v in prefix.state_dict(keep_vars=True).items()}
+    x = torch.randn(example_batch, 3, model.input_size, model.input_size)
+    prompts = model.init_prompts(prompts_m)
+    dz = torch.randn(example_batch, *model.interface_shape(depth, prompts_m))
+    batch = torch.export.Dim("batch", min=1)
+    return _Examples(x, prompts, dz, params, stats, state, batch, _decompositions())
+
+
+def _export_eval(prefix: _PrefixH1, ex: _Examples, path: Path, opset: int) -> None:
+    """1. Eval-mode forward (BatchNorm with the given running statistics), weights as inputs."""
+    prefix.eval()
+    ep = torch.export.export(prefix, (ex.x, ex.prompts), dynamic_shapes={"x": {0: ex.batch}, "prompts": None})
+    ep = ep.run_decompositions({})
+    outs: list[tuple[OutputKind, str | int | None]] = [(OutputKind.USER_OUTPUT, 0), (OutputKind.USER_OUTPUT, 1)]
+    names = ["x", "prompts", *ex.params, *ex.stats]
+    ev, _ = _lift(ep, ex.state, names, outs)
+    values = ex.values
+    ev_args = tuple(values[n] for n in names)
+    ds = {"args": ({0: ex.batch}, *([None] * (len(ev_args) - 1)))}  # a *args module: dims under "args"
+    export_onnx(
+        torch.export.export(ev, ev_args, dynamic_shapes=ds).run_decompositions(ex.decomp),
+        ev_args,
+        path,
+        input_names=names,
+        output_names=["z", "h1"],
+        opset=opset,
+    )
+    prefix.train()
+
+
+def _joint_graph(model: SplitModel, depth: int, ex: _Examples) -> torch.fx.GraphModule:
+    """2. Joint forward-backward of the surrogate loss, running statistics as inputs and outputs.
+
+    Its inputs are ``ex.joint_inputs``; its outputs z, the new statistics, h1, then the gradients."""
+    from torch.export.experimental import _export_forward_backward
+
+    sur = _Surrogate(model, depth, ex.prompts).train()
+    sur_state = {k: v.detach() for k, v in sur.state_dict(keep_vars=True).items()}
+    ep = torch.export.export(sur, (ex.x, ex.dz), dynamic_shapes={"x": {0: ex.batch}, "dz": {0: ex.batch}})
+    with _joint_decompositions():
+        joint = _export_forward_backward(ep, joint_loss_index=0)
+    sur_params = ["prompts", *(f"prefix.{p}" for p in ex.params)]
+    sur_stats = [f"prefix.{b}" for b in ex.stats]
+    outs: list[tuple[OutputKind, str | int | None]] = [(OutputKind.USER_OUTPUT, 0)]
+    outs += [(OutputKind.BUFFER_MUTATION, b) for b in sur_stats]
+    outs += [(OutputKind.USER_OUTPUT, 1)]
+    outs += [(OutputKind.GRADIENT_TO_PARAMETER, p) for p in sur_params]
+    lifted, _ = _lift(joint, sur_state, ["x", "dz", *sur_params, *sur_stats], outs)
+    values = ex.values
+    args = tuple(values[n] for n in ex.joint_inputs)
+    ds = {"args": ({0: ex.batch}, {0: ex.batch}, *([None] * (len(args) - 2)))}
+    whole = torch.export.export(lifted, args, dynamic_shapes=ds).run_decompositions(ex.decomp).module()
+    _simplify(whole)
+    _cse(whole)
+    return whole
+
+
+def _export_halves(halves: _Halves, ex: _Examples, out_dir: Path, stem: str, opset: int) -> None:
+    """3. The split joint graph: the forward keeps what the backward needs, the backward does not recompute."""
+    values = ex.values
+    f_args = tuple(values[n] for n in halves.forward_inputs)
+    export_onnx(
+        torch.export.export(halves.forward, f_args, dynamic_shapes=_batch_dims(halves.forward_inputs, ex.batch)),
+        f_args,
+        out_dir / f"{stem}.train_fwd.onnx",
+        input_names=halves.forward_inputs,
+        output_names=["z", *(f"new.{b}" for b in ex.stats), "h1", *_saved_names(halves)],
+        opset=opset,
+    )
+    with torch.no_grad():
+        kept = list(halves.forward(*f_args))[2 + len(ex.stats) :]
+    b_names = halves.backward_inputs
+    b_args = tuple(values[n] for n in b_names[: len(b_names) - len(kept)]) + tuple(kept)
+    b_dims = _batch_dims(b_names[: len(b_names) - len(kept)], ex.batch) + tuple(
+        _saved_dims(n, ex.batch) for n in halves.saved
+    )
+    export_onnx(
+        torch.export.export(halves.backward, b_args, dynamic_shapes=b_dims),
+        b_args,
+        out_dir / f"{stem}.train_bwd.onnx",
+        input_names=b_names,
+        output_names=["grad.prompts", *(f"grad.{p}" for p in ex.params)],
+        opset=opset,
     )
 
 

@@ -3,7 +3,9 @@
 One function that computes and returns data (the manifest); it reports progress through the
 ``log`` callable it is given, and the CLI only formats. Order per split k: export the eval-mode
 prefix, validate it in a fresh onnxruntime session at another batch size, count FLOPs (torch) and
-MACs (ONNX graph), stamp metadata, then the optional fp16, int8 and train graphs.
+MACs (ONNX graph), stamp metadata, then the optional fp16, int8 and train graphs
+(``variants.py``), then hash the files and rewrite the manifest. Each of these is one named step
+below, so a new variant or check lands in one short function.
 """
 
 from __future__ import annotations
@@ -11,22 +13,25 @@ from __future__ import annotations
 import copy
 import platform
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .calib import CalibData, load_calib_data
 from .manifest import write_manifest
-from .report import Check, format_checks
+from .report import format_checks
+from .variants import Log, Prefix, export_fp16, export_int8, export_train
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from fedsga_edge.models import SplitModel
 
-__all__ = ["ExportConfig", "ExportError", "export_prefixes", "fedsga_version"]
+    from .onnx_prefix import Validation
 
-Log = Callable[[str], None]
+__all__ = ["ExportConfig", "ExportError", "export_prefixes", "fedsga_version"]
 
 
 class ExportError(RuntimeError):
@@ -75,43 +80,6 @@ def fedsga_version() -> str:
             return "unknown"
 
 
-@dataclass
-class _Data:
-    """Calibration / evaluation data, already normalised for the model."""
-
-    source: str
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    num_classes: int
-    calib: np.ndarray  # float32 NCHW
-    test_x: np.ndarray
-    test_y: np.ndarray
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _load_data(cfg: ExportConfig, image_size: int) -> _Data:
-    from fedsga_edge.data import load_dataset
-
-    from .quantize import normalize
-
-    assert cfg.calib_data is not None
-    bundle = load_dataset(cfg.calib_data, cfg.data_root, image_size=image_size)
-    rng = np.random.default_rng(cfg.seed)
-    n_cal = min(cfg.calib_samples, len(bundle.train))
-    cal_idx = np.sort(rng.choice(len(bundle.train), size=n_cal, replace=False))
-    n_test = min(cfg.eval_samples, len(bundle.test)) if cfg.eval_samples > 0 else len(bundle.test)
-    test_idx = np.arange(n_test)
-    return _Data(
-        source=cfg.calib_data,
-        mean=tuple(bundle.mean),
-        std=tuple(bundle.std),
-        num_classes=bundle.num_classes,
-        calib=normalize(bundle.train.get_batch(cal_idx), bundle.mean, bundle.std),
-        test_x=normalize(bundle.test.get_batch(test_idx), bundle.mean, bundle.std),
-        test_y=np.asarray(bundle.test.labels)[test_idx],
-    )
-
-
 def _checkpoint_info(path: Path, model: SplitModel) -> tuple[int | None, Any]:
     """(head size, prompts tensor or None) found in a checkpoint; ``model`` names its head's key.
 
@@ -134,28 +102,58 @@ def _checkpoint_info(path: Path, model: SplitModel) -> tuple[int | None, Any]:
     return None, prompts
 
 
-def _batches(x: np.ndarray, size: int):
-    for i in range(0, len(x), size):
-        yield x[i : i + size]
+@dataclass
+class _Export:
+    """What every prefix of one export shares, settled before the first file is written."""
+
+    cfg: ExportConfig
+    model: SplitModel
+    pristine: SplitModel  # cost counting runs train-mode forwards (BN stats move): never on `model`
+    splits: list[int]
+    out: Path
+    ref_prompts: Tensor  # the prompts every validation and calibration feeds
+    data: CalibData | None
+    versions: dict[str, str]
+    log: Log
+
+    @property
+    def x_shape(self) -> list[int | None]:
+        return [None, 3, self.model.input_size, self.model.input_size]
+
+    @property
+    def normalization(self) -> dict[str, Any] | None:
+        data = self.data
+        return {"mean": list(data.mean), "std": list(data.std), "source": data.source} if data else None
 
 
 def export_prefixes(cfg: ExportConfig, log: Log = print) -> dict[str, Any]:
     """Exports, validates and describes every requested prefix; writes and returns the manifest."""
-    import onnx
-    import onnxruntime as ort
-    import torch
+    _check_config(cfg)
+    run = _prepare(cfg, log)
+    manifest = _manifest(run)
+    for k in run.splits:
+        manifest["prefixes"].append(_export_split(run, k))
+        write_manifest(run.out, manifest)  # after every prefix: a crash leaves a usable partial manifest
+    manifest["out_dir"] = str(run.out)
+    return manifest
 
-    from fedsga_edge.models import create_model, load_weights, prefix_cost
 
-    from .macs import MACS_METHOD, count_macs
-    from .onnx_prefix import export_friendly, export_prefix, ort_session, set_metadata, validate_prefix, weights_sha256
-
+def _check_config(cfg: ExportConfig) -> None:
+    """Refuse what the export cannot honour before anything is built or written."""
     if cfg.int8 and not cfg.calib_data:
         raise ExportError("--int8 needs --calib-data SPEC (static quantization calibrates on real images)")
     if cfg.opset not in (17, 18):
         raise ExportError(f"opset {cfg.opset} is not supported; use 17 or 18")
     if cfg.prompts < 1:
         raise ExportError("--prompts must be >= 1: the prompts are a graph input")
+
+
+def _build_model(cfg: ExportConfig, log: Log) -> tuple[SplitModel, Any]:
+    """The eval-mode model with the checkpoint's weights (and head size), and the checkpoint's prompts if any."""
+    import torch
+
+    from fedsga_edge.models import create_model, load_weights
+
     torch.manual_seed(cfg.seed)
     options = {"width": cfg.width, "img_size": cfg.img_size, **cfg.model_args}
     model = create_model(cfg.model, num_classes=cfg.num_classes, **options)
@@ -165,35 +163,82 @@ def export_prefixes(cfg: ExportConfig, log: Log = print) -> dict[str, Any]:
         if cfg.num_classes is None and head is not None and head != model.head.out_features:
             torch.manual_seed(cfg.seed)  # the same initial weights as one build with the checkpoint's head size
             model = create_model(cfg.model, num_classes=head, **options)
-    if cfg.checkpoint is not None:
         missing = load_weights(model, cfg.checkpoint)
         if missing:
             log(f"[warning] {cfg.checkpoint}: {len(missing)} tensors left as initialised, e.g. {missing[:3]}")
     model.eval()
-    pristine = copy.deepcopy(model)  # cost counting runs train-mode forwards (BN stats move): never on `model`
+    return model, ckpt_prompts
+
+
+def _prepare(cfg: ExportConfig, log: Log) -> _Export:
+    """Model, splits (checked), output folder, reference prompts, calibration data and versions."""
+    import onnx
+    import onnxruntime as ort
+    import torch
+
+    model, ckpt_prompts = _build_model(cfg, log)
+    pristine = copy.deepcopy(model)
     splits = list(cfg.splits or range(1, model.num_splits + 1))
     for k in splits:
         model.depth_of(k)  # raises on an index out of range
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-
-    gen = torch.Generator().manual_seed(cfg.seed)
-    if isinstance(ckpt_prompts, torch.Tensor) and tuple(ckpt_prompts.shape) == (cfg.prompts, model.prompt_dim):
-        ref_prompts = ckpt_prompts.float()
-    else:
-        ref_prompts = model.init_prompts(cfg.prompts, generator=gen)
-    data = _load_data(cfg, model.input_size) if cfg.calib_data else None
+    ref_prompts = _reference_prompts(cfg, model, ckpt_prompts)
+    data = load_calib_data(cfg, model.input_size) if cfg.calib_data else None
     versions = {
         "torch_version": torch.__version__,
         "onnx_version": onnx.__version__,
         "onnxruntime_version": ort.__version__,
         "fedsga_edge_version": fedsga_version(),
     }
-    width = getattr(model, "width", None)
-    model_info = {
+    return _Export(cfg, model, pristine, splits, out, ref_prompts, data, versions, log)
+
+
+def _reference_prompts(cfg: ExportConfig, model: SplitModel, ckpt_prompts: Any) -> Tensor:
+    """The checkpoint's prompts when they fit the graph's input, else seeded fresh ones."""
+    import torch
+
+    gen = torch.Generator().manual_seed(cfg.seed)
+    if isinstance(ckpt_prompts, torch.Tensor) and tuple(ckpt_prompts.shape) == (cfg.prompts, model.prompt_dim):
+        return ckpt_prompts.float()
+    return model.init_prompts(cfg.prompts, generator=gen)
+
+
+def _manifest(run: _Export) -> dict[str, Any]:
+    """The manifest's header: model, input, versions and config; ``prefixes`` fills in as they pass."""
+    from .macs import MACS_METHOD
+
+    versions = run.versions
+    return {
+        "fedsga_edge_version": versions["fedsga_edge_version"],
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "model": _model_info(run),
+        "input": {
+            "name": "x",
+            "shape": run.x_shape,
+            "layout": "NCHW",
+            "dtype": "float32",
+            "normalization": run.normalization,
+        },
+        "opset": run.cfg.opset,
+        "exporter": "torch.onnx.export(dynamo=True)",
+        **{k: v for k, v in versions.items() if k != "fedsga_edge_version"},
+        "macs_method": MACS_METHOD,
+        "config": run.cfg.to_dict(),
+        "prefixes": [],
+    }
+
+
+def _model_info(run: _Export) -> dict[str, Any]:
+    """The model and its contract, for a torch-free device (which cannot ask the model)."""
+    from .onnx_prefix import weights_sha256
+
+    model, cfg = run.model, run.cfg
+    return {
         "arch": cfg.model,
         "family": model.family,
-        "width": width,
+        "width": getattr(model, "width", None),
         "img_size": model.input_size,
         "num_classes": model.head.out_features,
         "num_blocks": model.num_blocks,
@@ -201,226 +246,124 @@ def export_prefixes(cfg: ExportConfig, log: Log = print) -> dict[str, Any]:
         "prompts_m": cfg.prompts,
         "prompt_dim": model.prompt_dim,
         "prompt_std": model.prompt_std,  # a torch-free device draws its own prompts with this scale
-        # The model's contract, for the torch-free device (which cannot ask the model):
         "units": {name: model.unit_of(name) for name in model.state_dict()},  # weight -> aggregation unit
         "interface_pool_axes": list(model.interface_pool_axes),  # how p_1 pools into h1
         "prompts_as_tokens": model.prompt_positions(1) > 0,  # prompts lengthen the activation
         "checkpoint": str(cfg.checkpoint) if cfg.checkpoint else None,
         "weights_sha256": weights_sha256(model),
     }
-    normalization = {"mean": list(data.mean), "std": list(data.std), "source": data.source} if data else None
-    x_shape = [None, 3, model.input_size, model.input_size]
-    manifest: dict[str, Any] = {
-        "fedsga_edge_version": versions["fedsga_edge_version"],
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "host": platform.node(),
-        "model": model_info,
-        "input": {"name": "x", "shape": x_shape, "layout": "NCHW", "dtype": "float32", "normalization": normalization},
-        "opset": cfg.opset,
-        "exporter": "torch.onnx.export(dynamo=True)",
-        **{k: v for k, v in versions.items() if k != "fedsga_edge_version"},
-        "macs_method": MACS_METHOD,
-        "config": cfg.to_dict(),
-        "prefixes": [],
-    }
-
-    for k in splits:
-        depth = model.depth_of(k)
-        stem = f"prefix_k{k}"
-        path = out / f"{stem}.onnx"
-        seconds = export_prefix(
-            model, depth, path, prompts_m=cfg.prompts, opset=cfg.opset, example_batch=cfg.example_batch
-        )
-        val = validate_prefix(
-            path, model, depth, prompts_m=cfg.prompts, atol=cfg.atol, batch=cfg.validate_batch, opset=cfg.opset
-        )
-        log(
-            format_checks(
-                f"Validating ONNX model {path.name} (split {k}, depth {depth}, exported in {seconds:.1f} s)...",
-                val.checks,
-            )
-        )
-
-        with export_friendly(pristine):
-            # Fused attention off: FlopCounterMode does not count the CPU flash-attention kernel
-            # that timm's fused path dispatches to (ViT attention matmuls came out as 0 FLOPs).
-            cost = prefix_cost(pristine, depth, cfg.prompts)
-        act = list(model.interface_shape(depth, cfg.prompts))
-        elems = int(np.prod(act))
-        macs = count_macs(
-            path,
-            {
-                "x": np.zeros((1, 3, model.input_size, model.input_size), np.float32),
-                "prompts": ref_prompts.numpy(),
-            },
-        )
-        prefix_weights = weights_sha256(torch.nn.ModuleList(model.blocks[:depth]))
-        block = model.blocks[depth - 1]
-        meta = {
-            "arch": cfg.model,
-            "width": "" if width is None else str(width),
-            "img_size": str(model.input_size),
-            "split": str(k),
-            "depth": str(depth),
-            "block": f"blocks[:{depth}] (last: blocks.{depth - 1} {type(block).__name__})",
-            "input_shapes": {"x": x_shape, "prompts": [cfg.prompts, model.prompt_dim]},
-            "output_shape": {"z": [None, *act]},
-            "opset": str(cfg.opset),
-            "weights_sha256": prefix_weights,
-            "prompts_m": str(cfg.prompts),
-            "normalization": normalization,
-            **versions,
-        }
-        set_metadata(path, meta | {"variant": "fp32"})
-        entry: dict[str, Any] = {
-            "split": k,
-            "depth": depth,
-            "file": path.name,
-            "sha256": "",
-            "bytes": 0,
-            "weights_sha256": prefix_weights,
-            "params": cost.params,
-            "flops_per_sample": cost.flops_forward,
-            "flops_train_per_sample": cost.flops_train,
-            "macs_onnx": macs,
-            "macs_vs_flops": (2 * macs / cost.flops_forward) if cost.flops_forward else None,
-            "inputs": {"x": x_shape, "prompts": [cfg.prompts, model.prompt_dim]},
-            "output": {"name": "z", "shape": [None, *act]},
-            "activation": {
-                "shape": act,
-                "elems": elems,
-                "bytes_per_sample": {"fp32": 4 * elems, "fp16": 2 * elems, "int8": elems},
-            },
-            "validation": val.to_dict(),
-            "export_seconds": round(seconds, 2),
-        }
-        ok = val.ok
-
-        if cfg.fp16:
-            from onnxruntime.transformers.float16 import convert_float_to_float16
-
-            fp16_path = out / f"{stem}.fp16.onnx"
-            half = convert_float_to_float16(onnx.load(str(path)), keep_io_types=True)
-            onnx.save(half, str(fp16_path))
-            set_metadata(fp16_path, meta | {"variant": "fp16 (fp32 inputs and outputs)"})
-            v16 = validate_prefix(
-                fp16_path,
-                model,
-                depth,
-                prompts_m=cfg.prompts,
-                atol=cfg.atol,
-                batch=cfg.validate_batch,
-                rtol_of_max=1e-2,
-            )
-            log(format_checks(f"Validating ONNX model {fp16_path.name} (fp16 weights and compute)...", v16.checks))
-            entry["fp16"] = {
-                "file": fp16_path.name,
-                "sha256": "",
-                "bytes": 0,
-                "max_abs_dev": v16.max_abs_diff,
-                "validation": v16.to_dict(),
-            }
-            ok &= v16.ok
-
-        if cfg.int8:
-            assert data is not None
-            from .quantize import needs_reduce_range, output_deviation, quantize_prefix, time_session
-
-            int8_path = out / f"{stem}.int8.onnx"
-            prompts_np = ref_prompts.numpy()
-            feeds = [{"x": xb, "prompts": prompts_np} for xb in _batches(data.calib, 32)]
-            op_types = list(model.int8_op_types) if model.int8_op_types is not None else None
-            q_seconds = quantize_prefix(path, int8_path, feeds, op_types)
-            set_metadata(int8_path, meta | {"variant": "int8 QDQ (u8 activations, s8 per-channel weights)"})
-            s32, s8 = ort_session(path), ort_session(int8_path)
-            z32 = np.concatenate(
-                [s32.run(None, {"x": xb, "prompts": prompts_np})[0] for xb in _batches(data.test_x, 64)]
-            )
-            z8 = np.concatenate([s8.run(None, {"x": xb, "prompts": prompts_np})[0] for xb in _batches(data.test_x, 64)])
-            dev = output_deviation(z32, z8)
-            bench = {"x": data.test_x[:32], "prompts": prompts_np}
-            t32, t8 = time_session(s32, bench), time_session(s8, bench)
-            checks = [
-                Check(z8.shape == z32.shape, f"runs on {len(z8)} test images of {data.source}"),
-                Check(
-                    dev["rel_mean_dev"] <= 0.1,
-                    f"mean |int8 - fp32| is {100 * dev['rel_mean_dev']:.2f}% of mean |z| (max abs {dev['max_abs_dev']:.3g})",
-                ),
-            ]
-            entry["int8"] = {
-                "file": int8_path.name,
-                "sha256": "",
-                "bytes": 0,
-                **dev,
-                "format": "QDQ, activations uint8 (asymmetric), weights int8 per-channel, MinMax calibration",
-                "reduce_range": needs_reduce_range(),
-                "quantized_ops": op_types or "all",
-                "calibration": {"data": data.source, "samples": len(data.calib)},
-                "quantize_seconds": round(q_seconds, 2),
-                "latency_ms_fp32": 1e3 * t32,
-                "latency_ms_int8": 1e3 * t8,
-                "latency_batch": len(bench["x"]),
-                "speedup": t32 / t8 if t8 > 0 else None,
-            }
-            entry["int8"] |= _int8_accuracy(model, depth, z32, z8, data, cfg.checkpoint is not None, log)
-            if "accuracy_fp32" in entry["int8"]:
-                checks.append(
-                    Check(
-                        True,
-                        f"test accuracy fp32 {100 * entry['int8']['accuracy_fp32']:.2f}% -> int8 "
-                        f"{100 * entry['int8']['accuracy_int8']:.2f}%",
-                    )
-                )
-            else:
-                checks.append(Check(True, f"fp32 / int8 predictions agree on {100 * entry['int8']['agreement']:.1f}%"))
-            log(format_checks(f"Validating ONNX model {int8_path.name} (int8, speed x{t32 / t8:.2f})...", checks))
-            ok &= all(c.ok for c in checks)
-
-        if cfg.train:
-            from .backward import check_train_graphs, export_train_graphs
-
-            graphs = export_train_graphs(
-                model, depth, out, stem, prompts_m=cfg.prompts, opset=cfg.opset, example_batch=cfg.example_batch
-            )
-            for name in (graphs.forward_file, graphs.backward_file, graphs.eval_file):
-                set_metadata(out / name, meta | {"variant": name.split(".")[-2]})
-            checks, worst = check_train_graphs(
-                model, depth, out, graphs, prompts_m=cfg.prompts, batch=cfg.validate_batch
-            )
-            log(format_checks(f"Validating train graphs {graphs.forward_file}, {graphs.backward_file}...", checks))
-            entry["train"] = graphs.to_dict(out) | {
-                "max_rel_grad_err": worst,
-                "checks": [c.to_dict() for c in checks],
-            }
-            ok &= all(c.ok for c in checks)
-
-        from .manifest import sha256_file
-
-        for sub in (entry, entry.get("fp16"), entry.get("int8")):
-            if sub:
-                sub["sha256"] = sha256_file(out / sub["file"])
-                sub["bytes"] = (out / sub["file"]).stat().st_size
-        entry["valid"] = bool(ok)
-        manifest["prefixes"].append(entry)
-        write_manifest(out, manifest)  # after every prefix: a crash leaves a usable partial manifest
-    manifest["out_dir"] = str(out)
-    return manifest
 
 
-def _int8_accuracy(model, depth, z32, z8, data: _Data, trained: bool, log: Log) -> dict[str, Any]:
-    """Full-model predictions with the fp32 vs int8 prefix feeding the torch suffix and head."""
+def _export_split(run: _Export, k: int) -> dict[str, Any]:
+    """Split k's fp32 prefix (exported, validated, costed, stamped), its requested variants, its files' hashes."""
+    cfg = run.cfg
+    depth = run.model.depth_of(k)
+    stem = f"prefix_k{k}"
+    path = run.out / f"{stem}.onnx"
+    seconds, val = _export_fp32(run, k, depth, path)
+    entry, meta = _describe_fp32(run, k, depth, path)
+    entry |= {"validation": val.to_dict(), "export_seconds": round(seconds, 2)}
+    ok = val.ok
+    prefix = Prefix(cfg, run.model, depth, run.out, stem, meta, run.ref_prompts, run.data, run.log)
+    for wanted, key, step in ((cfg.fp16, "fp16", export_fp16), (cfg.int8, "int8", export_int8),
+                              (cfg.train, "train", export_train)):
+        if wanted:
+            entry[key], passed = step(prefix)
+            ok &= passed
+    _stamp_files(run.out, entry)
+    entry["valid"] = bool(ok)
+    return entry
+
+
+def _export_fp32(run: _Export, k: int, depth: int, path: Path) -> tuple[float, Validation]:
+    """The eval-mode prefix to ONNX, validated in a fresh session at another batch size; prints the checks."""
+    from .onnx_prefix import export_prefix, validate_prefix
+
+    cfg = run.cfg
+    seconds = export_prefix(
+        run.model, depth, path, prompts_m=cfg.prompts, opset=cfg.opset, example_batch=cfg.example_batch
+    )
+    val = validate_prefix(
+        path, run.model, depth, prompts_m=cfg.prompts, atol=cfg.atol, batch=cfg.validate_batch, opset=cfg.opset
+    )
+    title = f"Validating ONNX model {path.name} (split {k}, depth {depth}, exported in {seconds:.1f} s)..."
+    run.log(format_checks(title, val.checks))
+    return seconds, val
+
+
+def _describe_fp32(run: _Export, k: int, depth: int, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Costs (torch FLOPs, ONNX MACs) and activation size of the prefix; stamps its metadata into the file.
+
+    Returns its manifest entry (without the validation) and the metadata its variants carry too."""
     import torch
 
-    with torch.no_grad():
-        model.eval()
-        p32 = model.head(model.suffix(torch.from_numpy(z32), depth)).argmax(1).numpy()
-        p8 = model.head(model.suffix(torch.from_numpy(z8), depth)).argmax(1).numpy()
-    out: dict[str, Any] = {"eval_samples": len(z32), "agreement": float(np.mean(p32 == p8))}
-    if trained and model.head.out_features == data.num_classes:
-        out["accuracy_fp32"] = float(np.mean(p32 == data.test_y))
-        out["accuracy_int8"] = float(np.mean(p8 == data.test_y))
-        out["accuracy_delta"] = out["accuracy_int8"] - out["accuracy_fp32"]
-    else:
-        why = "no --checkpoint (random weights)" if not trained else "head size differs from the dataset's classes"
-        out["accuracy_note"] = f"{why}: top-1 agreement of fp32 vs int8 predictions reported instead of accuracy"
-    return out
+    from fedsga_edge.models import prefix_cost
+
+    from .macs import count_macs
+    from .onnx_prefix import export_friendly, set_metadata, weights_sha256
+
+    model, cfg = run.model, run.cfg
+    with export_friendly(run.pristine):
+        # Fused attention off: FlopCounterMode does not count the CPU flash-attention kernel
+        # that timm's fused path dispatches to (ViT attention matmuls came out as 0 FLOPs).
+        cost = prefix_cost(run.pristine, depth, cfg.prompts)
+    act = list(model.interface_shape(depth, cfg.prompts))
+    elems = int(np.prod(act))
+    size = model.input_size
+    macs = count_macs(path, {"x": np.zeros((1, 3, size, size), np.float32), "prompts": run.ref_prompts.numpy()})
+    prefix_weights = weights_sha256(torch.nn.ModuleList(model.blocks[:depth]))
+    meta = _prefix_meta(run, k, depth, act, prefix_weights)
+    set_metadata(path, meta | {"variant": "fp32"})
+    entry: dict[str, Any] = {
+        "split": k,
+        "depth": depth,
+        "file": path.name,
+        "sha256": "",
+        "bytes": 0,
+        "weights_sha256": prefix_weights,
+        "params": cost.params,
+        "flops_per_sample": cost.flops_forward,
+        "flops_train_per_sample": cost.flops_train,
+        "macs_onnx": macs,
+        "macs_vs_flops": (2 * macs / cost.flops_forward) if cost.flops_forward else None,
+        "inputs": {"x": run.x_shape, "prompts": [cfg.prompts, model.prompt_dim]},
+        "output": {"name": "z", "shape": [None, *act]},
+        "activation": {
+            "shape": act,
+            "elems": elems,
+            "bytes_per_sample": {"fp32": 4 * elems, "fp16": 2 * elems, "int8": elems},
+        },
+    }
+    return entry, meta
+
+
+def _prefix_meta(run: _Export, k: int, depth: int, act: list[int], prefix_weights: str) -> dict[str, Any]:
+    """The metadata_props every file of this prefix carries: what it is, its shapes, weights and versions."""
+    model, cfg = run.model, run.cfg
+    width = getattr(model, "width", None)
+    block = model.blocks[depth - 1]
+    return {
+        "arch": cfg.model,
+        "width": "" if width is None else str(width),
+        "img_size": str(model.input_size),
+        "split": str(k),
+        "depth": str(depth),
+        "block": f"blocks[:{depth}] (last: blocks.{depth - 1} {type(block).__name__})",
+        "input_shapes": {"x": run.x_shape, "prompts": [cfg.prompts, model.prompt_dim]},
+        "output_shape": {"z": [None, *act]},
+        "opset": str(cfg.opset),
+        "weights_sha256": prefix_weights,
+        "prompts_m": str(cfg.prompts),
+        "normalization": run.normalization,
+        **run.versions,
+    }
+
+
+def _stamp_files(out: Path, entry: dict[str, Any]) -> None:
+    """sha256 and size of the prefix's fp32, fp16 and int8 files, once they are all written."""
+    from .manifest import sha256_file
+
+    for sub in (entry, entry.get("fp16"), entry.get("int8")):
+        if sub:
+            sub["sha256"] = sha256_file(out / sub["file"])
+            sub["bytes"] = (out / sub["file"]).stat().st_size
