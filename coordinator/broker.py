@@ -36,8 +36,15 @@ What the embedded broker needs, and gets here (tests/test_trial.py checks all bu
 * **Clean stop.** rumqttd has no shutdown API, so it runs in its own process: ``stop()`` terminates
   it and the port is free when ``stop()`` returns.
 * **QoS 1, retained messages, last will, persistent sessions** (docs/protocol.md "Status and last
-  will", "Connection, sessions, reconnects"): rumqttd 0.20 supports all four. It has no ACLs: the
-  embedded broker is for trials on one machine; a field trial uses Mosquitto (``--broker URL``).
+  will", "Connection, sessions, reconnects"): rumqttd 0.20 supports all four.
+* **Logins.** 127.0.0.1 still lets every local user in, so the trial gives its broker ``RunLogins``: a
+  random password per device login and one for the coordinator, in the ``[v4.1.connections.auth]``
+  table of ``broker.toml`` (mode 0600). rumqttd then closes every connection without a listed login
+  and password (anonymous ones too), before any subscribe or publish. That is all rumqttd 0.20 can
+  do from its configuration: no ACL, so it cannot bind a login to its topics or its client id (its
+  ``external_auth`` hook is Rust-only). ``start_secured_mosquitto`` runs Mosquitto on the
+  ``broker-config`` files instead (per-login ACL, client id = login), what ``trial --broker
+  mosquitto`` uses. ``start_embedded`` without logins is open: for tests and benchmarks only.
 
 The broker process runs only ``iotcore``: it is started as ``python -c`` code, because importing this
 package (``fedsga_edge.coordinator``) would load torch into it.
@@ -45,21 +52,25 @@ package (``fedsga_edge.coordinator``) would load torch into it.
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 __all__ = [
     "BrokerError",
+    "RunLogins",
     "RunningBroker",
     "check_reachable",
     "embedded_available",
@@ -68,6 +79,7 @@ __all__ = [
     "run_mosquitto",
     "start_embedded",
     "start_mosquitto",
+    "start_secured_mosquitto",
 ]
 
 MiB = 1024 * 1024
@@ -75,6 +87,30 @@ MiB = 1024 * 1024
 
 class BrokerError(RuntimeError):
     """A broker could not be started or reached; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class RunLogins:
+    """One run's broker logins: a random password per device and one for the coordinator.
+
+    Secret, so they live in memory, in mode-0600 files and in the environment of the processes a trial
+    starts (``FEDSGA_EDGE_BROKER``), never on a command line (``ps`` shows those to every local user)."""
+
+    passwords: Mapping[str, str]
+    coordinator: str = "coordinator"
+
+    @classmethod
+    def generate(cls, devices: Iterable[str], coordinator: str = "coordinator") -> RunLogins:
+        """192 random bits per login, URL- and TOML-safe."""
+        return cls({login: secrets.token_urlsafe(24) for login in (coordinator, *devices)}, coordinator)
+
+    @property
+    def devices(self) -> list[str]:
+        return [login for login in self.passwords if login != self.coordinator]
+
+    def url(self, login: str, host: str, port: int) -> str:
+        """The ``--broker`` URL of ``login`` (a KeyError for a login the run does not have)."""
+        return f"mqtt://{quote(login, safe='')}:{quote(self.passwords[login], safe='')}@{host}:{port}"
 
 
 @dataclass
@@ -88,10 +124,16 @@ class RunningBroker:
     log: Path
     _files: list[IO[Any]] = field(default_factory=list, repr=False)
     conf: Path | None = None  # Mosquitto's config file: what restart() starts again
+    logins: RunLogins | None = field(default=None, repr=False)  # None: the broker takes anonymous clients
 
     @property
     def url(self) -> str:
+        """The broker's address, without a login (safe to print)."""
         return f"mqtt://{self.host}:{self.port}"
+
+    def url_for(self, login: str) -> str:
+        """``login``'s URL with its password (secret), or ``url`` on a broker without logins."""
+        return self.url if self.logins is None else self.logins.url(login, self.host, self.port)
 
     @property
     def pid(self) -> int:
@@ -253,8 +295,12 @@ finally:
 
 
 def _embedded_toml(host: str, port: int, *, max_payload: int, segment_bytes: int, segments: int,
-                   inflight: int, max_connections: int) -> str:
-    """rumqttd's configuration: one MQTT 3.1.1 listener, no console, bounded logs (module doc)."""
+                   inflight: int, max_connections: int, logins: RunLogins | None = None) -> str:
+    """rumqttd's configuration: one MQTT 3.1.1 listener, no console, bounded logs, the run's logins (module doc)."""
+    auth = ""
+    if logins is not None:  # JSON strings are TOML basic strings; ids may hold '.' and ':', which bare keys cannot
+        pairs = "".join(f"    {json.dumps(u)} = {json.dumps(pw)}\n" for u, pw in logins.passwords.items())
+        auth = "    [v4.1.connections.auth]\n" + pairs
     return f"""# written by fedsga_edge.coordinator.broker (see its module doc for why each bound)
 id = 0
 
@@ -274,7 +320,17 @@ next_connection_delay_ms = 1
     max_payload_size = {max_payload}
     max_inflight_count = {inflight}
     dynamic_filters = true
-"""
+{auth}"""
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``path`` with mode 0600 from its first byte (it may hold passwords)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def start_embedded(
@@ -287,8 +343,12 @@ def start_embedded(
     inflight: int = 32,
     max_connections: int = 1000,
     timeout: float = 10.0,
+    logins: RunLogins | None = None,
 ) -> RunningBroker:
     """Start the embedded broker on 127.0.0.1 (``port`` or a free one); its log is ``log_dir/broker.out``.
+
+    With ``logins`` it refuses every client without one of them (``trial`` always gives them); without,
+    any local user may connect (tests and benchmarks).
 
     ``max_payload`` is the largest MQTT payload it accepts (publishers above it are disconnected);
     keep every client's ``max_packet`` at or below it. ``segments`` x ``segment_bytes`` bounds what
@@ -310,15 +370,16 @@ def start_embedded(
     for _ in range(tries):
         p = port if port is not None else free_port(host)
         conf = log_dir / "broker.toml"
-        conf.write_text(_embedded_toml(host, p, max_payload=max_payload, segment_bytes=segment_bytes,
-                                       segments=segments, inflight=inflight, max_connections=max_connections))
+        _write_private(conf, _embedded_toml(host, p, max_payload=max_payload, segment_bytes=segment_bytes,
+                                            segments=segments, inflight=inflight, max_connections=max_connections,
+                                            logins=logins))
         ready = log_dir / ".broker-ready"
         ready.unlink(missing_ok=True)
         log_path = log_dir / "broker.out"
         log = open(log_path, "a")
         proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(conf), str(ready), host, str(p)],
                                 stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
-        broker = RunningBroker("embedded", host, p, proc, log_path, [log])
+        broker = RunningBroker("embedded", host, p, proc, log_path, [log], logins=logins)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and proc.poll() is None and not ready.exists():
             time.sleep(0.02)
@@ -394,3 +455,30 @@ def run_mosquitto(conf: Path, port: int, *, log: Path, host: str = "127.0.0.1", 
     broker.stop()
     raise BrokerError(f"Mosquitto did not start within {timeout:g} s: {_tail(log_path) or 'no output'} "
                       f"(log: {log_path})")
+
+
+def start_secured_mosquitto(log_dir: Path, logins: RunLogins, *, run: str, port: int | None = None,
+                            timeout: float = 10.0) -> RunningBroker:
+    """Mosquitto on 127.0.0.1 with the ``broker-config`` files for ``logins`` and run ``run``: no anonymous
+    clients, each login only its own topics (ACL), the client id bound to the login.
+
+    The files go to ``log_dir/broker`` (``passwd`` hashed, ``credentials/`` mode 0700); the log is
+    ``log_dir/broker.out``."""
+    from .broker_config import BrokerConfigError, BrokerSpec, write_broker_config
+
+    _mosquitto_exe()
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    host = "127.0.0.1"
+    p = port if port is not None else free_port(host)
+    try:
+        spec = BrokerSpec(devices=tuple(logins.devices), run=run, port=p, bind=host, host=host,
+                          coordinator=logins.coordinator, persistence=False)
+        files = write_broker_config(spec, log_dir / "broker", force=True, passwords=logins.passwords)
+    except BrokerConfigError as exc:
+        raise BrokerError(f"cannot write the trial's Mosquitto config: {exc}") from None
+    with open(files.conf, "a") as f:  # as root, mosquitto would drop to user "mosquitto", who may not read log_dir
+        f.write(f"\n# trial only\nuser {pwd.getpwuid(os.geteuid()).pw_name}\nlog_dest stderr\n")
+    broker = run_mosquitto(files.conf, p, log=log_dir / "broker.out", host=host, timeout=timeout)
+    broker.logins = logins
+    return broker

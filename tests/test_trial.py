@@ -8,6 +8,7 @@ import json
 import os
 import re
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -18,7 +19,8 @@ import numpy as np
 import psutil
 import pytest
 
-from fedsga_edge.coordinator.broker import embedded_available, mosquitto_path, start_embedded, start_mosquitto
+from fedsga_edge.coordinator.broker import (RunLogins, embedded_available, mosquitto_path, start_embedded,
+                                            start_mosquitto, start_secured_mosquitto)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -41,11 +43,68 @@ def _accepts(port: int) -> bool:
         return False
 
 
+def _outsider(port: int, topic: str, login: tuple[str, str] | None = None) -> tuple[bool, list[bytes]]:
+    """Another local user: connect (anonymously, or with a made-up login), subscribe to ``#`` and publish a
+    forged ``bye`` on ``topic``. Returns (whether the broker let it in, what it read in 1 s)."""
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    accepted, got = threading.Event(), []
+    c = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=f"outsider-{os.getpid()}")
+    if login is not None:
+        c.username_pw_set(*login)
+    c.on_connect = lambda cl, u, f, rc, p: None if rc.is_failure else (accepted.set(), cl.subscribe("#", qos=1))
+    c.on_message = lambda cl, u, m: got.append(m.payload)
+    c.connect("127.0.0.1", port)
+    c.loop_start()
+    try:
+        accepted.wait(3)
+        c.publish(topic, b"bye", qos=1)
+        time.sleep(1)
+    finally:
+        c.disconnect()
+        c.loop_stop()
+    return accepted.is_set(), got
+
+
+def _toml_logins(conf: Path) -> dict[str, str]:
+    """The ``[v4.1.connections.auth]`` table of the embedded broker's config (no tomllib on Python 3.10)."""
+    table = conf.read_text().split("[v4.1.connections.auth]", 1)[1]
+    return dict(re.findall(r'^\s*"([^"]+)" = "([^"]+)"$', table, re.M))
+
+
 @needs_embedded
 def test_trial_runs_every_device_in_every_round_on_the_embedded_broker(tmp_path) -> None:
+    """...and its broker takes only the run's logins, handed to each process in its environment."""
     out = tmp_path / "run"
-    res = _cli("trial", "--clients", "3", "--rounds", "2", "--strategy", "fedsga", "--out", str(out), "--quiet", *TINY)
-    assert res.returncode == 0, res.stderr[-3000:] + (out / "logs" / "coordinator.out").read_text()[-3000:]
+    proc = subprocess.Popen([sys.executable, "-m", "fedsga_edge.cli.main", "trial", "--clients", "3", "--rounds", "2",
+                             "--strategy", "fedsga", "--out", str(out), "--quiet", *TINY],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=os.environ | {"COLUMNS": "200"})
+    try:
+        conf = out / "logs" / "broker.toml"
+        deadline = time.monotonic() + 300
+        while not (conf.is_file() and len(psutil.Process(proc.pid).children()) >= 5) and proc.poll() is None:
+            assert time.monotonic() < deadline, "the trial never started its processes"
+            time.sleep(0.2)
+        assert stat.S_IMODE(conf.stat().st_mode) == 0o600
+        logins = _toml_logins(conf)
+        assert sorted(logins) == ["client-000", "client-001", "client-002", "coordinator"]
+        assert len(set(logins.values())) == 4 and all(len(pw) >= 32 for pw in logins.values())
+        port = int(re.search(r'listen = "127\.0\.0\.1:(\d+)"', conf.read_text()).group(1))
+        for login in (None, ("coordinator", "guess"), ("intruder", logins["client-000"])):
+            inside, read = _outsider(port, "fedsga/sim-0/down/client-000", login)
+            assert not inside and read == [], login
+        for child in psutil.Process(proc.pid).children(recursive=True):  # what `ps` shows every local user
+            line = " ".join(child.cmdline())
+            assert not any(pw in line for pw in logins.values()) and "--broker" not in line, line
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr[-3000:] + (out / "logs" / "coordinator.out").read_text()[-3000:]
+    assert "4 per-run logins" in stderr and not any(pw in stdout + stderr for pw in logins.values())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2]
     for r in rows:
@@ -198,3 +257,58 @@ def test_embedded_broker_is_loopback_only_carries_big_messages_keeps_status_and_
     assert broker.pid not in {p.pid for p in psutil.Process().children(recursive=True)}
     assert not _accepts(broker.port)
     assert "embedded broker" in Path(broker.log).read_text()
+
+
+def _member(port: int, login: str, password: str, topic: str) -> tuple[bool, list[bytes]]:
+    """A client with one of the run's logins subscribed to ``topic``: (let in, what it got in 1 s)."""
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    ready, got = threading.Event(), []
+    c = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=login)
+    c.username_pw_set(login, password)
+    c.on_connect = lambda cl, u, f, rc, p: None if rc.is_failure else cl.subscribe(topic, qos=1)
+    c.on_subscribe = lambda *_a: ready.set()
+    c.on_message = lambda cl, u, m: got.append(m.payload)
+    c.connect("127.0.0.1", port)
+    c.loop_start()
+    return ready.wait(5), got, c  # type: ignore[return-value]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["embedded", "mosquitto"])
+def test_a_local_broker_takes_only_the_runs_logins(tmp_path, kind) -> None:
+    """Anonymous, wrong-password and made-up logins cannot subscribe to the run's topics nor publish a bye;
+    the run's own login can (the control that shows the outsider would have seen something)."""
+    if kind == "embedded" and not embedded_available():
+        pytest.skip('no iotcore (pip install "fedsga-edge[train]")')
+    if kind == "mosquitto" and MOSQUITTO is None:
+        pytest.skip("no mosquitto binary (apt-get install mosquitto)")
+    logins = RunLogins.generate(["client-000", "client-001"])
+    pw = logins.passwords
+    start = start_embedded if kind == "embedded" else lambda d, logins: start_secured_mosquitto(d, logins, run="sim-0")
+    with start(tmp_path / "logs", logins=logins) as broker:
+        if kind == "embedded":
+            assert stat.S_IMODE((tmp_path / "logs" / "broker.toml").stat().st_mode) == 0o600
+        assert broker.url == f"mqtt://127.0.0.1:{broker.port}" and pw["client-000"] not in broker.url
+        assert broker.url_for("client-000") == f"mqtt://client-000:{pw['client-000']}@127.0.0.1:{broker.port}"
+        down = "fedsga/sim-0/down/client-000"
+        ok, got, member = _member(broker.port, "client-000", pw["client-000"], down)
+        try:
+            assert ok
+            for login in (None, ("coordinator", "guess"), ("intruder", pw["client-000"])):
+                inside, read = _outsider(broker.port, down, login)
+                assert not inside and read == [], login
+            time.sleep(0.5)
+            assert got == []  # no forged bye reached the device
+            coord = _member(broker.port, "coordinator", pw["coordinator"], "fedsga/sim-0/up/+")[2]
+            coord.publish(down, b"real", qos=1).wait_for_publish(5)
+            deadline = time.monotonic() + 5
+            while not got and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert got == [b"real"]
+            coord.disconnect()
+            coord.loop_stop()
+        finally:
+            member.disconnect()
+            member.loop_stop()

@@ -12,6 +12,7 @@ import copy
 import difflib
 import inspect
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -367,11 +368,17 @@ def trial(
     if backend == "onnx":
         artifacts = artifacts or _export_for_devices(cfg, out, quiet)
         device_args = ["--backend", "onnx", "--artifacts", str(artifacts)]
-    local = _start_broker(broker, out / "logs")
-    broker = local.url if local is not None else str(broker)
+    from fedsga_edge.runbuild import client_id, default_run_id
+
+    local = _start_broker(broker, out / "logs", [client_id(i) for i in range(cfg.clients)], default_run_id(cfg))
+
+    def login_env(login: str) -> dict[str, str]:
+        """The broker URL (with this process's password) in the environment, not on a command line."""
+        return {**os.environ, BROKER_ENV: local.url_for(login) if local is not None else str(broker)}
+
     base = [sys.executable, "-m", "fedsga_edge.cli.main"]
     signal.signal(signal.SIGTERM, _raise_interrupt)  # run the cleanup below when the trial is stopped
-    common = ["--broker", broker, "--config", str(cfg_path), "--threads", str(threads)]
+    common = ["--config", str(cfg_path), "--threads", str(threads)]
     procs: dict[str, subprocess.Popen] = {}
     logs = []
     try:
@@ -379,14 +386,14 @@ def trial(
         logs.append(log)
         procs["coordinator"] = subprocess.Popen(
             base + ["coordinator", "--run-dir", str(out), "--register-timeout", str(startup_timeout)] + common,
-            stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent, env=login_env("coordinator"))
         for i in range(cfg.clients):
             log = open(out / "logs" / f"device-{i:03d}.out", "w")
             logs.append(log)
             procs[f"device-{i:03d}"] = subprocess.Popen(
                 base + ["device", "--index", str(i), "--state-dir", str(out / "devices" / f"client-{i:03d}")] + common
                 + device_args,
-                stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+                stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent, env=login_env(client_id(i)))
         _follow(out / "metrics.jsonl", procs["coordinator"], cfg.rounds, quiet)
         rc = procs["coordinator"].wait()
     finally:
@@ -459,17 +466,25 @@ def _follow(metrics: Path, coordinator: subprocess.Popen, rounds: int, quiet: bo
     bar.close()
 
 
-def _start_broker(broker: Optional[str], log_dir: Path) -> Any:
+BROKER_ENV = "FEDSGA_EDGE_BROKER"  # what `coordinator` and `device` read when --broker is not given
+
+
+def _start_broker(broker: Optional[str], log_dir: Path, devices: list[str], run: str) -> Any:
     """The trial's broker: start the embedded one (None) or Mosquitto ('mosquitto') on a free 127.0.0.1
     port with its log in ``log_dir``, or check that a given URL answers. Returns the RunningBroker to stop
-    at the end, or None for an external broker. The launchers live in ``fedsga_edge.coordinator.broker``."""
-    from fedsga_edge.coordinator.broker import BrokerError, check_reachable, start_embedded, start_mosquitto
+    at the end, or None for an external broker. The launchers live in ``fedsga_edge.coordinator.broker``.
+
+    A local broker takes only this run's logins (a fresh password per device and for the coordinator):
+    127.0.0.1 alone would let every local user read and forge the run's traffic. Mosquitto also binds
+    each login to its topics and its client id; rumqttd cannot (docs/protocol.md)."""
+    from fedsga_edge.coordinator.broker import (BrokerError, RunLogins, check_reachable, start_embedded,
+                                                start_secured_mosquitto)
 
     try:
         if broker is None or broker == "embedded":
-            local = start_embedded(log_dir)
+            local = start_embedded(log_dir, logins=RunLogins.generate(devices))
         elif broker == "mosquitto":
-            local = start_mosquitto(log_dir)
+            local = start_secured_mosquitto(log_dir, RunLogins.generate(devices), run=run)
         else:
             check_reachable(broker)  # before starting N processes that would each time out on it
             return None
@@ -477,7 +492,7 @@ def _start_broker(broker: Optional[str], log_dir: Path) -> Any:
         hint = " (omit --broker to use the embedded broker)" if broker not in (None, "embedded", "mosquitto") else ""
         typer.secho(f"error: {exc}{hint}", fg="red", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"broker: {local.kind} at {local.url} (log: {local.log})", err=True)
+    typer.echo(f"broker: {local.kind} at {local.url}, {len(devices) + 1} per-run logins (log: {local.log})", err=True)
     return local
 
 
