@@ -32,7 +32,8 @@ def broker_config(
     max_packet: int = typer.Option(256 * 1024, help="Broker's max_packet_size: at least every client's --max-packet."),
     force: bool = typer.Option(False, "--force", help="Overwrite an earlier config in --out (new passwords for all)."),
 ) -> None:
-    """Write a Mosquitto config where every device may use only its own topics (docs/protocol.md)."""
+    """Write a Mosquitto config where every device may use only its own topics and its own login as client id
+    (docs/protocol.md)."""
     from fedsga_edge.coordinator.broker_config import (BrokerConfigError, BrokerSpec, TlsFiles, parse_devices,
                                                        write_broker_config)
 
@@ -57,7 +58,7 @@ def broker_config(
                f"{'run ' + run if run else 'any run'}:")
     listener = f"{scheme} on {bind or '*'}:{spec.listen_port}" + (
         f", plaintext on 127.0.0.1:{loopback_port}" if loopback_port else "")
-    rows = [(str(files.conf), f"the listener: {listener}"), (str(files.acl), "each login's topics"),
+    rows = [(str(files.conf), f"the listener: {listener}; client id = login"), (str(files.acl), "each login's topics"),
             (str(files.passwd), f"password hashes ({files.hasher})"),
             (f"{files.conf.parent / 'credentials'}/<login>.env", "secret, mode 0600: FEDSGA_EDGE_BROKER=<url>")]
     width = max(len(path) for path, _ in rows)
