@@ -338,8 +338,9 @@ def device(
 def trial(
     out: Path = typer.Option(Path("runs/trial"), help="Run folder: simulate's files, one log per process, device state."),
     broker: Optional[str] = typer.Option(
-        None, help="mqtt://HOST:PORT of a running broker (e.g. Mosquitto), or 'mosquitto' to start one here; "
-                   "default ('embedded'): start the broker pip installs (iotcore) on a free 127.0.0.1 port."),
+        None, help="mqtt://HOST:PORT of a running broker (e.g. Mosquitto), or 'mosquitto' to start one here "
+                   "(broker-config's ACL); default ('embedded'): start the broker pip installs (iotcore) on a free "
+                   "127.0.0.1 port. A broker started here takes only the run's logins."),
     startup_timeout: float = typer.Option(300.0, help="Seconds the coordinator waits for every device to register."),
     threads: int = typer.Option(1, help="torch threads per process (processes share the cores)."),
     backend: str = typer.Option("torch", help="The devices' backend: torch | onnx (onnxruntime + numpy, no torch)."),
