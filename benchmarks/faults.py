@@ -212,7 +212,7 @@ class Harness:
             shutil.rmtree(folder)
         (folder / "logs").mkdir(parents=True)
         self.run_dir = folder / "run"
-        self.broker = start_mosquitto(folder / "broker")  # anonymous, no persistence, as `trial` runs it
+        self.broker = start_mosquitto(folder / "broker")  # anonymous, no persistence: the intruder needs an open broker
         self.monitor = RssMonitor()
         self.procs: list[Proc] = []
         self.coord: Proc | None = None
