@@ -335,7 +335,10 @@ def misdeclared(ix: Intruder, rep: Report, *, victim: str, mb: int, round: int, 
 
 def attack_idle(ix: Intruder, rep: Report, *, victim: str, other: str, examples: int, seed: int = 0) -> None:
     """The coordinator serves, no round runs yet: garbage, wrong types, disallowed dtypes, terabyte
-    shapes, other names, another run, and a hypothesis fuzz of mutated and random messages."""
+    shapes, other names, another run, and a hypothesis fuzz of mutated and random messages.
+
+    Long on purpose (over 80 lines): a flat list of attacks, each two lines, that docs/protocol.md's
+    table of refusals can be checked against one by one."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as hseed
     from hypothesis import strategies as st
@@ -642,7 +645,10 @@ def run_field(out: Path, broker: RunningBroker, flags: list[str], clients: int, 
     stages: the coordinator, then device 0, then the others (their registration starts round 1). With
     ``hostile`` (``examples``, ``flood_mb``, ``run``) an intruder attacks between the stages and during
     the rounds. Returns exit codes, summary, metrics, peak RSS per role, the peak bytes the coordinator's
-    transport held (``held``: reassembly, queued) and the intruder's report."""
+    transport held (``held``: reassembly, queued) and the intruder's report.
+
+    Long on purpose (over 80 lines): the stages of one field run, in the order they happen, read best
+    top to bottom; split, the order would be spread over functions that each make sense only in it."""
     if out.exists():
         shutil.rmtree(out)
     (out / "logs").mkdir(parents=True)

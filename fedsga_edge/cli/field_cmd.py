@@ -398,24 +398,29 @@ def trial(
         _follow(out / "metrics.jsonl", procs["coordinator"], cfg.rounds, quiet)
         rc = procs["coordinator"].wait()
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for log in logs:
-            log.close()
-        if local is not None:
-            local.stop()
+        _stop_all(procs, logs, local)
     if rc != 0:
         typer.secho(f"error: the coordinator exited with {rc}; see {out / 'logs' / 'coordinator.out'}", fg="red", err=True)
         raise typer.Exit(1)
     summary = json.loads((out / "summary.json").read_text())
     typer.echo(f"final_acc={summary.get('final_acc')} rounds={summary.get('rounds')} "
                f"failures={summary.get('failures')} -> {out}")
+
+
+def _stop_all(procs: dict[str, subprocess.Popen], logs: list[Any], local: Any) -> None:
+    """SIGTERM every process still running, kill what has not exited after 30 s, close logs, stop the broker."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs.values():
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    for log in logs:
+        log.close()
+    if local is not None:
+        local.stop()
 
 
 def _export_for_devices(cfg: Any, out: Path, quiet: bool) -> Path:
