@@ -111,7 +111,7 @@ class _Export:
     pristine: SplitModel  # cost counting runs train-mode forwards (BN stats move): never on `model`
     splits: list[int]
     out: Path
-    ref_prompts: Tensor  # the prompts every validation and calibration feeds
+    ref_prompts: Tensor  # the prompts fed when counting MACs and calibrating / comparing int8
     data: CalibData | None
     versions: dict[str, str]
     log: Log
