@@ -48,6 +48,7 @@ def _built(name: str, build: Callable[[Path], None]) -> Path:
         _CACHE[name] = out
     return _CACHE[name]
 
+
 # The "must show" command: resnet18_cifar at width 0.25, every candidate split, plus fp16 and int8
 # on the bundled digits data (small calibration / evaluation sets to stay fast).
 MUST_SHOW_ARGS = [
