@@ -49,7 +49,7 @@ from typing import Any
 
 import psutil
 
-from fedsga_edge.coordinator.broker import mosquitto_path, start_mosquitto
+from fedsga_edge.broker.launch import mosquitto_path, start_mosquitto
 
 HERE = Path(__file__).resolve()
 MOSQUITTO = mosquitto_path()

@@ -65,7 +65,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import psutil
-from fedsga_edge.coordinator.broker import RunningBroker, mosquitto_path, start_mosquitto
+from fedsga_edge.broker.launch import RunningBroker, mosquitto_path, start_mosquitto
 
 from fedsga_edge.wire import Message, Reassembler, RemoteProtocolError, decode, encode, split_message
 

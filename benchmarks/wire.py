@@ -18,7 +18,7 @@
     python benchmarks/wire.py [--json runs/wire.json] [--mib 48] [--reps 3] [--skip-runs]
         [--brokers embedded,mosquitto] [--skip-accuracy | --accuracy-only] [--accuracy-strategies static,fedsga]
 
-Brokers are started here on free 127.0.0.1 ports (``fedsga_edge.coordinator.broker``); a broker
+Brokers are started here on free 127.0.0.1 ports (``fedsga_edge.broker.launch``); a broker
 that is not installed is skipped with a note. Nothing leaves 127.0.0.1.
 """
 
@@ -221,7 +221,7 @@ def transport(port: int, size: int, count: int, timeout: float, *, max_packet: i
 
 
 def bench_mqtt(kind: str, total: int, reps: int, workdir: Path) -> dict[str, Any]:
-    from fedsga_edge.coordinator.broker import BrokerError, start_embedded, start_mosquitto
+    from fedsga_edge.broker.launch import BrokerError, start_embedded, start_mosquitto
 
     try:
         broker = (start_embedded if kind == "embedded" else start_mosquitto)(workdir / f"broker-{kind}")

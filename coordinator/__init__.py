@@ -1,7 +1,7 @@
 """The coordinator role: server-side training, the FedSGA estimator, rounds and aggregation.
 
-Names are imported on first use: ``fedsga_edge.coordinator.broker_config`` and ``.broker`` need no
-torch (a broker host runs ``fedsga-edge broker-config`` without it), the server side does.
+Names are imported on first use: the strategies' registry needs no torch (a device validates its
+config with it), the server side does. The MQTT broker tooling is ``fedsga_edge.broker``.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from fedsga_edge.coordinator.broker_config import (BrokerConfigError, BrokerFiles, BrokerSpec, TlsFiles, acl_text,
+from fedsga_edge.broker.config import (BrokerConfigError, BrokerFiles, BrokerSpec, TlsFiles, acl_text,
                                                    check_device_ids, device_ids, hash_password, mosquitto_conf_text,
                                                    parse_devices, read_device_ids, verify_password,
                                                    write_broker_config)
@@ -36,7 +36,7 @@ import paho.mqtt.client as paho  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 from test_mqtt import MOSQUITTO, Broker  # noqa: E402  (tests/ is on sys.path, as for _runs)
 
-from fedsga_edge.coordinator.broker import free_port, run_mosquitto  # noqa: E402
+from fedsga_edge.broker.launch import free_port, run_mosquitto  # noqa: E402
 from fedsga_edge.transport import TransportError  # noqa: E402
 from fedsga_edge.transport.mqtt import MqttTransport  # noqa: E402
 
@@ -240,11 +240,11 @@ def test_every_listener_binds_the_client_id_to_the_login() -> None:
 
 
 def test_deploy_examples_are_what_broker_config_writes() -> None:
-    """coordinator/deploy/ documents a command; regenerate its output and compare."""
+    """fedsga_edge/broker/deploy/ documents a command; regenerate its output and compare."""
     spec = BrokerSpec(devices=tuple(device_ids(3)), run="sim-0", loopback_port=1883, host="broker.lan",
                       tls=TlsFiles(Path("/etc/mosquitto/certs/server.crt"), Path("/etc/mosquitto/certs/server.key"),
                                    Path("/etc/mosquitto/certs/ca.crt")))
-    deploy = ROOT / "coordinator" / "deploy"
+    deploy = ROOT / "fedsga_edge" / "broker" / "deploy"
     assert (deploy / "mosquitto.example.conf").read_text() == mosquitto_conf_text(spec, "/etc/mosquitto/fedsga")
     assert (deploy / "acl.example").read_text() == acl_text(spec)
     readme = (deploy / "README.md").read_text()

@@ -185,7 +185,7 @@ def test_a_broker_error_does_not_print_the_password(tmp_path) -> None:
 
     from fedsga_edge.cli.main import app
 
-    from fedsga_edge.coordinator.broker import free_port
+    from fedsga_edge.broker.launch import free_port
 
     port = free_port()  # nothing listens there
     res = CliRunner().invoke(app, ["device", "--broker", f"mqtt://client-000:s3cret-pw@127.0.0.1:{port}",

@@ -250,7 +250,7 @@ def test_over_mqtt_a_forged_round_start_and_bye_on_a_down_topic_are_refused_and_
     published straight on ``down/client-000`` reach the agent's checks, which refuse and log them."""
     pytest.importorskip("paho.mqtt", reason="paho-mqtt is an optional dependency (fedsga-edge[device])")
     import paho.mqtt.client as paho
-    from fedsga_edge.coordinator.broker import mosquitto_path, start_mosquitto
+    from fedsga_edge.broker.launch import mosquitto_path, start_mosquitto
     from paho.mqtt.enums import CallbackAPIVersion
 
     from fedsga_edge.transport.mqtt import MqttTransport

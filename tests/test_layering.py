@@ -1,4 +1,4 @@
-"""Dependencies flow one way: core -> roles -> wiring; the wire and transport never need torch."""
+"""Dependencies flow one way: core -> roles -> wiring; the wire, transport and broker tooling never need torch."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ CORE = ["fedsga_edge/models", "fedsga_edge/data", "fedsga_edge/method", "fedsga_
         "fedsga_edge/config.py", "fedsga_edge/options.py", "fedsga_edge/tensors.py", "fedsga_edge/runfiles.py",
         "fedsga_edge/logthrottle.py"]
 ROLES = ["coordinator", "device", "export"]
+# Tools beside the roles, on the core only: whoever runs a broker uses fedsga_edge/broker, no role does.
+TOOLS = ["fedsga_edge/broker"]
 WIRING = ("fedsga_edge.cli", "fedsga_edge.simulation", "fedsga_edge.runbuild")
-ABOVE_CORE = ("fedsga_edge.coordinator", "fedsga_edge.device", "fedsga_edge.export", *WIRING)
+ABOVE_CORE = ("fedsga_edge.coordinator", "fedsga_edge.device", "fedsga_edge.export", "fedsga_edge.broker", *WIRING)
 
 
 def _imports(path: Path) -> set[str]:
@@ -42,14 +44,21 @@ def test_core_imports_no_role_cli_or_wiring() -> None:
 
 def test_roles_do_not_import_each_other() -> None:
     for role in ROLES:
-        others = tuple(f"fedsga_edge.{r}" for r in ROLES if r != role) + WIRING
+        others = tuple(f"fedsga_edge.{r}" for r in ROLES if r != role) + ("fedsga_edge.broker", *WIRING)
         for f in _files([role]):
             bad = [m for m in _imports(f) if m.startswith(others)]
             assert not bad, f"{f.relative_to(ROOT)} imports {bad}"
 
 
-def test_wire_and_transport_import_without_torch() -> None:
-    code = "import sys; sys.modules['torch'] = None; import fedsga_edge.wire, fedsga_edge.transport, fedsga_edge.data; print('ok')"
+def test_tools_import_only_the_core() -> None:
+    for f in _files(TOOLS):
+        bad = [m for m in _imports(f) if m.startswith(ABOVE_CORE) and not m.startswith("fedsga_edge.broker")]
+        assert not bad, f"{f.relative_to(ROOT)} imports {bad}"
+
+
+def test_wire_transport_and_broker_tooling_import_without_torch() -> None:
+    code = ("import sys; sys.modules['torch'] = None; import fedsga_edge.wire, fedsga_edge.transport, fedsga_edge.data, "
+            "fedsga_edge.broker.launch, fedsga_edge.broker.config; print('ok')")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 

@@ -27,8 +27,8 @@ import paho.mqtt.client as paho  # noqa: E402
 from _broker_probe import retained, wait_retained  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 
-from fedsga_edge.coordinator.broker import RunningBroker as Broker  # noqa: E402  (restart() keeps port and config)
-from fedsga_edge.coordinator.broker import mosquitto_path, start_mosquitto  # noqa: E402
+from fedsga_edge.broker.launch import RunningBroker as Broker  # noqa: E402  (restart() keeps port and config)
+from fedsga_edge.broker.launch import mosquitto_path, start_mosquitto  # noqa: E402
 from fedsga_edge.transport import Peer, Transport, TransportError  # noqa: E402
 from fedsga_edge.transport.mqtt import MqttTransport, _pack_frame  # noqa: E402
 from fedsga_edge.wire import Message, decode, encode, split_message  # noqa: E402

@@ -106,7 +106,7 @@ RUN_FLAGS = ["--dataset", "digits", "--clients", "2", "--rounds", "2", "--model"
 @pytest.mark.integration
 def test_a_device_process_without_torch_takes_part_in_a_field_run(tmp_path) -> None:
     """Real processes over a real Mosquitto: a coordinator, one torch device, one device with torch unimportable."""
-    from fedsga_edge.coordinator.broker import start_embedded
+    from fedsga_edge.broker.launch import start_embedded
 
     art = device_artifacts()
     running = start_embedded(tmp_path)

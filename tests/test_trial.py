@@ -1,6 +1,6 @@
 """`fedsga-edge trial` and its brokers: the coordinator and device agents as separate OS processes over
 the embedded broker (the default) or an external Mosquitto (`--broker mqtt://...`), and the embedded
-broker itself (fedsga_edge.coordinator.broker) through the project's MqttTransport."""
+broker itself (fedsga_edge.broker.launch) through the project's MqttTransport."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import numpy as np
 import psutil
 import pytest
 
-from fedsga_edge.coordinator.broker import (RunLogins, embedded_available, mosquitto_path, start_embedded,
+from fedsga_edge.broker.launch import (RunLogins, embedded_available, mosquitto_path, start_embedded,
                                             start_mosquitto, start_secured_mosquitto)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -1,6 +1,6 @@
 """``fedsga-edge broker-config``: Mosquitto config, password file, ACL and one credentials file per login.
 
-The work is in ``fedsga_edge.coordinator.broker_config``; this command only reads flags and
+The work is in ``fedsga_edge.broker.config``; this command only reads flags and
 prints what was written and how to start the broker (docs/deploy.md, "The broker").
 """
 
@@ -34,7 +34,7 @@ def broker_config(
 ) -> None:
     """Write a Mosquitto config where every device may use only its own topics and its own login as client id
     (docs/protocol.md)."""
-    from fedsga_edge.coordinator.broker_config import (BrokerConfigError, BrokerSpec, TlsFiles, parse_devices,
+    from fedsga_edge.broker.config import (BrokerConfigError, BrokerSpec, TlsFiles, parse_devices,
                                                        write_broker_config)
 
     if (tls_cert is None) != (tls_key is None):

@@ -361,7 +361,7 @@ def trial(
     (out / "logs").mkdir(exist_ok=True)
     cfg_path = out / "run_config.json"
     cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2))
-    from fedsga_edge.coordinator.broker import die_with_parent
+    from fedsga_edge.broker.launch import die_with_parent
 
     device_args: list[str] = []
     if backend not in ("torch", "onnx"):
@@ -478,12 +478,12 @@ BROKER_ENV = "FEDSGA_EDGE_BROKER"  # what `coordinator` and `device` read when -
 def _start_broker(broker: Optional[str], log_dir: Path, devices: list[str], run: str) -> Any:
     """The trial's broker: start the embedded one (None) or Mosquitto ('mosquitto') on a free 127.0.0.1
     port with its log in ``log_dir``, or check that a given URL answers. Returns the RunningBroker to stop
-    at the end, or None for an external broker. The launchers live in ``fedsga_edge.coordinator.broker``.
+    at the end, or None for an external broker. The launchers live in ``fedsga_edge.broker.launch``.
 
     A local broker takes only this run's logins (a fresh password per device and for the coordinator):
     127.0.0.1 alone would let every local user read and forge the run's traffic. Mosquitto also binds
     each login to its topics and its client id; rumqttd cannot (docs/protocol.md)."""
-    from fedsga_edge.coordinator.broker import (BrokerError, RunLogins, check_reachable, start_embedded,
+    from fedsga_edge.broker.launch import (BrokerError, RunLogins, check_reachable, start_embedded,
                                                 start_secured_mosquitto)
 
     try:

@@ -46,8 +46,8 @@ What the embedded broker needs, and gets here (tests/test_trial.py checks all bu
   ``broker-config`` files instead (per-login ACL, client id = login), what ``trial --broker
   mosquitto`` uses. ``start_embedded`` without logins is open: for tests and benchmarks only.
 
-The broker process runs only ``iotcore``: it is started as ``python -c`` code, because importing this
-package (``fedsga_edge.coordinator``) would load torch into it.
+The broker process runs only ``iotcore``: it is started as ``python -c`` code, so that nothing of
+this project (torch least of all) is loaded into it.
 """
 
 from __future__ import annotations
@@ -301,7 +301,7 @@ def _embedded_toml(host: str, port: int, *, max_payload: int, segment_bytes: int
     if logins is not None:  # JSON strings are TOML basic strings; ids may hold '.' and ':', which bare keys cannot
         pairs = "".join(f"    {json.dumps(u)} = {json.dumps(pw)}\n" for u, pw in logins.passwords.items())
         auth = "    [v4.1.connections.auth]\n" + pairs
-    return f"""# written by fedsga_edge.coordinator.broker (see its module doc for why each bound)
+    return f"""# written by fedsga_edge.broker.launch (see its module doc for why each bound)
 id = 0
 
 [router]
@@ -464,7 +464,7 @@ def start_secured_mosquitto(log_dir: Path, logins: RunLogins, *, run: str, port:
 
     The files go to ``log_dir/broker`` (``passwd`` hashed, ``credentials/`` mode 0700); the log is
     ``log_dir/broker.out``."""
-    from .broker_config import BrokerConfigError, BrokerSpec, write_broker_config
+    from .config import BrokerConfigError, BrokerSpec, write_broker_config
 
     _mosquitto_exe()
     log_dir = Path(log_dir)
