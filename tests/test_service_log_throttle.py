@@ -27,7 +27,9 @@ def test_a_flood_of_refused_hellos_is_ten_lines_and_a_count(digits, tmp_path) ->
     service = coordinator_service(cfg, transport, tmp_path / "run", bundle=digits, min_devices=1)
     clock = Clock()
     service._noise = Throttle(clock=clock)
-    intruder = Peer(transport, "intruder", "sim-0")
+    # a device of the run whose hello is wrong (its share is not 1 sample): refused by the service, not on the
+    # envelope (an unknown sender would be, by the Peer, with its own throttle)
+    intruder = Peer(transport, "client-000", "sim-0")
     body = {"backend": "torch", "num_samples": 1, "capabilities": {}}
     replies = [intruder.call("coordinator", "hello", 0, body) for _ in range(50)]
     clock.t += 61
@@ -37,4 +39,4 @@ def test_a_flood_of_refused_hellos_is_ten_lines_and_a_count(digits, tmp_path) ->
     events = [json.loads(line) for line in (tmp_path / "run" / "coordinator.log").read_text().splitlines()]
     assert sum(e["event"] == "hello_refused" for e in events) == 11  # 10, then the next minute's first
     [summary] = [e for e in events if e["event"] == "log_suppressed"]
-    assert (summary["of"], summary["device"], summary["count"]) == ("hello_refused", "intruder", 40)
+    assert (summary["of"], summary["device"], summary["count"]) == ("hello_refused", "client-000", 40)
