@@ -7,6 +7,7 @@ strategy's) by rewriting its signature, which is what typer reads; the command t
 
 from __future__ import annotations
 
+import functools
 import inspect
 import typing
 from collections.abc import Callable
@@ -123,5 +124,12 @@ def with_run_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
         fn._own_parameters = own  # type: ignore[attr-defined]
     names = {p.name for p in own}
-    fn.__signature__ = inspect.Signature(own + [p for p in run_parameters() if p.name not in names])  # type: ignore[attr-defined]
-    return fn
+
+    @functools.wraps(fn)
+    def command(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    # a new function each time: an app built earlier keeps the options it was built with (a strategy
+    # registered and removed by a test must not leave its option on every later app)
+    command.__signature__ = inspect.Signature(own + [p for p in run_parameters() if p.name not in names])  # type: ignore[attr-defined]
+    return command
