@@ -25,7 +25,7 @@ def test_activation_bound_is_the_fleet_median_and_one_device_cannot_move_it() ->
     assert bound.bound(1, fleet=3) == pytest.approx(5.0 * 4.0)  # median over devices: the hostile one is an end
     big = torch.cat([z, 1e3 * z[:1]])  # 3 honest samples... and one at norm 2000
     clipped, scale, n = bound.clip(1, big, fleet=3)
-    assert n == 1 and torch.equal(clipped[:4], z) and clipped[4].norm() == pytest.approx(20.0)
+    assert n == 1 and torch.equal(clipped[:4], z) and float(clipped[4].norm()) == pytest.approx(20.0)
     assert torch.allclose(clipped[4] / clipped[4].norm(), z[0] / z[0].norm())  # the direction is kept
     assert scale is not None and scale[4].item() == pytest.approx(20.0 / 2000.0) and scale[0].item() == 1.0
     assert ActivationBound(0.0).bound(1, fleet=3) is None  # 0 = off
@@ -76,7 +76,7 @@ def test_estimator_inputs_are_bounded_and_old_pairs_age_out() -> None:
     honest_scale = est.obs_scale.clone()
     buf.append([1.0, 1e6, 1e6], 0.5, 1)  # one hostile pair (the probe's own range check allows 1e6)
     fit(est, buf, steps=1)
-    assert est.obs_scale[1] == pytest.approx(honest_scale[1], rel=0.05)  # a median: one pair cannot move it
+    assert float(est.obs_scale[1]) == pytest.approx(float(honest_scale[1]), rel=0.05)  # a median: one pair cannot move it
     assert len(buf) == 8  # the oldest pair went
     for _ in range(8):
         buf.append([0.5, 0.7, 0.1], 0.5, 1)
