@@ -12,3 +12,13 @@ def tiny_config(strategy: str = "static", *, batch_size: int = 32, max_batches: 
     base = dict(dataset="digits", clients=3, rounds=2, model="resnet18_cifar", width=0.25, seed=0, device="cpu",
                 fedsga=FedSGAConfig(), train=TrainConfig(local_epochs=1, batch_size=batch_size, max_batches=max_batches))
     return RunConfig(strategy=strategy, **(base | kw))
+
+
+def assert_test_accuracy(rec: dict[str, Any], n_test: int) -> None:
+    """What a round's evaluation must be: a count of right answers over the test set (not a mean of
+    batch accuracies), the headline equal to its split's entry, a share of predictions per class."""
+    acc = rec["test_acc"]
+    assert abs(acc * n_test - round(acc * n_test)) < 1e-6, (acc, n_test)
+    split = rec.get("eval_split")
+    assert rec["test_acc_by_split"][str(split) if split else "1"] == acc
+    assert abs(sum(rec["test_pred_share"]) - 1.0) < 1e-3

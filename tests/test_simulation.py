@@ -13,6 +13,7 @@ from _runs import tiny_config
 import torch
 
 from fedsga_edge.config import FedSGAConfig, TrainConfig
+from fedsga_edge.method.policy import split_index
 from fedsga_edge.coordinator.clock import VirtualClock
 from fedsga_edge.simulation import Simulation, run_simulation
 from fedsga_edge.transport import Peer
@@ -99,7 +100,8 @@ def test_fedsga_records_observations_and_calibration(digits) -> None:
     for r in rows:
         assert set(r["clients"]) == set(r["splits"])
         for c in r["clients"].values():
-            assert {"a", "delta", "q", "r"} <= set(c) and 0.0 <= c["r"] <= 1.0
+            assert {"a", "delta", "q", "r"} <= set(c) and 0.0 < c["r"] < 1.0  # a sigmoid: never exactly 0 or 1 here
+            assert c["k_policy"] == split_index(c["r"], 3, 0.1)  # Eq. 8 from the r the device reported
         assert "calibration" in r and r["calibration_flops"]["client"] > 0 and r["calibration_flops"]["server"] > 0
         assert all({"L1", "Lref", "s"} <= set(c) for c in r["clients"].values())
     assert rows[1]["calibration"]["pairs"] == 6  # 3 clients x 2 calibration rounds
