@@ -34,6 +34,7 @@ class ActivationBound:
     def __init__(self, factor: float) -> None:
         self.factor = float(factor)
         self.norms: dict[int, dict[str, deque[float]]] = {}
+        self._medians: dict[int, dict[str, float]] = {}  # split -> device -> median of its norms (kept current)
 
     def bound(self, k: int, fleet: int) -> float | None:
         """factor x median over devices of their median norm at split k; None until at least
@@ -41,35 +42,42 @@ class ActivationBound:
         seen = self.norms.get(k, {})
         if not self.factor or len(seen) < min(2, fleet) or not seen:
             return None
-        medians = torch.tensor([float(torch.tensor(list(d)).median()) for d in seen.values()])
-        return self.factor * float(medians.median())
+        return self.factor * _lower_median([self._medians[k][d] for d in seen])
 
-    def clip(self, k: int, z: Tensor, fleet: int) -> tuple[Tensor, Tensor | None, int]:
+    def clip(self, k: int, z: Tensor, fleet: int) -> tuple[Tensor, Tensor | None, int, Tensor | None]:
         """``z`` with every sample's norm at most the bound, the per-sample scale (None: untouched;
-        shaped to broadcast over ``z``) and how many samples were scaled."""
-        limit = self.bound(k, fleet)
-        if limit is None:
-            return z, None, 0
-        norms = z.flatten(1).norm(dim=1)
-        over = norms > limit
-        if not bool(over.any()):
-            return z, None, 0
-        scale = torch.where(over, limit / norms.clamp_min(1e-30), torch.ones_like(norms))
-        scale = scale.view(-1, *([1] * (z.dim() - 1)))
-        return z * scale, scale, int(over.sum())
-
-    def accept(self, device: str, k: int, z: Tensor) -> None:
-        """Remember an accepted (already clipped) activation's per-sample norms."""
+        shaped to broadcast over ``z``), how many samples were scaled, and the per-sample norms after
+        clipping (for ``accept``; None when off)."""
         if not self.factor:
+            return z, None, 0, None
+        norms = z.detach().flatten(1).norm(dim=1)
+        limit = self.bound(k, fleet)
+        if limit is None or not bool((over := norms > limit).any()):
+            return z, None, 0, norms
+        scale = torch.where(over, limit / norms.clamp_min(1e-30), torch.ones_like(norms))
+        return z * scale.view(-1, *([1] * (z.dim() - 1))), scale.view(-1, *([1] * (z.dim() - 1))), \
+            int(over.sum()), norms.clamp_max(limit)
+
+    def accept(self, device: str, k: int, norms: Tensor | None) -> None:
+        """Remember an accepted activation's per-sample norms (after clipping, as ``clip`` returned them)."""
+        if norms is None:
             return
         rows = self.norms.setdefault(k, {}).setdefault(device, deque(maxlen=_PER_DEVICE))
-        rows.extend(z.detach().flatten(1).norm(dim=1).tolist())
+        rows.extend(norms.tolist())
+        self._medians.setdefault(k, {})[device] = _lower_median(rows)
 
     def state_dict(self) -> dict[str, Any]:
         return {str(k): {d: list(v) for d, v in rows.items()} for k, rows in self.norms.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.norms = {int(k): {d: deque(v, maxlen=_PER_DEVICE) for d, v in rows.items()} for k, rows in state.items()}
+        self._medians = {k: {d: _lower_median(v) for d, v in rows.items()} for k, rows in self.norms.items()}
+
+
+def _lower_median(values: Any) -> float:
+    """The lower middle value (torch.median's rule), without building a tensor per call."""
+    ordered = sorted(values)
+    return float(ordered[(len(ordered) - 1) // 2])
 
 
 @torch.no_grad()

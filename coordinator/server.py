@@ -142,7 +142,7 @@ class Coordinator:
         if clipped:  # samples / units scaled down to the fleet's bound, per device
             record["clipped"] = clipped
         if self._stats["remote_errors"]:
-            record["remote_errors"] = self._stats["remote_errors"]
+            record["remote_errors"] = list(self._stats["remote_errors"])  # later refusals must not grow a written record
             record["remote_errors_count"] = self._stats["refused"]
         return record
 
@@ -226,9 +226,9 @@ class Coordinator:
         k = self._split_of(msg.body, msg.sender)
         z, y = self.check_activation(msg.body, "z", k)
         extra = self.strategy.check_activation(msg.body, len(y))
-        z, scale, clipped = self.bounds.clip(k, z, fleet=len(self.round.assigned))
+        z, scale, clipped, norms = self.bounds.clip(k, z, fleet=len(self.round.assigned))
         loss, Z = self.server.step(msg.sender, z, y, k, self.strategy)
-        self.bounds.accept(msg.sender, k, z)
+        self.bounds.accept(msg.sender, k, norms)
         self.strategy.after_step(Z, y, extra)
         samples = self._stats["server_samples"]
         samples[k] = samples.get(k, 0) + len(y)
@@ -313,8 +313,8 @@ class Coordinator:
     # -- state ------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything the next round needs to go on as if never stopped (the one checkpoint writer's input)."""
-        server = self.server.state_dict()
-        return {"coordinator": self.state_dict(), "opt": server["opt"], "bn_context": server.get("bn_context", {}),
+        # the server side's whole state ("opt", and "bn_context" with context): a new ServerSide's too
+        return {"coordinator": self.state_dict(), **self.server.state_dict(),
                 "strategy_opt": self.strategy.optimizer_state(), "split_samples": dict(self.split_samples),
                 "remote_errors": self.remote_errors, "activation_norms": self.bounds.state_dict(),
                 "strategy_rngs": {name: g.bit_generator.state for name, g in vars(self.strategy).items()

@@ -61,9 +61,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 RUN_FIRST = ("test_backward_graph.py", "test_simulation.py", "test_backbones.py", "test_trial.py",
              "test_rounds.py", "test_resume.py", "test_faults.py", "test_hostile.py", "test_onnx_device.py",
              "test_field.py", "test_fuzz.py")
-# Not test_strategies.py: in one process, test_report.py::test_report_on_a_real_simulation fails after
-# test_strategies.py's throwaway strategy (its --shallowest-test-weight option outlives
-# unregister_strategy: "not run options: ['shallowest_test_weight']"); pytest's order runs it later.
+# (test_strategies.py's throwaway strategy no longer leaks its option into later apps: runflags builds a
+# new command function each time, so it needs no place in this order.)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -18,13 +18,13 @@ def test_activation_bound_is_the_fleet_median_and_one_device_cannot_move_it() ->
     bound = ActivationBound(factor=5.0)
     z = torch.ones(4, 2, 2)  # per-sample norm 2
     assert bound.clip(1, z, fleet=3)[1] is None  # nobody heard yet: nothing to compare with
-    bound.accept("a", 1, z)
+    bound.accept("a", 1, z.flatten(1).norm(dim=1))
     assert bound.bound(1, fleet=3) is None  # one device alone sets no bound in a fleet
-    bound.accept("b", 1, 2 * z)  # norm 4
-    bound.accept("evil", 1, 1e4 * z)  # norm 2e4
+    bound.accept("b", 1, (2 * z).flatten(1).norm(dim=1))  # norm 4
+    bound.accept("evil", 1, (1e4 * z).flatten(1).norm(dim=1))  # norm 2e4
     assert bound.bound(1, fleet=3) == pytest.approx(5.0 * 4.0)  # median over devices: the hostile one is an end
     big = torch.cat([z, 1e3 * z[:1]])  # 3 honest samples... and one at norm 2000
-    clipped, scale, n = bound.clip(1, big, fleet=3)
+    clipped, scale, n, _ = bound.clip(1, big, fleet=3)
     assert n == 1 and torch.equal(clipped[:4], z) and float(clipped[4].norm()) == pytest.approx(20.0)
     assert torch.allclose(clipped[4] / clipped[4].norm(), z[0] / z[0].norm())  # the direction is kept
     assert scale is not None and scale[4].item() == pytest.approx(20.0 / 2000.0) and scale[0].item() == 1.0

@@ -53,6 +53,12 @@ class _Truncated(Exception):
     pass
 
 
+# msgpack header byte -> payload size of fixed-size scalars; -> (kind, bytes of its length field) of sized ones
+_FIXED = {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}
+_SIZED = {0xC4: ("bin", 1), 0xC5: ("bin", 2), 0xC6: ("bin", 4), 0xC7: ("ext", 1), 0xC8: ("ext", 2),
+          0xC9: ("ext", 4), 0xD9: ("str", 1), 0xDA: ("str", 2), 0xDB: ("str", 4), 0xDC: ("array", 2),
+          0xDD: ("array", 4), 0xDE: ("map", 2), 0xDF: ("map", 4)}
+
 def _head(b: memoryview, pos: int) -> tuple[str, int, int]:
     """The msgpack object at ``pos``: (family, n, next). ``n`` is the payload's bytes (str, bin, ext)
     or element count (array, map) and ``next`` where its payload starts; scalars: n=0, next past them."""
@@ -69,17 +75,13 @@ def _head(b: memoryview, pos: int) -> tuple[str, int, int]:
         return "str", t & 0x1F, pos + 1
     if t in (0xC0, 0xC2, 0xC3):
         return "scalar", 0, pos + 1
-    fixed = {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}
-    if t in fixed:
-        return "scalar", 0, pos + 1 + fixed[t]
+    if t in _FIXED:
+        return "scalar", 0, pos + 1 + _FIXED[t]
     if 0xD4 <= t <= 0xD8:  # fixext 1..16: type byte + payload
         return "ext", 1 << (t - 0xD4), pos + 2
-    sized = {0xC4: ("bin", 1), 0xC5: ("bin", 2), 0xC6: ("bin", 4), 0xC7: ("ext", 1), 0xC8: ("ext", 2),
-             0xC9: ("ext", 4), 0xD9: ("str", 1), 0xDA: ("str", 2), 0xDB: ("str", 4), 0xDC: ("array", 2),
-             0xDD: ("array", 4), 0xDE: ("map", 2), 0xDF: ("map", 4)}
-    if t not in sized:  # 0xC1: never used
+    if t not in _SIZED:  # 0xC1: never used
         raise RemoteProtocolError(f"not a msgpack message ({len(b)} bytes): reserved type byte 0xc1")
-    family, width = sized[t]
+    family, width = _SIZED[t]
     if pos + 1 + width > len(b):
         raise _Truncated
     n = int.from_bytes(b[pos + 1 : pos + 1 + width], "big")
