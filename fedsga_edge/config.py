@@ -13,11 +13,13 @@ from typing import Any
 
 from fedsga_edge.options import Opt, declared, opt, problems, to_config
 
-__all__ = ["SCHEDULES", "FedSGAConfig", "TrainConfig", "RunConfig", "from_wire", "run_options",
+__all__ = ["SCHEDULES", "DEVICE_ORDERS", "FedSGAConfig", "TrainConfig", "RunConfig", "from_wire", "run_options",
            "parse_model_args"]
 
 # How the in-process simulation interleaves its devices (docs/method.md, "Rounds").
 SCHEDULES = ("round_robin", "random", "sequential")
+# Which device takes the first turn of a simulated round, and in which order the rest follow.
+DEVICE_ORDERS = ("shuffled", "fixed")
 # Activations / gradients on the wire (weights stay fp32): runbuild.WIRE_FORMATS maps them to codecs.
 WIRE_FORMATS = ("fp32", "fp16", "int8")
 
@@ -132,6 +134,10 @@ class RunConfig:
     schedule: str = opt(
         "round_robin", "How devices interleave: round-robin (one local step each in turn) | random (seeded) | "
         "sequential (one device after another).", choices=SCHEDULES, dashed=True)  # simulation only
+    device_order: str = opt(
+        "shuffled", "The order the simulated devices take their turns in: shuffled (a permutation drawn per round "
+        "from --seed, the same for the same seed) | fixed (partition order, client-000 first, every round). "
+        "Simulation only (docs/method.md, \"Rounds\").", choices=DEVICE_ORDERS)  # simulation only
     round_timeout: float = opt(
         0.0, "Seconds a round may last; devices still training then are left out of it (0 = no deadline).",
         ge=0, note="0 = no deadline")
