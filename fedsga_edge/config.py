@@ -64,6 +64,13 @@ class FedSGAConfig:
     harmonizer: bool = opt(True, "Ablation: pooled features straight to the head.", flag="--no-harmonizer",
                            negated=True)
     proto_dim: int = opt(128, "Harmonizer / prototype space.", ge=1, le=4096, cli=False)  # not a flag today
+    probe_holdout: float = opt(
+        0.1, "Fraction of each device's data held out for the calibration probe and never trained on (only when "
+        "the estimator calibrates; 0 = probe on training data) (docs/method.md, \"Calibration\").", ge=0, le=0.5,
+        finite=True)
+    phi_lr: float = opt(
+        0.1, "SGD learning rate of the shallow head phi_s on the server (docs/method.md, \"Observation\").",
+        gt=0, le=100, finite=True)
 
     def problems(self) -> list[str]:
         """What is out of range, each naming its flag (see ``TrainConfig.problems``)."""
