@@ -81,6 +81,9 @@ class Preset:
     run: dict[str, Any] = field(default_factory=dict)
     eval_every: int = 5  # subset evaluations (the runs themselves evaluate their last round only)
     eval_subset: int = 2000
+    # The headline accuracy is the mean of the last ``last_evals`` evaluations on the full test set (the
+    # final round and the evaluation rounds before it, every ``eval_every``): one round's accuracy swings.
+    last_evals: int = 1
     seeds: list[int] = field(default_factory=lambda: [0, 1])
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     partitions: list[str] = field(default_factory=lambda: ["iid", "dir0.1"])
@@ -278,9 +281,12 @@ def run_one(cfg: Any, out: Path, bundle: Any, p: Preset, eval_set: Any, bar: Any
     (out / "config.json").write_text(json.dumps(config, indent=2))
     records = []
     with (out / "metrics.jsonl").open("w") as metrics:
+        window = headline_rounds(cfg.rounds, p)
         for rec in sim.rounds():
             t = rec["round"]
-            if t < cfg.rounds and p.eval_every > 0 and t % p.eval_every == 0:
+            if t < cfg.rounds and t in window:  # the headline's earlier rounds: the full test set
+                rec.update(full_eval(sim, bundle))
+            elif t < cfg.rounds and p.eval_every > 0 and t % p.eval_every == 0:
                 rec.update(subset_eval(sim, eval_set, bundle))
             records.append(rec)
             metrics.write(json.dumps(rec) + "\n")
@@ -290,11 +296,40 @@ def run_one(cfg: Any, out: Path, bundle: Any, p: Preset, eval_set: Any, bar: Any
                 bar.set_postfix_str(f"round {t}/{cfg.rounds} loss {rec['train_loss']:.3f}"
                                     + (f" acc {acc:.3f}" if acc is not None else ""))
     summary = summarize(records, sim.cfg, time.perf_counter() - started)
+    summary.update(headline(records, window))
     summary["calibration_all_k_flops"] = all_k_probe_flops(sim, records)
     summary["train_client_flops_total"] = train_client_flops(sim, records)
     summary["diagnostics"] = diagnostics(records)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def headline_rounds(rounds: int, p: Preset) -> list[int]:
+    """The rounds whose full-test accuracy the headline averages: the last round and the
+    ``last_evals - 1`` evaluation rounds (every ``eval_every``) before it."""
+    step = max(p.eval_every, 1)
+    earlier = [t for t in range(rounds - 1, 0, -1) if t % step == 0][: max(p.last_evals, 1) - 1]
+    return sorted(earlier + [rounds])
+
+
+def full_eval(sim: Any, bundle: Any) -> dict[str, Any]:
+    """Accuracy and loss on the full test set, as the final round's evaluation records them."""
+    result = sim.coordinator.evaluate(bundle.test, bundle.mean, bundle.std)
+    return {"test_acc_full": result["test_acc"], "test_loss_full": result["test_loss"],
+            "test_pred_share_full": result["test_pred_share"]}
+
+
+def headline(records: list[dict[str, Any]], window: list[int]) -> dict[str, Any]:
+    """``headline_acc``: the mean full-test accuracy over the window's rounds (the last is ``final_acc``)."""
+    accs = [r.get("test_acc", r.get("test_acc_full")) for r in records if r["round"] in window]
+    accs = [a for a in accs if a is not None]
+    return {"headline_acc": float(np.mean(accs)) if accs else None, "headline_rounds": window}
+
+
+def acc_of(summary: dict[str, Any]) -> float | None:
+    """A run's headline accuracy; runs from before the headline window have only their final round's."""
+    value = summary.get("headline_acc")
+    return summary.get("final_acc") if value is None else value
 
 
 def subset_eval(sim: Any, eval_set: Any, bundle: Any) -> dict[str, Any]:
@@ -374,22 +409,53 @@ def _ms(values: list[float], scale: float = 100.0, digits: int = 2) -> str:
 def _group(runs: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in runs:
-        groups.setdefault((r["method"], r["partition"]), []).append(r["summary"])
+        groups.setdefault((r["method"], r["partition"]), []).append(r["summary"] | {"_seed": r["seed"]})
     return groups
 
 
+REFERENCE = "static"  # the method every comparison is paired with: static SplitFed at p_ref
+
+
+def paired(ss: list[dict[str, Any]], ref: list[dict[str, Any]], key: Any = acc_of) -> dict[str, Any] | None:
+    """The mean paired difference of ``key`` (a method's runs minus the reference's, seed by seed) over
+    the seeds both have, its standard error (std of the differences / sqrt(n)) and the method's wins."""
+    mine = {s["_seed"]: key(s) for s in ss}
+    theirs = {s["_seed"]: key(s) for s in ref}
+    seeds = sorted(k for k in mine if k in theirs and mine[k] is not None and theirs[k] is not None)
+    if not seeds:
+        return None
+    d = np.array([mine[k] - theirs[k] for k in seeds], dtype=float)
+    se = float(np.std(d, ddof=1) / np.sqrt(len(d))) if len(d) > 1 else None
+    return {"mean": float(d.mean()), "se": se, "wins": int((d > 0).sum()), "n": len(d)}
+
+
+def _paired_cell(pr: dict[str, Any] | None, scale: float = 100.0) -> str:
+    if pr is None:
+        return "—"
+    se = f" ± {pr['se'] * scale:.2f}" if pr["se"] is not None else ""
+    return f"{pr['mean'] * scale:+.2f}{se} ({pr['wins']}/{pr['n']})"
+
+
 def _acc_table(g: dict, parts: list[str], methods: list[str], title: str, rows: list[str]) -> list[str]:
-    """Tables 2 and 4: final accuracy per method and partition."""
+    """Tables 2 and 4: headline accuracy per method and partition, and each method's paired difference
+    to static at p_ref (mean over seeds ± its standard error, and wins k of n)."""
     out: list[str] = []
     rows = [m for m in rows if m in methods and any((m, p) in g for p in parts)]
     if not rows:
         return out
-    out.append(f"**{title}** — final test accuracy (%), mean ± std over seeds")
+    out.append(f"**{title}** — test accuracy (%, the headline: mean of the last evaluations on the full test set), "
+               f"mean ± std over seeds; Δ: paired difference to {LABELS.get(REFERENCE, REFERENCE)} over the same "
+               "seeds, mean ± standard error (wins k/n)")
     out.append("")
-    out.append("| Method | " + " | ".join(partition_label(p) for p in parts) + " | seeds |")
-    out.append("|---|" + "---:|" * len(parts) + "---:|")
+    out.append("| Method | " + " | ".join(f"{partition_label(p)} | Δ {partition_label(p)}" for p in parts) + " | seeds |")
+    out.append("|---|" + "---:|---:|" * len(parts) + "---:|")
     for m in rows:
-        cells = [_ms([s["final_acc"] for s in g.get((m, p), [])]) for p in parts]
+        cells = []
+        for p in parts:
+            ss = g.get((m, p), [])
+            cells.append(_ms([acc_of(s) for s in ss]))
+            ref = g.get((REFERENCE, p), [])
+            cells.append("0 (reference)" if m == REFERENCE and ss else _paired_cell(paired(ss, ref)) if ss else "—")
         n = max(len(g.get((m, p), [])) for p in parts)
         out.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + f" | {n} |")
     out.append("")
@@ -402,8 +468,9 @@ def _cost_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:
     out: list[str] = []
     out.append("**Table 5 (shape of the paper's): client cost** — means over rounds, clients and seeds")
     out.append("")
-    out.append("| Method | Partition | client params (K) | client MFLOPs/sample (fwd+bwd) | split histogram (k: client-rounds, all seeds) | wall s / run | MB on the wire / run |")
-    out.append("|---|---|---:|---:|---|---:|---:|")
+    out.append("| Method | Partition | client params (K) | client MFLOPs/sample (fwd+bwd) | client FLOPs / static's (per seed) "
+               "| split histogram (k: client-rounds, all seeds) | wall s / run | MB on the wire / run |")
+    out.append("|---|---|---:|---:|---:|---|---:|---:|")
     for m in methods:
         for p in parts:
             ss = g.get((m, p))
@@ -416,7 +483,8 @@ def _cost_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:
             hist_s = " ".join(f"{'full' if k == '0' else k}:{v}" for k, v in sorted(hist.items()))
             out.append(
                 f"| {LABELS.get(m, m)} | {partition_label(p)} | {np.mean([s['client_params'] for s in ss]) / 1e3:.1f} "
-                f"| {np.mean([s['client_flops_per_sample'] for s in ss]) / 1e6:.2f} | {hist_s} "
+                f"| {np.mean([s['client_flops_per_sample'] for s in ss]) / 1e6:.2f} "
+                f"| {_flops_ratio(ss, g.get((REFERENCE, p), []))} | {hist_s} "
                 f"| {np.mean([s['wall_s'] for s in ss]):.0f} | {np.mean([s['bytes_total'] for s in ss]) / 1e6:.1f} |"
             )
     out.append("")
@@ -498,21 +566,32 @@ def _split_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:
     return out
 
 
+def _flops_ratio(ss: list[dict[str, Any]], ref: list[dict[str, Any]]) -> str:
+    """Client FLOPs per sample over the reference's, seed by seed, mean ± std over seeds."""
+    theirs = {s["_seed"]: s["client_flops_per_sample"] for s in ref}
+    ratios = [s["client_flops_per_sample"] / theirs[s["_seed"]] for s in ss if theirs.get(s["_seed"])]
+    return _ms(ratios, scale=1.0) if ratios else "—"
+
+
 def _fedsga_vs_static(g: dict, parts: list[str], methods: list[str]) -> list[str]:
-    """FedSGA beside static at p_ref under each non-IID partition."""
+    """FedSGA beside static at p_ref under each partition, paired seed by seed: accuracy and client FLOPs."""
     out: list[str] = []
-    # the issue's must-show: fedsga vs static under non-IID, same run
     for p in parts:
-        if parse_partition(p)[0] == "iid" or ("fedsga", p) not in g or ("static", p) not in g:
+        if ("fedsga", p) not in g or (REFERENCE, p) not in g:
             continue
-        out.append(f"**FedSGA vs static at p_ref under {partition_label(p)}** (same benchmark run)")
+        ref = g[(REFERENCE, p)]
+        out.append(f"**FedSGA vs static at p_ref under {partition_label(p)}** (same benchmark run; paired by seed)")
         out.append("")
-        out.append("| | final accuracy (%) | client MFLOPs/sample | client params (K) |")
-        out.append("|---|---:|---:|---:|")
-        for m in ("static", "fedsga"):
+        out.append("| | headline accuracy (%) | Δ accuracy, paired (wins) | final-round accuracy (%) | client MFLOPs/sample "
+                   "| client FLOPs / static's, paired | client params (K) |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|")
+        for m in (REFERENCE, "fedsga"):
             ss = g[(m, p)]
-            out.append(f"| {LABELS[m]} | {_ms([s['final_acc'] for s in ss])} | {np.mean([s['client_flops_per_sample'] for s in ss]) / 1e6:.2f} "
-                       f"| {np.mean([s['client_params'] for s in ss]) / 1e3:.1f} |")
+            flops_ratio = "1.00" if m == REFERENCE else _flops_ratio(ss, ref)
+            out.append(f"| {LABELS[m]} | {_ms([acc_of(s) for s in ss])} "
+                       f"| {'0 (reference)' if m == REFERENCE else _paired_cell(paired(ss, ref))} "
+                       f"| {_ms([s['final_acc'] for s in ss])} | {np.mean([s['client_flops_per_sample'] for s in ss]) / 1e6:.2f} "
+                       f"| {flops_ratio} | {np.mean([s['client_params'] for s in ss]) / 1e3:.1f} |")
         out.append("")
     return out
 
@@ -657,7 +736,7 @@ def _run_all(args: argparse.Namespace, p: Preset, out: Path, spec: str, runs: li
                 bundle = load_dataset(spec, args.data_root)
                 eval_set = SubsetImages(bundle.test, stratified(bundle.test.labels, p.eval_subset))
             summary = with_final_by_split(run_one(r["config"], run_dir, bundle, p, eval_set, bar), run_dir)
-            tqdm.write(f"{r['dir']}: final_acc {summary['final_acc']:.4f}  client MFLOPs/sample "
+            tqdm.write(f"{r['dir']}: final_acc {summary['final_acc']:.4f}  headline {acc_of(summary):.4f}  client MFLOPs/sample "
                        f"{summary['client_flops_per_sample'] / 1e6:.2f}  splits {summary['split_histogram']}  {summary['wall_s']:.0f} s",
                        file=sys.stderr)
         results.append({"method": r["method"], "partition": r["partition"], "seed": r["seed"], "dir": r["dir"], "summary": summary})
