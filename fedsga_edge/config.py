@@ -112,6 +112,10 @@ class RunConfig:
     device: str = opt("auto", "auto (CUDA when present) | cpu | cuda | cuda:N")
     train_subset: int = opt(0, "Use only this many training samples, stratified (0 = all).")
     eval_every: int = opt(1, "Evaluate every this many rounds (and the last).")
+    eval_holdout: float = opt(
+        0.0, "Federated evaluation: the fraction of each device's own data held out (never trained on, at least 2 "
+        "samples) on which it evaluates the global model it starts a round with (round 1 and every round after an "
+        "evaluation round; docs/protocol.md, \"Federated evaluation\"); 0 = off.", ge=0, le=0.5, finite=True)
     speed_sigma: float = opt(0.5, "--strategy resource: log-normal spread of device speeds.")
     profile: str | None = opt(None, "--strategy resource: a measured `fedsga-edge profile --json`.", path=True)
     server_copies: str = opt(
