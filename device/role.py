@@ -28,6 +28,8 @@ from fedsga_edge.method.observation import Observation, alignment, drift, prompt
 from fedsga_edge.method.policy import reference_index, split_index
 from fedsga_edge.wire import Message, RemoteProtocolError
 
+from .evaluate import held_out_evaluation
+
 __all__ = ["Backend", "BackendError", "Caller", "ClientData", "PrivateState", "SplitClient", "check_round_start"]
 
 
@@ -104,6 +106,8 @@ class ClientData:
     indices: np.ndarray
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    # held out for federated evaluation, never trained on (device/evaluate.py); None: no slice
+    eval_indices: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -265,6 +269,8 @@ class SplitClient:
         """The round's requests in order (fetch, activation per batch, probe); returns the update."""
         plan = self._plan(body)
         yield from self._fetch(plan)
+        if body.get("evaluate"):  # the model this round starts from, on the held-out slice (device/evaluate.py)
+            plan.report.update((yield from held_out_evaluation(self, plan, _expect)))
         trained = yield from self._train(plan)
         self._learn_prompts(plan, trained)
         yield from self._calibrate(body, plan)
