@@ -7,6 +7,8 @@
   devices at its split (no loss on their rows; docs/method.md, "Server-side BatchNorm statistics").
 * ``per_client`` (SplitFed-v1 style): each device trains its own copy, started from the round's
   snapshot; the copies are averaged by data weight at the end of the round.
+* ``unbalanced`` (MU-SplitFed): the shared copy takes tau steps on each accepted activation, the
+  device's gradient coming from the first (docs/method.md, "Baselines beyond the paper's own").
 
 Each is a ``ServerSide``: the coordinator asks it for the copy a device trains, lets it take the
 step, tells it when a device is done and when the round ends. A new variant (the merged batch of
@@ -28,8 +30,8 @@ from fedsga_edge.tensors import round_average_bn
 from .influence import clip_updates
 from .limits import all_finite
 
-__all__ = ["ServerCopy", "ServerSide", "SharedServer", "ContextServer", "PerClientServer", "SERVER_SIDES",
-           "make_server_side"]
+__all__ = ["ServerCopy", "ServerSide", "SharedServer", "ContextServer", "PerClientServer", "UnbalancedServer",
+           "SERVER_SIDES", "make_server_side"]
 
 
 class ServerCopy:
@@ -215,10 +217,54 @@ class PerClientServer(ServerSide):
         self._done.clear()
 
 
+class UnbalancedServer(SharedServer):
+    """MU-SplitFed's unbalanced update: the shared copy takes ``steps`` (tau) optimizer steps on every
+    accepted activation, so the server's progress per device round is tau times SplitFed's.
+
+    The device's gradient ``z.grad`` is the first step's: the gradient of the loss its forward was
+    matched with, as in SplitFed; the tau - 1 further steps reuse the same activation and labels and
+    touch only the server's weights. A non-finite loss or gradient in any of them restores the copy's
+    weights, statistics and optimizer to what they were before the first step: nothing changes.
+    """
+
+    name = "unbalanced"
+
+    def __init__(self, model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float],
+                 steps: int) -> None:
+        super().__init__(model, head, cfg, weight)
+        if steps < 1:
+            raise ValueError(f"the server takes at least one step per activation, got {steps}")
+        self.steps = steps
+
+    def step(self, device: str, z: Tensor, y: Tensor, k: int, strategy: Any) -> tuple[Tensor, Tensor | None]:
+        side = self.copy_for(device)
+        saved = ({n: v.detach().clone() for n, v in side.model.state_dict().items()},
+                 {n: v.detach().clone() for n, v in side.head.state_dict().items()},
+                 copy.deepcopy(side.opt.state_dict()))
+        loss, Z = super().step(device, z, y, k, strategy)  # fills z.grad: what the device receives
+        try:
+            for _ in range(self.steps - 1):
+                super().step(device, z.detach().clone(), y, k, strategy)
+        except ValueError:
+            side.model.load_state_dict(saved[0])
+            side.head.load_state_dict(saved[1])
+            side.opt.load_state_dict(saved[2])
+            raise
+        return loss, Z
+
+
 SERVER_SIDES: dict[str, type[ServerSide]] = {"shared": SharedServer, "per_client": PerClientServer}
 
 
-def make_server_side(model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float]) -> ServerSide:
+def make_server_side(model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float],
+                     steps: int = 1) -> ServerSide:
+    """The server side ``cfg`` asks for; ``steps`` > 1 (the strategy's ``server_steps``, MU-SplitFed's
+    tau) is the unbalanced update, which trains the one shared copy."""
+    if steps != 1:
+        if cfg.server_copies != "shared" or cfg.server_bn_context:
+            raise ValueError(f"{steps} server steps per activation need --server-copies shared and no "
+                             "--server-bn-context")
+        return UnbalancedServer(model, head, cfg, weight, steps)
     if cfg.server_copies == "shared" and cfg.server_bn_context:
         return ContextServer(model, head, cfg, weight)
     if cfg.server_copies not in SERVER_SIDES:

@@ -171,6 +171,11 @@ class Strategy:
 
         return nn.Module()
 
+    def server_steps(self) -> int:
+        """Server optimizer steps per accepted activation (MU-SplitFed's tau); one for every other method
+        (coordinator/server_side.py, ``UnbalancedServer``)."""
+        return 1
+
     def forward(self, side: Any, z: "Tensor", k: int) -> tuple["Tensor", "Tensor | None"]:
         """Logits (and the method's representation, or None) for an activation entering at split k."""
         return side.model.head(side.model.suffix(z, side.model.depth_of(k))), None

@@ -1,0 +1,42 @@
+"""MU-SplitFed (NeurIPS 2025, "Towards Straggler-Resilient Split Federated Learning: An Unbalanced
+Update Approach"): SplitFed whose server takes tau updates on every activation a device sends.
+
+The server's progress per device round is tau times SplitFed's, so fewer device rounds (the part a
+straggler slows) reach the same server progress. The server side is ``UnbalancedServer``
+(coordinator/server_side.py); the device side is SplitFed's first-order step, not the paper's
+zeroth-order one (docs/method.md, "Baselines beyond the paper's own").
+"""
+
+from __future__ import annotations
+
+from fedsga_edge.config import RunConfig
+from fedsga_edge.options import Opt
+
+from ..strategy import Method, Strategy, register_strategy
+
+
+@register_strategy
+class MUSplitFed(Strategy):
+    name = "musplitfed"
+    help = "MU-SplitFed: every device at --split, the server takes --musplitfed-tau steps per activation"
+    label = "MU-SplitFed (unbalanced server updates)"
+    options = (Opt("tau", int, 2, "Server optimizer steps per device activation (MU-SplitFed's unbalanced "
+                   "update; 1 = SplitFed).", ge=1, le=64),)
+
+    def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
+        super().__init__(cfg, num_splits, clients, train_flops)
+        if not 1 <= cfg.split <= num_splits:
+            raise ValueError(f"--split must be in 1..{num_splits} for {cfg.model}")
+
+    @classmethod
+    def methods(cls) -> dict[str, Method]:
+        return {cls.name: Method(cls.label, split="ref")}
+
+    def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
+        return {c: self.cfg.split for c in clients}
+
+    def server_steps(self) -> int:
+        return int(self.args["tau"])
+
+    def info(self) -> dict[str, int]:
+        return {"server_steps_per_activation": self.server_steps()}
