@@ -1,7 +1,9 @@
-"""How the coordinator measures the global model: test accuracy under the strategy's heads."""
+"""How the coordinator measures the global model: test accuracy under the strategy's heads, and the devices'
+federated evaluation on their own held-out data (``FederatedEvaluation``)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -12,7 +14,7 @@ from torch import nn
 from fedsga_edge.method import reference_index
 from fedsga_edge.tensors import image_batch
 
-__all__ = ["headline_split", "evaluate"]
+__all__ = ["FederatedEvaluation", "headline_split", "evaluate"]
 
 
 def headline_split(split_samples: dict[int, int], num_splits: int) -> int:
@@ -62,3 +64,119 @@ def evaluate(model: Any, head: nn.Module, strategy: Any, headline: int, num_clas
     share = [round(int(c) / n, 4) for c in predicted]
     return {"test_acc": acc[shown], "test_loss": loss[shown], "test_acc_by_split": by_split,
             "eval_split": shown if shown else None, "test_pred_share": share}
+
+
+class FederatedEvaluation:
+    """The coordinator's side of federated evaluation (issue 18; docs/protocol.md, "Federated evaluation").
+
+    With ``--eval-holdout`` above 0, round 1 and every round after an evaluation round tell the devices
+    to evaluate (``round_start`` field ``evaluate``) the model the round starts from: the global model
+    after the previous round's aggregation (``fed_model_round`` in the record), the one the coordinator's
+    own test figure of that round measured. A split device's ``evaluate`` request (eval-mode activations
+    of a held-out batch at its split, with labels) runs through a copy of the suffix and of the strategy's
+    head taken at round start, so the devices' training in the same round does not leak into the figure;
+    a whole-model device reports ``eval_count``, ``eval_loss`` and ``eval_acc`` in its update. The round's
+    record gets the count-weighted ``fed_acc`` and ``fed_loss``, ``fed_count`` and ``fed_by_device``.
+    """
+
+    MAX_COUNT = 10**9
+
+    def __init__(self, co: Any) -> None:
+        self.co = co
+        self.active = False
+        self.t = 0
+        self.expected: dict[str, int] = {}  # device -> its held-out slice's size, where known (hello, simulate)
+        self._model: Any = None
+        self._head_state: dict[str, Any] | None = None
+        self.tally: dict[str, list[float]] = {}  # device -> [count, summed loss, correct]
+
+    def evaluates(self, t: int) -> bool:
+        cfg = self.co.cfg
+        return cfg.eval_holdout > 0 and (t - 1) % max(int(cfg.eval_every), 1) == 0
+
+    def begin_round(self, t: int) -> None:
+        """Call when the round's snapshot is taken: the model and head as the round starts are kept."""
+        import copy
+
+        self.t, self.tally = t, {}
+        self.active = self.evaluates(t)
+        self._model = copy.deepcopy(self.co.model).eval() if self.active else None
+        self._head_state = ({k: v.detach().clone() for k, v in self.co.head.state_dict().items()}
+                            if self.active else None)
+
+    def round_start_fields(self) -> dict[str, Any]:
+        return {"evaluate": True} if self.active else {}
+
+    def on_request(self, msg: Any) -> tuple[str, dict[str, Any]]:
+        """An ``evaluate`` request: checked like an activation, run through the round-start copy."""
+        co = self.co
+        if not self.active:
+            raise ValueError(f"round {co.round.t} is not an evaluation round")
+        k = msg.body.get("split")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= co.model.num_splits:
+            raise ValueError(f"split {k!r:.40} out of range 1..{co.model.num_splits}")
+        z, y = co.check_activation(msg.body, "z", k)
+        have = self.tally.get(msg.sender, [0, 0.0, 0])
+        limit = self.expected.get(msg.sender)
+        if limit is not None and have[0] + len(y) > limit:
+            raise ValueError(f"{have[0] + len(y)} evaluation samples this round, more than the {limit} "
+                             f"{msg.sender} holds out")
+        loss, correct = self._score(z, y, k)
+        if not math.isfinite(loss):
+            raise ValueError("the evaluation loss is not finite")
+        self.tally[msg.sender] = [have[0] + len(y), have[1] + loss, have[2] + correct]
+        return "eval_result", {"loss": loss, "correct": correct, "count": int(len(y))}
+
+    @torch.no_grad()
+    def _score(self, z: torch.Tensor, y: torch.Tensor, k: int) -> tuple[float, int]:
+        co, model = self.co, self._model
+        feats = model.suffix(z, model.depth_of(k))
+        head = co.head
+        live = {n: v.detach().clone() for n, v in head.state_dict().items()} if self._head_state else None
+        was = head.training
+        try:
+            if live is not None:
+                head.load_state_dict(self._head_state)
+            head.eval()
+            by_k = co.strategy.eval_logits(model, feats)
+        finally:
+            if live is not None:
+                head.load_state_dict(live)
+            head.train(was)
+        logits = by_k[0] if 0 in by_k else by_k[co.headline_split()]
+        loss = float(F.cross_entropy(logits, y, reduction="sum"))
+        return loss, int((logits.argmax(1) == y).sum())
+
+    def check_update(self, device: str, body: dict[str, Any]) -> None:
+        """A whole-model device's own figures, checked before the update is accepted (ValueError)."""
+        if "eval_count" not in body:
+            return
+        n, loss, acc = body.get("eval_count"), body.get("eval_loss"), body.get("eval_acc")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.MAX_COUNT:
+            raise ValueError(f"eval_count must be an integer in 1..{self.MAX_COUNT}")
+        limit = self.expected.get(device)
+        if limit is not None and n != limit:
+            raise ValueError(f"eval_count {n} is not the {limit} samples {device} holds out")
+        for name, v, top in (("eval_loss", loss, 1e6), ("eval_acc", acc, 1.0)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= top:
+                raise ValueError(f"{name} must be a finite number in [0, {top:g}]")
+        if not self.active:
+            raise ValueError(f"round {self.t} is not an evaluation round")
+
+    def end_round(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
+        """The round's federated figures into its record: weighted by each device's count."""
+        tally = dict(self.tally)
+        for cid, u in updates.items():
+            if "eval_count" in u and cid not in tally:
+                n = int(u["eval_count"])
+                tally[cid] = [n, float(u["eval_loss"]) * n, float(u["eval_acc"]) * n]
+        self._model, self._head_state, self.tally = None, None, {}
+        if not tally:
+            return
+        count = sum(v[0] for v in tally.values())
+        record["fed_acc"] = sum(v[2] for v in tally.values()) / count
+        record["fed_loss"] = sum(v[1] for v in tally.values()) / count
+        record["fed_count"] = int(count)
+        record["fed_model_round"] = self.t - 1
+        record["fed_by_device"] = {cid: {"acc": v[2] / v[0], "loss": v[1] / v[0], "count": int(v[0])}
+                                   for cid, v in sorted(tally.items())}

@@ -45,6 +45,13 @@ DEVICE_STEPS: dict[tuple[str, str], str] = {
     ("started", "activation"): "training",
     ("fetched", "activation"): "training",
     ("training", "activation"): "training",
+    # federated evaluation (device/evaluate.py): after the weights, before training, one request per batch
+    ("started", "evaluate"): "evaluating",
+    ("fetched", "evaluate"): "evaluating",
+    ("evaluating", "evaluate"): "evaluating",
+    ("evaluating", "activation"): "training",
+    ("evaluating", "probe"): "probed",
+    ("evaluating", "update"): "done",
     ("started", "probe"): "probed",  # a device with nothing to train may still be probed
     ("fetched", "probe"): "probed",
     ("training", "probe"): "probed",
@@ -52,12 +59,12 @@ DEVICE_STEPS: dict[tuple[str, str], str] = {
     ("fetched", "update"): "done",
     ("training", "update"): "done",
     ("probed", "update"): "done",
-    **{(step, "error"): "failed" for step in ("started", "fetched", "training", "probed")},
+    **{(step, "error"): "failed" for step in ("started", "fetched", "evaluating", "training", "probed")},
 }
 
 
-DEVICE_KINDS = ("hello", "bye", "fetch", "activation", "probe", "update", "error")  # what a device may send
-ROUND_KINDS = ("fetch", "activation", "probe", "update", "error")  # only inside the round they name
+DEVICE_KINDS = ("hello", "describe", "bye", "fetch", "activation", "evaluate", "probe", "update", "error")  # what a device may send
+ROUND_KINDS = ("fetch", "activation", "evaluate", "probe", "update", "error")  # only inside the round they name
 
 
 class RoundError(RemoteProtocolError):

@@ -30,7 +30,7 @@ from fedsga_edge.models import CostTable, SplitModel
 from fedsga_edge.tensors import from_numpy, to_numpy, to_numpy_state
 from fedsga_edge.wire import Message, RemoteProtocolError, check_body
 
-from .evaluation import evaluate, headline_split
+from .evaluation import FederatedEvaluation, evaluate, headline_split
 from .influence import ActivationBound, clip_updates
 from .limits import check_report, check_values
 from .round import RoundError, RoundState
@@ -72,6 +72,8 @@ class Coordinator:
         self.split_samples: dict[int, int] = {}  # split -> samples trained there so far (headline eval)
         self.remote_errors = 0  # requests refused over the whole run
         self._handlers = {"activation": self._on_activation, "fetch": self._on_fetch, "update": self._on_update}
+        self.fed_eval = FederatedEvaluation(self)  # the devices' evaluation on their held-out data (issue 18)
+        self._handlers["evaluate"] = self.fed_eval.on_request
         for kind, method in strategy.requests.items():
             handler = getattr(strategy, method)
             self._handlers[kind] = lambda msg, h=handler: h(self, msg)
@@ -89,6 +91,7 @@ class Coordinator:
         timeout = self.cfg.round_timeout
         self.round.begin(t, assigned, calibrate, now + timeout if timeout > 0 else None)
         self._snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.fed_eval.begin_round(t)
         self.server.begin_round(self._snapshot)
         self.strategy.begin_round(t, calibrate)
         self._stats = {"server_samples": {}, "remote_errors": [], "refused": 0, "started": now,
@@ -139,6 +142,7 @@ class Coordinator:
         record["client_params"] = (float(np.mean([self.costs.params[int(u["split"])] for u in updates.values()]))
                                    if updates else 0.0)
         self.strategy.end_round(updates, record)
+        self.fed_eval.end_round(updates, record)
         clipped = {kind: counts for kind, counts in self._stats["clipped"].items() if counts}
         if clipped:  # samples / units scaled down to the fleet's bound, per device
             record["clipped"] = clipped
@@ -158,6 +162,7 @@ class Coordinator:
             "weights": to_numpy_state({n: self._snapshot[n] for n in names}),
         }
         body.update(self.strategy.round_start_fields(k, calibrate))
+        body.update(self.fed_eval.round_start_fields())
         return body
 
     # -- message handling -------------------------------------------------------------------------
@@ -268,6 +273,7 @@ class Coordinator:
             raise ValueError(f"num_samples {body.get('num_samples')!r:.40} is not this device's "
                              f"{self.clients[msg.sender]}")
         check_report(body)
+        self.fed_eval.check_update(msg.sender, body)
         self.server.finish_device(msg.sender, depth)
         self.round.accept_update(msg.sender, dict(body, split=k, depth=depth))
         return "ack", {}

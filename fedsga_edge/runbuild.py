@@ -98,12 +98,18 @@ class RunPlan:
     cfg: RunConfig
     bundle: DatasetBundle
     device: Any  # torch.device; the string "cpu" on a torch-free device
-    parts: list[np.ndarray]  # training-set indices of each client, in client order
+    parts: list[np.ndarray]  # training-set indices of each client, in client order (the ones it trains on)
     client_ids: list[str]
+    # each client's held-out slice for federated evaluation (--eval-holdout), never trained on; None: none
+    eval_parts: list[np.ndarray] | None = None
 
     @property
     def sizes(self) -> dict[str, int]:
         return {cid: len(p) for cid, p in zip(self.client_ids, self.parts)}
+
+    @property
+    def eval_sizes(self) -> dict[str, int]:
+        return {cid: len(p) for cid, p in zip(self.client_ids, self.eval_parts or [])}
 
 
 @dataclass
@@ -147,7 +153,20 @@ def plan_run(cfg: RunConfig, bundle: DatasetBundle | None = None, *, seed_global
                       domains=domains)
     if cfg.train.augment is None:  # auto: crop + flip for natural images, not for digits
         cfg.train.augment = cfg.dataset != "digits"
-    return RunPlan(cfg, bundle, device, [train_idx[p] for p in parts], [client_id(i) for i in range(cfg.clients)])
+    ids = [client_id(i) for i in range(cfg.clients)]
+    shares, held = held_out_slices(cfg, [train_idx[p] for p in parts], ids)
+    return RunPlan(cfg, bundle, device, shares, ids, held)
+
+
+def held_out_slices(cfg: RunConfig, shares: list[np.ndarray], ids: list[str]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """Each share split into (what the device trains on, its held-out slice) by ``--eval-holdout``, as the
+    device does with its own data (``device.evaluate.hold_out``); the shares themselves when it is 0."""
+    if not cfg.eval_holdout > 0:
+        return shares, None
+    from fedsga_edge.device.evaluate import hold_out  # numpy only
+
+    pairs = [hold_out(share, cfg.eval_holdout, cfg.seed, cid) for share, cid in zip(shares, ids)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
 def make_model(cfg: RunConfig, bundle: DatasetBundle) -> "SplitModel":
@@ -172,6 +191,7 @@ def build_coordinator(plan: RunPlan) -> CoordinatorSide:
     strategy = create_strategy(cfg, K, plan.client_ids, train_flops)
     coordinator = Coordinator(model, cfg, plan.sizes, plan.bundle.num_classes, strategy, costs, device=plan.device,
                               name=COORDINATOR)
+    coordinator.fed_eval.expected.update(plan.eval_sizes)
     return CoordinatorSide(plan, model, costs, strategy, coordinator)
 
 
@@ -187,7 +207,8 @@ def build_client(plan: RunPlan, i: int, peer: Any, *, server: str = COORDINATOR,
     if not 0 <= i < len(plan.parts):
         raise ValueError(f"device index {i} out of range 0..{len(plan.parts) - 1} (--clients {plan.cfg.clients})")
     b = plan.bundle
-    data = ClientData(b.train, plan.parts[i], b.mean, b.std)
+    data = ClientData(b.train, plan.parts[i], b.mean, b.std,
+                      eval_indices=plan.eval_parts[i] if plan.eval_parts is not None else None)
     cid, cfg = plan.client_ids[i], plan.cfg
     if backend == "torch":
         from fedsga_edge.device.client import TorchClient

@@ -36,6 +36,10 @@ KINDS: tuple[str, ...] = (
     "gradient",
     "probe",
     "probe_result",
+    "evaluate",
+    "eval_result",
+    "describe",
+    "description",
     "update",
     "ack",
     "error",
@@ -52,6 +56,11 @@ REQUIRED_FIELDS: dict[str, dict[str, str]] = {
     "fetch": {"blocks": "list"},
     "probe": {"z1": "array", "zref": "array", "y": "array", "o": "list", "r_prev": "float"},
     "probe_result": {"L1": "float", "Lref": "float", "s": "int"},
+    # federated evaluation (issue 18): a held-out batch's eval-mode activations, and the coordinator's tally
+    "evaluate": {"z": "array", "y": "array", "split": "int"},
+    "eval_result": {"loss": "float", "correct": "int", "count": "int"},
+    # before its hello, a device with its own data asks what the run's classes and inputs are
+    "description": {"classes": "list", "image_size": "int", "mean": "list", "std": "list"},
     "error": {"reason": "str"},
 }
 
