@@ -5,7 +5,10 @@ over to its scheduler:
 
 - ``InProcessScheduler`` (``simulate``): the devices live in this process; each turn advances one
   device by one request (one local batch) in ``round_robin``, ``random`` or ``sequential`` order,
-  so the coordinator answers activations interleaved as it would from real devices.
+  so the coordinator answers activations interleaved as it would from real devices. The devices
+  take their turns in a permutation drawn per round from the run's seed (``--device-order
+  shuffled``), or in partition order every round (``fixed``): with a fixed order client-000 always
+  steps the shared server copy first and the last device always last (docs/method.md, "Rounds").
 - ``MessageScheduler`` (the coordinator service): the devices are elsewhere and their messages
   arrive on transport threads; it waits on the service's Condition, which updates and errors
   notify, so a round ends as soon as its last device is done, or at the deadline.
@@ -26,7 +29,21 @@ import numpy as np
 
 from .clock import Clock
 
-__all__ = ["Scheduler", "InProcessScheduler", "MessageScheduler"]
+__all__ = ["Scheduler", "InProcessScheduler", "MessageScheduler", "DEVICE_ORDER_STREAM", "round_order"]
+
+# The device order's own random stream: np.random.default_rng([seed, t, DEVICE_ORDER_STREAM]). Its
+# own stream, so drawing an order moves no other random draw (the random schedule's, the strategies').
+DEVICE_ORDER_STREAM = 19
+
+
+def round_order(n: int, t: int, seed: int, order: str = "shuffled") -> list[int]:
+    """Indices (into partition order) of the ``n`` devices in the order they take round ``t``'s turns:
+    a permutation that depends only on ``(seed, t)`` for ``shuffled``, ``0..n-1`` for ``fixed``."""
+    if order == "fixed":
+        return list(range(n))
+    if order != "shuffled":
+        raise ValueError(f"device order must be shuffled or fixed, got {order!r}")
+    return [int(i) for i in np.random.default_rng([seed, t, DEVICE_ORDER_STREAM]).permutation(n)]
 
 
 class Scheduler(Protocol):
@@ -43,13 +60,24 @@ class Scheduler(Protocol):
 
 
 class InProcessScheduler:
-    """Steps in-process device roles (``step``, ``abort``, ``busy``, ``cid``, ``last_error``) in turn."""
+    """Steps in-process device roles (``step``, ``abort``, ``busy``, ``cid``, ``last_error``) in turn.
 
-    def __init__(self, clients: Sequence[Any], schedule: str, rng: np.random.Generator) -> None:
+    ``order``/``seed``: the round's device order (``round_order``). It only orders the turns: the
+    devices started, and so the strategy's assignment, stay the partition-ordered list of ``devices``.
+    """
+
+    def __init__(self, clients: Sequence[Any], schedule: str, rng: np.random.Generator, *,
+                 order: str = "fixed", seed: int = 0) -> None:
         self.clients = list(clients)
         self.schedule = schedule
         self.rng = rng
+        self.order, self.seed = order, seed
+        round_order(len(self.clients), 1, seed, order)  # refuse an unknown order now, not at round 1
         self.lock: ContextManager[Any] = contextlib.nullcontext()  # one thread: nothing to exclude
+
+    def turn_order(self, t: int) -> list[Any]:
+        """The device roles in the order they take round ``t``'s turns."""
+        return [self.clients[i] for i in round_order(len(self.clients), t, self.seed, self.order)]
 
     def ready(self, first: int) -> None:
         pass
@@ -58,7 +86,7 @@ class InProcessScheduler:
         return [c.cid for c in self.clients]
 
     def advance(self, co: Any, clock: Clock) -> None:
-        active = [c for c in self.clients if c.busy]
+        active = [c for c in self.turn_order(co.round.t) if c.busy]
         while active and not co.tick(clock.now()):
             if self.schedule == "sequential":
                 client = active[0]

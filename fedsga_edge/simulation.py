@@ -66,7 +66,8 @@ class Simulation:
             cpeer.register(client.handle)
             self.clients.append(client)
         self.schedule_rng = np.random.default_rng([cfg.seed, 13])
-        self.scheduler = InProcessScheduler(self.clients, cfg.schedule, self.schedule_rng)
+        self.scheduler = InProcessScheduler(self.clients, cfg.schedule, self.schedule_rng,
+                                            order=cfg.device_order, seed=cfg.seed)
         b = self.bundle
         self.driver = RoundDriver(self.coordinator, self.peer, clock or VirtualClock(), self.scheduler,
                                   test=(b.test, b.mean, b.std))

@@ -46,9 +46,10 @@ def test_one_device_every_schedule_agrees(digits) -> None:
 
 
 def test_schedule_changes_the_order_the_server_sees(digits) -> None:
-    """Interleaved and one-after-another training are different computations with >1 device."""
-    rr = Simulation(tiny("static", clients=2, rounds=1, schedule="round_robin"), digits)
-    seq = Simulation(tiny("static", clients=2, rounds=1, schedule="sequential"), digits)
+    """Interleaved and one-after-another training are different computations with >1 device (in the
+    fixed device order, so that client-000 goes first; the shuffled order: tests/test_order.py)."""
+    rr = Simulation(tiny("static", clients=2, rounds=1, schedule="round_robin", device_order="fixed"), digits)
+    seq = Simulation(tiny("static", clients=2, rounds=1, schedule="sequential", device_order="fixed"), digits)
     order = {}
     for name, sim in (("rr", rr), ("seq", seq)):
         seen: list[str] = []
