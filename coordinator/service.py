@@ -70,9 +70,13 @@ class CoordinatorService:
         poll_s: float = 0.05,
         run_info: dict[str, Any] | None = None,
         resume: bool = False,
+        description: Any = None,
+        local_data: bool = False,
     ) -> None:
         """``test`` is ``(images, mean, std)`` for ``Coordinator.evaluate`` (None: no evaluation);
-        ``resume`` continues the run in ``run_dir`` from its checkpoint (none there: from round 1)."""
+        ``resume`` continues the run in ``run_dir`` from its checkpoint (none there: from round 1);
+        ``description`` (a ``fedsga_edge.data.local.RunData``) answers a device's ``describe``;
+        ``local_data``: the devices bring their own data, and each hello's ``num_samples`` is its size."""
         cfg = coordinator.cfg
         if not cfg.round_timeout > 0:
             raise ValueError("a field run needs a round deadline (--round-timeout > 0): without one a device "
@@ -80,6 +84,8 @@ class CoordinatorService:
         self.co = coordinator
         self.cfg = cfg
         self.peer = peer
+        self.description = description.to_wire() if description is not None else None
+        self.local_data = local_data
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.min_devices = len(coordinator.clients) if min_devices is None else int(min_devices)
@@ -127,6 +133,10 @@ class CoordinatorService:
         """Every message for the coordinator's address; hello/bye are the service's, the rest the round's."""
         if msg.kind == "hello":
             return self._on_hello(msg)
+        if msg.kind == "describe":
+            if self.description is None:
+                return self.peer.reply(msg, "error", {"reason": "this coordinator has no description of its data"})
+            return self.peer.reply(msg, "description", dict(self.description))
         if msg.kind == "bye":
             return self._on_bye(msg)
         try:
@@ -163,14 +173,20 @@ class CoordinatorService:
     def _on_hello(self, msg: Message) -> Message:
         body = msg.body
         expected = self.co.clients.get(msg.sender)
-        problem = _hello_problem(msg.sender, body, expected)
+        problem = (_local_hello_problem(msg.sender, body, expected) if self.local_data
+                   else _hello_problem(msg.sender, body, expected))
         if problem is not None:
             self._warn("hello_refused", str(msg.sender)[:140], reason=problem)
             return self.peer.reply(msg, "error", {"reason": problem})
         with self._cond:
             again = msg.sender in self.registered
+            if self.local_data:  # its own data: the size it reports weighs its updates (docs/protocol.md)
+                expected = self.co.clients[msg.sender] = body["num_samples"]
+                self.co.fed_eval.expected[msg.sender] = body.get("eval_samples", 0)
             self.registered[msg.sender] = {"backend": body["backend"], "num_samples": expected, "since": time.time(),
                                            "capabilities": dict(body.get("capabilities", {}))}
+            if self.local_data:
+                self.registered[msg.sender]["eval_samples"] = body.get("eval_samples", 0)
             n = len(self.registered)
             self._save_devices()
             self._cond.notify_all()
@@ -302,6 +318,7 @@ class CoordinatorService:
         old_lines = _count_lines(self.files.metrics_path)
         if not path.exists():  # died before its first round ended: nothing to keep
             self.registered = _restored_devices(self.run_dir, {}, self.co.clients)
+            self._restore_sizes()
             self.files.rewrite_metrics([])
             self.log.warning("resume", from_round=0, reason=f"no checkpoint in {self.run_dir}: starting at round 1",
                              dropped_metrics_lines=old_lines, registered=sorted(self.registered))
@@ -310,11 +327,23 @@ class CoordinatorService:
         self.driver.records = back.records
         self.driver.elapsed0 = back.elapsed_s
         self.registered = _restored_devices(self.run_dir, back.registered, self.co.clients)
+        self._restore_sizes()
         self._round = self.resumed_from = back.round
         self.files.rewrite_metrics(back.records)
         self.log.info("resume", from_round=self.resumed_from, next_round=self.resumed_from + 1,
                       metrics_lines=len(back.records), dropped_metrics_lines=max(old_lines - len(back.records), 0),
                       registered=sorted(self.registered))
+
+    def _restore_sizes(self) -> None:
+        """Devices with their own data told their sizes at hello: a resumed coordinator reads them back."""
+        if not self.local_data:
+            return
+        for d, info in self.registered.items():
+            n, e = info.get("num_samples"), info.get("eval_samples", 0)
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                self.co.clients[d] = n
+            if isinstance(e, int) and not isinstance(e, bool) and e >= 0:
+                self.co.fed_eval.expected[d] = e
 
     def _save_devices(self) -> None:
         """``devices.json``: who is registered now (call under the lock); a resumed coordinator reads it."""
@@ -369,6 +398,24 @@ def _hello_problem(sender: str, body: dict[str, Any], expected: int | None) -> s
     if body["num_samples"] != expected:
         return (f"num_samples {body['num_samples']} does not match this run's partition for {sender} "
                 f"({expected}): the device was built from a different config or data set")
+    if not isinstance(body.get("capabilities", {}), dict):
+        return "capabilities must be a map"
+    return None
+
+
+MAX_LOCAL_SAMPLES = 10**9
+
+
+def _local_hello_problem(sender: str, body: dict[str, Any], known: int | None) -> str | None:
+    """Why a device with its own data is refused: its size is its word, but a number of samples it must be."""
+    if known is None:
+        return f"unknown device {sender!r:.140}: not a device of this run (--clients)"
+    if not isinstance(body.get("backend"), str) or not body["backend"]:
+        return "hello must name the device's backend (a non-empty string)"
+    for key, low in (("num_samples", 2), ("eval_samples", 0)):
+        v = body.get(key, 0 if key == "eval_samples" else None)
+        if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= MAX_LOCAL_SAMPLES:
+            return f"hello must carry {key}, an integer in {low}..{MAX_LOCAL_SAMPLES}"
     if not isinstance(body.get("capabilities", {}), dict):
         return "capabilities must be a map"
     return None

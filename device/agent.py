@@ -209,8 +209,12 @@ class DeviceAgent:
             self._hello.verify(t)
 
     def _hello_body(self) -> dict[str, Any]:
-        return {"backend": self.backend, "num_samples": len(self.client.data), "capabilities": self.capabilities,
+        body = {"backend": self.backend, "num_samples": len(self.client.data), "capabilities": self.capabilities,
                 "rounds_done": self.rounds_done, "state_rounds": self.client.state.rounds}
+        held = getattr(self.client.data, "eval_indices", None)
+        if held is not None and len(held):  # the held-out slice's size: the weight of its federated evaluation
+            body["eval_samples"] = len(held)
+        return body
 
     # -- what the parts hold, under the names callers and tests use ----------------------------------
     registered = _Field("_progress", "registered")

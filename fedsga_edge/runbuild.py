@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedsga_edge.config import RunConfig
-from fedsga_edge.data import DatasetBundle, load_dataset, partition
+from fedsga_edge.data import ArrayImageSet, DatasetBundle, load_dataset, partition
+from fedsga_edge.data.local import RunData, read_local_data
 from fedsga_edge.runfiles import summarize  # re-exported: summary.json is made in one place
 from fedsga_edge.transport import Peer, Transport
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
     from fedsga_edge.models import CostTable, SplitModel
 
-__all__ = ["COORDINATOR", "RunPlan", "CoordinatorSide", "client_id", "plan_run", "make_model", "build_coordinator",
+__all__ = ["COORDINATOR", "RunPlan", "plan_local", "run_data_of", "make_client", "CoordinatorSide", "client_id", "plan_run", "make_model", "build_coordinator",
            "build_client", "coordinator_service", "device_agent", "default_run_id", "resolve_device", "validate_config",
            "summarize", "WIRE_FORMATS", "peer_format"]
 
@@ -102,6 +103,8 @@ class RunPlan:
     client_ids: list[str]
     # each client's held-out slice for federated evaluation (--eval-holdout), never trained on; None: none
     eval_parts: list[np.ndarray] | None = None
+    # the devices bring their own data (issue 18): this side holds none of it; sizes come with each hello
+    local: bool = False
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -169,6 +172,37 @@ def held_out_slices(cfg: RunConfig, shares: list[np.ndarray], ids: list[str]) ->
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+def run_data_of(bundle: DatasetBundle) -> RunData:
+    """What a coordinator announces about its run's data (``describe``): classes, input size, normalisation."""
+    return RunData(list(bundle.classes), int(bundle.image_size), tuple(bundle.mean), tuple(bundle.std))  # type: ignore[arg-type]
+
+
+def _data_only_bundle(run: RunData, train: Any = None, test: Any = None) -> DatasetBundle:
+    """A DatasetBundle that holds what ``run`` says (and the given image sets, else empty ones): what the
+    model factory and the ONNX artifact check read."""
+    S = run.image_size
+    empty = ArrayImageSet(np.empty((0, S, S, 3), np.uint8), np.empty(0, np.int64), image_size=S)
+    return DatasetBundle("local", train if train is not None else empty, test if test is not None else empty,
+                         len(run.classes), list(run.classes), S, run.mean, run.std)
+
+
+def plan_local(cfg: RunConfig, run: RunData, test: Any = None, *, seed_globals: bool = True) -> RunPlan:
+    """The coordinator's plan when the devices bring their own data (issue 18 item 2): the model, the class
+    list and the input size, no training data (``test``: an optional test set). Seeded as ``plan_run``, so
+    the model starts from the same weights as a simulation of the same config."""
+    validate_config(cfg)
+    if cfg.img_size and cfg.img_size != run.image_size:
+        raise ValueError(f"--img-size {cfg.img_size} but the run's data description says {run.image_size}")
+    if seed_globals:
+        _seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    if cfg.train.augment is None:  # the same rule as plan_run: crop + flip unless digits
+        cfg.train.augment = cfg.dataset != "digits"
+    ids = [client_id(i) for i in range(cfg.clients)]
+    return RunPlan(cfg, _data_only_bundle(run, test=test), device, [np.empty(0, np.int64) for _ in ids], ids,
+                   local=True)
+
+
 def make_model(cfg: RunConfig, bundle: DatasetBundle) -> "SplitModel":
     """``Simulation._make_model``: the backbone both sides build."""
     from fedsga_edge.models import create_model
@@ -209,12 +243,19 @@ def build_client(plan: RunPlan, i: int, peer: Any, *, server: str = COORDINATOR,
     b = plan.bundle
     data = ClientData(b.train, plan.parts[i], b.mean, b.std,
                       eval_indices=plan.eval_parts[i] if plan.eval_parts is not None else None)
-    cid, cfg = plan.client_ids[i], plan.cfg
+    return make_client(plan.cfg, plan.client_ids[i], data, b, plan.device, peer, server=server, backend=backend,
+                       artifacts=artifacts, threads=threads)
+
+
+def make_client(cfg: RunConfig, cid: str, data: Any, b: DatasetBundle, device: Any, peer: Any, *,
+                server: str = COORDINATOR, backend: str = "torch", artifacts: str | Path | None = None,
+                threads: int | None = None) -> Any:
+    """A device role on ``data`` (a ClientData) for the model ``cfg`` and ``b`` (classes, input size) describe."""
     if backend == "torch":
         from fedsga_edge.device.client import TorchClient
 
         return TorchClient(cid, data, lambda: make_model(cfg, b), peer, server=server, seed=cfg.seed,
-                           device=plan.device)
+                           device=device)
     if backend != "onnx":
         raise ValueError(f"--backend must be torch or onnx (got {backend!r})")
     if artifacts is None:
@@ -237,16 +278,32 @@ def coordinator_service(
     *,
     bundle: DatasetBundle | None = None,
     run_id: str | None = None,
+    run_data: RunData | None = None,
+    test_data: str | Path | None = None,
     **service_kwargs: Any,
 ) -> Any:
-    """A ready CoordinatorService (serving on ``transport``) for ``cfg``; ``run()`` or ``start()`` it."""
+    """A ready CoordinatorService (serving on ``transport``) for ``cfg``; ``run()`` or ``start()`` it.
+
+    ``run_data`` (classes, input size, normalisation): the devices bring their own data and this side loads
+    no dataset; ``test_data`` is then an optional test set (an image folder or npz, ``--test-data``)."""
     from fedsga_edge.coordinator.service import CoordinatorService
 
-    side = build_coordinator(plan_run(cfg, bundle))
+    if run_data is None:
+        side = build_coordinator(plan_run(cfg, bundle))
+        b = side.plan.bundle
+        test: Any = (b.test, b.mean, b.std)
+        run_data, info = run_data_of(b), side.run_info()
+    else:  # the devices bring their own data: this side holds none of it (issue 18 item 2)
+        test_set = read_local_data(test_data, run_data)[0] if test_data is not None else None
+        side = build_coordinator(plan_local(cfg, run_data, test_set))
+        b = side.plan.bundle
+        test = (b.test, b.mean, b.std) if test_set is not None else None
+        info = side.run_info() | {"client_sizes": {}, "local_data": run_data.to_wire() | {
+            "test_data": None if test_data is None else str(test_data),
+            "test_samples": 0 if test_set is None else len(test_set)}}
     peer = Peer(transport, COORDINATOR, run_id or default_run_id(cfg), tensor_format=peer_format(cfg))
-    b = side.plan.bundle
-    return CoordinatorService(side.coordinator, peer, run_dir, test=(b.test, b.mean, b.std), run_info=side.run_info(),
-                              **service_kwargs)
+    return CoordinatorService(side.coordinator, peer, run_dir, test=test, run_info=info, description=run_data,
+                              local_data=side.plan.local, **service_kwargs)
 
 
 def device_agent(
@@ -261,17 +318,52 @@ def device_agent(
     backend: str = "torch",
     artifacts: str | Path | None = None,
     threads: int | None = None,
+    data: str | Path | None = None,
     **agent_kwargs: Any,
 ) -> Any:
-    """Device ``i``'s DeviceAgent on ``transport`` (not started); restores its state from ``state_dir``."""
+    """Device ``i``'s DeviceAgent on ``transport`` (not started); restores its state from ``state_dir``.
+
+    ``data``: the device's own data (an image folder or npz, ``--data``), used whole; the run's classes and
+    input size come from the coordinator (``describe``), asked before the agent exists, so bad data is an
+    error here, before the device registers (issue 18 item 1)."""
     from fedsga_edge.device.agent import DeviceAgent
 
+    if data is not None:
+        return _local_device_agent(cfg, i, transport, state_dir, data, run_id=run_id, backend=backend,
+                                   artifacts=artifacts, threads=threads, **agent_kwargs)
     plan = plan or plan_run(cfg, bundle, seed_globals=False, torch_free=backend != "torch")
     if not 0 <= i < len(plan.client_ids):
         raise ValueError(f"device index {i} out of range 0..{len(plan.client_ids) - 1} (--clients {cfg.clients})")
     peer = Peer(transport, plan.client_ids[i], run_id or default_run_id(cfg), tensor_format=peer_format(plan.cfg))
     client = build_client(plan, i, peer, backend=backend, artifacts=artifacts, threads=threads)
     return DeviceAgent(client, peer, state_dir, server=COORDINATOR, **agent_kwargs)
+
+
+def _local_device_agent(cfg: RunConfig, i: int, transport: Transport, state_dir: str | Path, data: str | Path, *,
+                        run_id: str | None, backend: str, artifacts: str | Path | None, threads: int | None,
+                        **agent_kwargs: Any) -> Any:
+    from fedsga_edge.device.agent import DeviceAgent
+    from fedsga_edge.device.localdata import describe_run, local_client_data
+    from fedsga_edge.data.local import scan_local_data
+
+    validate_config(cfg)
+    if not 0 <= i < cfg.clients:
+        raise ValueError(f"device index {i} out of range 0..{cfg.clients - 1} (--clients {cfg.clients})")
+    scan_local_data(data)  # the layout first: no need to reach the coordinator to find an empty folder
+    cid = client_id(i)
+    peer = Peer(transport, cid, run_id or default_run_id(cfg), tensor_format=peer_format(cfg))
+    run = describe_run(peer, COORDINATOR, float(agent_kwargs.get("hello_timeout", 300.0)))
+    if cfg.img_size and cfg.img_size != run.image_size:
+        raise ValueError(f"--img-size {cfg.img_size} but the coordinator's run takes {run.image_size}x{run.image_size}")
+    cdata, counts = local_client_data(data, run, cfg, cid)
+    device = "cpu" if backend != "torch" else resolve_device(cfg.device)
+    client = make_client(cfg, cid, cdata, _data_only_bundle(run, train=cdata.images), device, peer,
+                         server=COORDINATOR, backend=backend, artifacts=artifacts, threads=threads)
+    agent = DeviceAgent(client, peer, state_dir, server=COORDINATOR, **agent_kwargs)
+    held = cdata.eval_indices
+    agent.log.info("local_data", path=str(data), samples=len(cdata.images), train=len(cdata),
+                   held_out=0 if held is None else len(held), classes=counts)  # stays on the device
+    return agent
 
 
 def _subset(labels: np.ndarray, n: int, seed: int) -> np.ndarray:

@@ -243,6 +243,13 @@ def coordinator(
     register_timeout: float = typer.Option(300.0, help="Seconds to wait for them; then go on with those there are."),
     max_packet: int = typer.Option(256 * 1024, help="Largest MQTT payload; bigger messages are chunked."),
     threads: int = typer.Option(0, help="torch intra-op threads (0 = torch's default)."),
+    classes: Optional[Path] = typer.Option(
+        None, help="The devices bring their own data (device --data): the run's classes, and no dataset here. A "
+        "dataset.json as `fedsga-edge partition` writes it (classes, image_size, mean, std), a JSON list, or a text "
+        "file with one class name per line (then --img-size gives the input size)."),
+    test_data: Optional[Path] = typer.Option(
+        None, help="With --classes: an optional test set of this coordinator's own (an image folder or npz, as "
+        "device --data reads it) for its test_acc beside the devices' federated figure."),
     **flags: Any,
 ) -> None:
     """Serve the server side of a run: wait for devices, run every round with a deadline, write the run files."""
@@ -259,10 +266,15 @@ def coordinator(
     cfg = _with_deadline(cfg)
     from fedsga_edge.runbuild import coordinator_service, default_run_id
 
+    if test_data is not None and classes is None:
+        raise typer.BadParameter("--test-data goes with --classes (a coordinator without training data); without "
+                                 "--classes the test set is the --dataset's")
+    run_data = _run_data(classes, cfg) if classes is not None else None
     transport = _transport(broker, default_run_id(cfg), "coordinator", max_packet)
     try:
         service = coordinator_service(cfg, transport, run_dir, min_devices=min_devices or cfg.clients,
-                                      register_timeout=register_timeout, resume=resume is not None)
+                                      register_timeout=register_timeout, resume=resume is not None,
+                                      run_data=run_data, test_data=test_data)
         signal.signal(signal.SIGTERM, lambda *_: service.stop())
         summary = service.run()
     except ValueError as exc:
@@ -286,6 +298,11 @@ def device(
     max_packet: int = typer.Option(256 * 1024, help="Largest MQTT payload; bigger messages are chunked."),
     threads: int = typer.Option(0, help="Intra-op threads of torch or onnxruntime (0 = the library's default)."),
     request_timeout: float = typer.Option(60.0, help="Seconds to wait for the coordinator's reply to one request."),
+    data: Optional[Path] = typer.Option(
+        None, help="This device's own data, used whole: a folder with one sub-folder per class (PNG, JPEG, ...) or "
+        "an npz (x_train, y_train, classes). The run's classes and input size come from the coordinator (started "
+        "with --classes); bad data is an error here, before the device registers. Without it the device rebuilds "
+        "its share of --dataset."),
     **flags: Any,
 ) -> None:
     """Run one device agent until the coordinator ends the run (or SIGTERM)."""
@@ -296,12 +313,20 @@ def device(
     if backend == "torch":
         set_threads(threads)  # the onnx backend passes them to onnxruntime and never imports torch
     cfg = _config(config, flags, ctx)
+    from fedsga_edge.data.local import LocalDataError
     from fedsga_edge.runbuild import client_id, default_run_id, device_agent
 
     transport = _transport(broker, default_run_id(cfg), client_id(index), max_packet, request_timeout)
     try:
-        agent = device_agent(cfg, index, transport, state_dir, backend=backend, artifacts=artifacts,
-                             threads=threads or None)
+        try:
+            agent = device_agent(cfg, index, transport, state_dir, backend=backend, artifacts=artifacts,
+                                 threads=threads or None, data=data)
+        except TimeoutError as exc:  # --data: the coordinator never described the run
+            typer.secho(f"error: {client_id(index)} is not registered: {exc}", fg="red", err=True)
+            raise typer.Exit(1) from None
+        except LocalDataError as exc:  # --data: its own data cannot be used; nothing was registered
+            typer.secho(f"error: {client_id(index)} did not register: its data: {exc}", fg="red", err=True)
+            raise typer.Exit(2) from None
         stopping = False
 
         def on_term(*_: Any) -> None:
@@ -347,10 +372,28 @@ def trial(
     artifacts: Optional[Path] = typer.Option(
         None, help="--backend onnx: `export --train` artifacts of the run's model; default: export them into OUT/artifacts."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    device_data: Optional[Path] = typer.Option(
+        None, help="Devices with their own data: DIR/client-NNN (a folder or .npz) for each device, as `fedsga-edge "
+        "partition` writes them. Each device process is started with its own folder only (device --data) and the "
+        "coordinator with no training data (--classes: DIR/dataset.json unless given)."),
+    classes: Optional[Path] = typer.Option(None, help="--device-data: the run's classes (see coordinator --classes)."),
+    test_data: Optional[Path] = typer.Option(None, help="--device-data: the coordinator's own test set (optional)."),
     **flags: Any,
 ) -> None:
     """A field trial on this machine: a broker, the coordinator and N device agents as separate processes."""
     cfg = _with_deadline(run_config(**_run_flags_of(flags)))
+    device_paths: list[Path] = []
+    coordinator_args: list[str] = []
+    if device_data is not None:
+        classes = classes or device_data / "dataset.json"
+        if not classes.exists():
+            raise typer.BadParameter(f"--device-data {device_data} has no dataset.json: give --classes")
+        device_paths = [p.resolve() for p in _device_folders(device_data, cfg.clients)]
+        coordinator_args = ["--classes", str(classes.resolve())]
+        if test_data is not None:
+            coordinator_args += ["--test-data", str(test_data.resolve())]
+    elif classes is not None or test_data is not None:
+        raise typer.BadParameter("--classes and --test-data go with --device-data")
     from fedsga_edge.simulation import validate_config
 
     try:
@@ -367,7 +410,7 @@ def trial(
     if backend not in ("torch", "onnx"):
         raise typer.BadParameter(f"--backend must be torch or onnx (got {backend!r})")
     if backend == "onnx":
-        artifacts = artifacts or _export_for_devices(cfg, out, quiet)
+        artifacts = artifacts or _export_for_devices(cfg, out, quiet, classes if device_data is not None else None)
         device_args = ["--backend", "onnx", "--artifacts", str(artifacts)]
     from fedsga_edge.runbuild import client_id, default_run_id
 
@@ -386,14 +429,15 @@ def trial(
         log = open(out / "logs" / "coordinator.out", "w")
         logs.append(log)
         procs["coordinator"] = subprocess.Popen(
-            base + ["coordinator", "--run-dir", str(out), "--register-timeout", str(startup_timeout)] + common,
+            base + ["coordinator", "--run-dir", str(out), "--register-timeout", str(startup_timeout)] + common
+            + coordinator_args,
             stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent, env=login_env("coordinator"))
         for i in range(cfg.clients):
             log = open(out / "logs" / f"device-{i:03d}.out", "w")
             logs.append(log)
             procs[f"device-{i:03d}"] = subprocess.Popen(
                 base + ["device", "--index", str(i), "--state-dir", str(out / "devices" / f"client-{i:03d}")] + common
-                + device_args,
+                + device_args + (["--data", str(device_paths[i])] if device_paths else []),
                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent, env=login_env(client_id(i)))
         _follow(out / "metrics.jsonl", procs["coordinator"], cfg.rounds, quiet)
         rc = procs["coordinator"].wait()
@@ -405,6 +449,29 @@ def trial(
     summary = json.loads((out / "summary.json").read_text())
     typer.echo(f"final_acc={summary.get('final_acc')} rounds={summary.get('rounds')} "
                f"failures={summary.get('failures')} -> {out}")
+
+
+def _run_data(classes: Path, cfg: Any) -> Any:
+    from fedsga_edge.data.local import LocalDataError, read_run_data
+
+    try:
+        return read_run_data(classes, cfg.img_size)
+    except LocalDataError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def _device_folders(device_data: Path, clients: int) -> list[Path]:
+    """``DIR/client-NNN`` (a folder, or ``client-NNN.npz``) for each device, as ``partition`` writes them."""
+    if not device_data.is_dir():
+        raise typer.BadParameter(f"--device-data {device_data} is not a folder (one sub-folder per device)")
+    out = []
+    for i in range(clients):
+        folder, npz = device_data / f"client-{i:03d}", device_data / f"client-{i:03d}.npz"
+        if not folder.exists() and not npz.exists():
+            raise typer.BadParameter(f"--device-data {device_data} has no client-{i:03d}/ (or client-{i:03d}.npz) for "
+                                     f"device {i} of --clients {clients}; `fedsga-edge partition` writes one per device")
+        out.append(folder if folder.exists() else npz)
+    return out
 
 
 def _stop_all(procs: dict[str, subprocess.Popen], logs: list[Any], local: Any) -> None:
@@ -423,21 +490,27 @@ def _stop_all(procs: dict[str, subprocess.Popen], logs: list[Any], local: Any) -
         local.stop()
 
 
-def _export_for_devices(cfg: Any, out: Path, quiet: bool) -> Path:
-    """``fedsga-edge export --train`` of the run's model for torch-free devices (weights come each round)."""
+def _export_for_devices(cfg: Any, out: Path, quiet: bool, classes: Optional[Path] = None) -> Path:
+    """``fedsga-edge export --train`` of the run's model for torch-free devices (weights come each round);
+    ``classes``: the run's data description (--device-data) instead of the dataset."""
     if cfg.model_args:
         raise typer.BadParameter("--backend onnx: the export takes no --model-arg; export the artifacts yourself "
                                  "and pass --artifacts")
-    from fedsga_edge.data import load_dataset
+    if classes is not None:
+        run = _run_data(classes, cfg)
+        num_classes, img_size = len(run.classes), cfg.img_size or run.image_size
+    else:
+        from fedsga_edge.data import load_dataset
 
-    bundle = load_dataset(cfg.dataset, cfg.data_root, image_size=cfg.img_size)
+        bundle = load_dataset(cfg.dataset, cfg.data_root, image_size=cfg.img_size)
+        num_classes, img_size = bundle.num_classes, cfg.img_size
     dest = out / "artifacts"
     cmd = [sys.executable, "-m", "fedsga_edge.cli.main", "export", "--model", cfg.model, "--train",
-           "--num-classes", str(bundle.num_classes), "--prompts", str(cfg.fedsga.prompts), "--out", str(dest)]
+           "--num-classes", str(num_classes), "--prompts", str(cfg.fedsga.prompts), "--out", str(dest)]
     if cfg.width is not None:
         cmd += ["--width", str(cfg.width)]
-    if cfg.img_size:
-        cmd += ["--img-size", str(cfg.img_size)]
+    if img_size:
+        cmd += ["--img-size", str(img_size)]
     if not quiet:
         typer.echo(f"exporting the devices' train graphs -> {dest} (log: {out / 'logs' / 'export.out'})")
     with open(out / "logs" / "export.out", "w") as log:

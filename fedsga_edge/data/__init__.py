@@ -6,6 +6,7 @@ and torchvision (CIFAR) are imported by the code that uses them.
 
 from .datasets import DATASETS, DatasetBundle, default_root, load_dataset
 from .imagesets import ArrayImageSet, DatasetError, FileImageSet, ImageSet
+from .local import LocalDataError, RunData, read_local_data, read_run_data, scan_local_data
 from .partition import SCHEMES, partition
 
 __all__ = [
@@ -16,7 +17,12 @@ __all__ = [
     "DatasetError",
     "FileImageSet",
     "ImageSet",
+    "LocalDataError",
+    "RunData",
     "default_root",
     "load_dataset",
     "partition",
+    "read_local_data",
+    "read_run_data",
+    "scan_local_data",
 ]
