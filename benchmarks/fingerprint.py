@@ -7,6 +7,10 @@ the same machine give the same hashes. Run it before and after a change and comp
     python benchmarks/fingerprint.py --json F   # also writes them to F
 
 Bit-identity holds on one machine and torch build (CPU kernels may differ elsewhere).
+
+Every run takes its devices in the fixed order (``--device-order fixed``), the only order before the
+per-round shuffled one became the default (issue 16): so the eight runs stay comparable with
+``fingerprint_before.json``. ``shuffled`` is the default order's run (static); it has no line there.
 """
 
 from __future__ import annotations
@@ -33,11 +37,12 @@ RUNS: dict[str, dict] = {
     "fedprox": {"strategy": "fedprox"},
     "resource": {"strategy": "resource"},
     "fedsga_noharm": {"strategy": "fedsga", "fedsga": FedSGAConfig(cal_every=1, harmonizer=False)},
+    "shuffled": {"strategy": "static", "device_order": "shuffled"},
 }
 
 
 def config(name: str) -> RunConfig:
-    extra = dict(RUNS[name])
+    extra = {"device_order": "fixed"} | RUNS[name]
     return RunConfig(dataset="digits", partition="dirichlet", alpha=0.3, clients=3, rounds=3, width=0.25, seed=0,
                      device="cpu", train=TrainConfig(local_epochs=1, max_batches=3), **extra)
 
