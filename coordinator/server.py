@@ -97,7 +97,7 @@ class Coordinator:
         self._stats = {"server_samples": {}, "remote_errors": [], "refused": 0, "started": now,
                        "clipped": {"activations": {}, "updates": {}}}
         self._last_seq = {}
-        return {cid: self._round_start_body(k, calibrate) for cid, k in assigned.items()}
+        return {cid: self._round_start_body(cid, k, calibrate) for cid, k in assigned.items()}
 
     @property
     def round_complete(self) -> bool:
@@ -151,7 +151,7 @@ class Coordinator:
             record["remote_errors_count"] = self._stats["refused"]
         return record
 
-    def _round_start_body(self, k: int | None, calibrate: bool) -> dict[str, Any]:
+    def _round_start_body(self, cid: str, k: int | None, calibrate: bool) -> dict[str, Any]:
         full = k == 0
         depth = self.model.num_blocks + 1 if full else self.model.depth_of(k if k is not None else 1)
         names = [n for n in self._snapshot if self.model.unit_of(n) < depth]
@@ -159,7 +159,9 @@ class Coordinator:
             "split": None if full else k,
             "full": full,
             "train": vars(self.strategy.device_train(self.cfg.train)),
-            "weights": to_numpy_state({n: self._snapshot[n] for n in names}),
+            # the strategy's copy for this device (FedMut's mutation; the snapshot itself by default)
+            "weights": to_numpy_state(self.strategy.device_weights(cid, self.round.t,
+                                                                   {n: self._snapshot[n] for n in names})),
         }
         body.update(self.strategy.round_start_fields(k, calibrate))
         body.update(self.fed_eval.round_start_fields())
@@ -254,7 +256,8 @@ class Coordinator:
             raise ValueError(f"block indices {sorted(blocks)} out of range 0..{L - 1}")
         if bool(msg.body.get("head")):
             blocks.add(L)
-        weights = {n: v for n, v in self._snapshot.items() if self.model.unit_of(n) in blocks}
+        weights = self.strategy.device_weights(
+            msg.sender, self.round.t, {n: v for n, v in self._snapshot.items() if self.model.unit_of(n) in blocks})
         return "weights", {"weights": to_numpy_state(weights)}
 
     def _on_update(self, msg: Message) -> tuple[str, dict[str, Any]]:

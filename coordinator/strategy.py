@@ -156,6 +156,12 @@ class Strategy:
         """The local training settings sent in every round start."""
         return dataclasses.replace(train, mu=0.0)
 
+    def device_weights(self, cid: str, t: int, weights: dict[str, "Tensor"]) -> dict[str, "Tensor"]:
+        """The global weights as device ``cid`` receives them in round t (its round start and its fetches):
+        FedMut sends each device a mutated copy. ``weights`` is a subset of the round's snapshot; the
+        default sends it unchanged (the same tensors, so nothing else moves)."""
+        return weights
+
     def round_start_fields(self, k: int | None, calibrate: bool) -> dict[str, Any]:
         """Method-specific fields of a device's ``round_start``; the device reads its method's
         settings from "fedsga" (None: a plain split or whole-model round)."""

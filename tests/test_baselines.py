@@ -4,6 +4,7 @@ rule fails the test (docs/method.md, "Baselines beyond the paper's own")."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -90,3 +91,71 @@ def test_musplitfed_refuses_a_server_side_it_cannot_step() -> None:
     cfg = tiny_config("musplitfed", server_copies="per_client")
     with pytest.raises(ValueError, match="server-copies shared"):
         make_server_side(nn.Linear(2, 2), nn.Module(), cfg, lambda d: 1.0, steps=2)
+
+
+# -- FedMut: mutated copies that average to the global model ---------------------------------------------
+
+def _fedmut_round_two(digits, clients: int, **args) -> tuple[Simulation, dict[str, dict], dict[str, torch.Tensor]]:
+    """Round 1 trained (no mutation yet: no global update), round 2 started: each device's round-start weights."""
+    from fedsga_edge.tensors import from_numpy
+
+    sim = Simulation(tiny_config("fedmut", rounds=2, clients=clients, max_batches=1, strategy_args=args), digits)
+    next(sim.rounds())
+    before = {n: v.clone() for n, v in sim.coordinator.model.state_dict().items()}
+    bodies = sim.coordinator.begin_round(2)
+    copies = {cid: {n: from_numpy(a, "cpu") for n, a in b["weights"].items()} for cid, b in bodies.items()}
+    return sim, copies, before
+
+
+def _mean(copies: dict[str, dict], name: str) -> torch.Tensor:
+    return torch.stack([c[name].double() for c in copies.values()]).mean(0)
+
+
+def test_fedmut_copies_average_to_the_global_model_and_differ_from_it(digits) -> None:
+    sim, copies, glob = _fedmut_round_two(digits, 4, acc_rate=0.0)
+    params = dict(sim.coordinator.model.named_parameters())
+    delta = sim.coordinator.strategy._delta
+    assert sorted(copies) == [f"client-00{i}" for i in range(4)]
+    for n, g in glob.items():
+        if n not in params:  # BatchNorm statistics and counters travel unmutated
+            assert all(torch.equal(c[n], g) for c in copies.values()), n
+            continue
+        # the pairs cancel: exactly in the factors (+1, -1), to float32 rounding in the weights
+        assert torch.allclose(_mean(copies, n), g.double(), rtol=0, atol=8 * torch.finfo(torch.float32).eps
+                              * (1 + float(g.abs().max()) + 4 * float(delta[n].abs().max()))), n
+        for c in copies.values():  # each copy is w +/- alpha g: mutated by alpha times the last update
+            assert torch.allclose((c[n] - g).abs().double(), 4.0 * delta[n].abs().double(), atol=1e-5), n
+    for c in copies.values():  # and so differs from the global model
+        assert max(float((c[n] - glob[n]).abs().max()) for n in params) > 1e-3
+    factors = sim.coordinator.strategy._factors
+    assert all(sum(f[n] for f in factors.values()) == 0.0 for n in params)
+    assert {f[n] for f in factors.values() for n in params} == {1.0, -1.0}
+    # a device's fetch is answered with its own copy, not the global model (FedAvg fetches the head)
+    head = [n for n in glob if sim.coordinator.model.unit_of(n) == sim.coordinator.model.num_blocks]
+    cid = "client-002"
+    fetch = SimpleNamespace(sender=cid, body={"blocks": [], "head": True})
+    kind, reply = sim.coordinator._on_fetch(fetch)
+    assert kind == "weights" and sorted(reply["weights"]) == sorted(head)
+    assert all(torch.equal(torch.from_numpy(reply["weights"][n]), copies[cid][n]) for n in head)
+    assert any(not torch.equal(copies[cid][n], glob[n]) for n in head)
+
+
+def test_fedmut_acceleration_leans_the_pairs_along_the_last_update(digits) -> None:
+    """The reference code's default: one of each pair gets -(1 - 0.3), so the copies' mean is
+    w + alpha * 0.3 / 2 * g in the first mutated round; with alpha = 0 nothing is mutated."""
+    sim, copies, glob = _fedmut_round_two(digits, 2)
+    delta = sim.coordinator.strategy._delta
+    for n, _ in sim.coordinator.model.named_parameters():
+        want = glob[n].double() + 4.0 * 0.3 / 2 * delta[n].double()
+        assert torch.allclose(_mean(copies, n), want, atol=1e-5), n
+    _, copies, glob = _fedmut_round_two(digits, 2, alpha=0.0)
+    assert all(torch.equal(c[n], glob[n]) for c in copies.values() for n in glob)
+
+
+def test_fedmut_odd_fleet_one_device_gets_the_global_model(digits) -> None:
+    sim, copies, glob = _fedmut_round_two(digits, 3, acc_rate=0.0)
+    plain = [cid for cid, c in copies.items() if all(torch.equal(c[n], glob[n]) for n in glob)]
+    assert len(plain) == 1
+    paired = [c for cid, c in copies.items() if cid not in plain]
+    for n, _ in sim.coordinator.model.named_parameters():
+        assert torch.allclose(_mean({"a": paired[0], "b": paired[1]}, n), glob[n].double(), atol=1e-6), n
