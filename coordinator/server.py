@@ -158,7 +158,7 @@ class Coordinator:
         body: dict[str, Any] = {
             "split": None if full else k,
             "full": full,
-            "train": vars(self.strategy.device_train(self.cfg.train)),
+            "train": self.strategy.device_train(self.cfg.train).to_wire(),
             # the strategy's copy for this device (FedMut's mutation; the snapshot itself by default)
             "weights": to_numpy_state(self.strategy.device_weights(cid, self.round.t,
                                                                    {n: self._snapshot[n] for n in names})),

@@ -91,7 +91,7 @@ class TorchBackend:
         model = self.model
         model.train()
         self._params = [p for j in range(depth) for p in model.blocks[j].parameters()]
-        if full:
+        if full and not cfg.freeze_head:  # FedBABU: the head stays as received (no step, no weight decay)
             self._params += list(model.head.parameters())
         self._anchor = [p.detach().clone() for p in self._params] if cfg.mu > 0 else None
         self._mu = cfg.mu

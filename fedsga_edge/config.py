@@ -37,11 +37,23 @@ class TrainConfig:
     mu: float = opt(0.0, "Proximal weight the device applies.", flag="--mu", cli=False, ge=0, le=1000, finite=True)
     augment: bool | None = opt(None, "Crop+flip (default: on except for digits).", flag="--augment/--no-augment")
     max_batches: int = opt(0, "Cap on batches per local epoch (0 = all).", ge=0, le=1_000_000, note="0 = all")
+    # the device keeps the classifier head as it received it (the strategy sets it: FedBABU)
+    freeze_head: bool = opt(False, "Whole-model rounds: train the body only, the head stays as received.",
+                            cli=False)
 
     def problems(self) -> list[str]:
         """What is out of range, each naming its flag: the CLI and a device reading a ``round_start``
         both check here, so a bad value is refused before any training starts."""
         return problems(self)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The ``round_start``'s "train" map. ``freeze_head`` travels only when set: a round of any other
+        method has the bytes it had before the field existed, and a device that predates it can still
+        take those rounds (it refuses a field it does not know)."""
+        out = dict(vars(self))
+        if not out["freeze_head"]:
+            del out["freeze_head"]
+        return out
 
 
 _TAU = "--tau-a and --tau-m must be finite numbers in (0, 100]"

@@ -159,3 +159,56 @@ def test_fedmut_odd_fleet_one_device_gets_the_global_model(digits) -> None:
     paired = [c for cid, c in copies.items() if cid not in plain]
     for n, _ in sim.coordinator.model.named_parameters():
         assert torch.allclose(_mean({"a": paired[0], "b": paired[1]}, n), glob[n].double(), atol=1e-6), n
+
+
+# -- FedBABU: the head never moves, the body trains ------------------------------------------------------
+
+def _head_and_body(model) -> tuple[dict, dict]:
+    state = {n: v.clone() for n, v in model.state_dict().items()}
+    head = {n: v for n, v in state.items() if model.unit_of(n) == model.num_blocks}
+    return head, {n: v for n, v in state.items() if n not in head}
+
+
+def test_fedbabu_head_bytes_unchanged_after_federated_rounds_body_trained(digits) -> None:
+    sim = Simulation(tiny_config("fedbabu", rounds=2, clients=2, max_batches=2), digits)
+    head0, body0 = _head_and_body(sim.coordinator.model)
+    assert head0 and body0
+    records = list(sim.rounds())
+    assert len(records) == 2 and all(r["failures"] == {} for r in records)
+    head, body = _head_and_body(sim.coordinator.model)
+    assert all(torch.equal(head[n], head0[n]) for n in head0)  # byte for byte
+    assert any(not torch.equal(body[n], body0[n]) for n in body0 if body0[n].is_floating_point())
+    for client in sim.clients:  # and every device kept it too (not only the aggregate)
+        dev_head, _ = _head_and_body(client.model)
+        assert all(torch.equal(dev_head[n], head0[n]) for n in head0)
+
+
+def test_torch_device_freezes_the_head_when_told_and_only_then(digits) -> None:
+    """The torch backend's whole-model step: with freeze_head the head's bytes stay, the body moves."""
+    import numpy as np
+
+    from fedsga_edge.config import TrainConfig
+
+    sim = Simulation(tiny_config("fedavg", rounds=1, clients=2), digits)
+    client = sim.clients[0]
+    be = client.backend
+    idx = client.data.indices[:16]
+    for freeze in (True, False):
+        head0, body0 = _head_and_body(be.model)
+        be.train_begin(TrainConfig(freeze_head=freeze), be.num_blocks, True, None)
+        x = be.inputs(client.data.images.get_batch(idx), False)
+        y = np.asarray(client.data.images.labels[idx], dtype=np.int64)
+        for _ in range(2):
+            be.full_step(x, y)
+        be.train_end()
+        head, body = _head_and_body(be.model)
+        assert all(torch.equal(head[n], head0[n]) for n in head0) == freeze
+        assert any(not torch.equal(body[n], body0[n]) for n in body0 if body0[n].is_floating_point())
+
+
+def test_freeze_head_travels_only_when_set() -> None:
+    """Other methods' round starts keep their bytes (and a device predating the field takes them)."""
+    from fedsga_edge.config import TrainConfig
+
+    assert "freeze_head" not in TrainConfig().to_wire()
+    assert TrainConfig(freeze_head=True).to_wire()["freeze_head"] is True
