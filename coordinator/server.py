@@ -37,9 +37,28 @@ from .round import RoundError, RoundState
 from .server_side import make_server_side
 from .strategy import Strategy
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "samples_per_epoch"]
 
 _MAX_REFUSALS_KEPT = 50  # reasons kept per round in the record; the count goes on
+
+
+def samples_per_epoch(n: int, batch_size: int, max_batches: int) -> int:
+    """Samples a device with ``n`` samples trains per local epoch: its batches as the device cuts them
+    (a last batch of one folded into the one before), at most ``max_batches`` of them (0 = all)."""
+    if n <= 0:
+        return 0
+    sizes = [batch_size] * (-(-n // batch_size))
+    sizes[-1] = n - batch_size * (len(sizes) - 1)
+    if len(sizes) > 1 and sizes[-1] < 2:
+        last = sizes.pop()  # (not ``sizes[-2] += sizes.pop()``: that stores into the list after the pop)
+        sizes[-1] += last
+    return sum(sizes[:max_batches] if max_batches else sizes)
+
+
+def _client_part(flops: Any) -> int:
+    """The "client" count of a strategy's ``{"client": int, ...}`` FLOPs field; 0 when it is absent."""
+    value = flops.get("client", 0) if isinstance(flops, dict) else 0
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
 
 
 class Coordinator:
@@ -135,14 +154,9 @@ class Coordinator:
         for cid, u in updates.items():
             k = int(u["split"])
             self.split_samples[k] = self.split_samples.get(k, 0) + self.clients[cid]
-        # docs/method.md, "Costs": training FLOPs per sample at each device's split, weighted by |D_i|
-        total = sum(self.clients[c] for c in updates)
-        record["client_flops_per_sample"] = (sum(self.clients[c] * self.costs.train(int(u["split"]))
-                                                 for c, u in updates.items()) / total if total else 0.0)
-        record["client_params"] = (float(np.mean([self.costs.params[int(u["split"])] for u in updates.values()]))
-                                   if updates else 0.0)
         self.strategy.end_round(updates, record)
         self.fed_eval.end_round(updates, record)
+        record.update(self._client_costs(updates, record))
         clipped = {kind: counts for kind, counts in self._stats["clipped"].items() if counts}
         if clipped:  # samples / units scaled down to the fleet's bound, per device
             record["clipped"] = clipped
@@ -150,6 +164,28 @@ class Coordinator:
             record["remote_errors"] = list(self._stats["remote_errors"])  # later refusals must not grow a written record
             record["remote_errors_count"] = self._stats["refused"]
         return record
+
+    def _client_costs(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> dict[str, Any]:
+        """docs/method.md, "Costs": what the round's devices computed per sample they trained.
+
+        Training FLOPs at each device's split plus what the method adds on the device (FedSGA's
+        observation forward and calibration probes: the strategy's ``observation_flops`` and
+        ``calibration_flops`` "client" totals, absent for other strategies), over the samples trained;
+        each device weighs by the samples it trained (|D_i| x local epochs), ``client_params`` too.
+        """
+        tc = self.cfg.train
+        seen = {c: tc.local_epochs * samples_per_epoch(self.clients[c], tc.batch_size, tc.max_batches)
+                for c in updates}
+        total = sum(seen.values())
+        if not total:
+            return {"client_flops_per_sample": 0.0, "client_train_flops_per_sample": 0.0,
+                    "client_method_flops_per_sample": 0.0, "client_params": 0.0, "client_samples": 0}
+        train = sum(seen[c] * self.costs.train(int(u["split"])) for c, u in updates.items())
+        method = sum(_client_part(record.get(key)) for key in ("observation_flops", "calibration_flops"))
+        params = sum(seen[c] * self.costs.params[int(u["split"])] for c, u in updates.items())
+        return {"client_flops_per_sample": (train + method) / total, "client_train_flops_per_sample": train / total,
+                "client_method_flops_per_sample": method / total, "client_params": params / total,
+                "client_samples": int(total)}
 
     def _round_start_body(self, cid: str, k: int | None, calibrate: bool) -> dict[str, Any]:
         full = k == 0

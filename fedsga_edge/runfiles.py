@@ -161,6 +161,7 @@ def summarize(records: list[dict[str, Any]], cfg: "RunConfig", wall_s: float) ->
     """``summary.json``: the run in one object (a run stopped before its first round has no means: None)."""
     accs = [r["test_acc"] for r in records if "test_acc" in r]
     cal = [r.get("calibration_flops", {}) for r in records]
+    obs = [r.get("observation_flops", {}) for r in records]
     return {
         "strategy": cfg.strategy,
         "rounds": len(records),
@@ -169,7 +170,13 @@ def summarize(records: list[dict[str, Any]], cfg: "RunConfig", wall_s: float) ->
         "eval_split": next((r["eval_split"] for r in reversed(records) if "test_acc_by_split" in r), None),
         "best_acc": max(accs) if accs else None,
         "final_test_loss": next((r["test_loss"] for r in reversed(records) if "test_loss" in r), None),
+        # docs/method.md, "Costs": per-round means; the parts are apart in runs recorded since they were
+        # (before, client_flops_per_sample was training alone: that is what such a round's train part is)
         "client_flops_per_sample": _mean([r["client_flops_per_sample"] for r in records]),
+        "client_train_flops_per_sample": _mean([r.get("client_train_flops_per_sample", r["client_flops_per_sample"])
+                                                for r in records]),
+        "client_method_flops_per_sample": _mean([r["client_method_flops_per_sample"] for r in records
+                                                 if "client_method_flops_per_sample" in r]),
         "client_params": _mean([r["client_params"] for r in records]),
         "bytes_total": int(sum(r["bytes_up"] + r["bytes_down"] for r in records)),
         "bytes_up": int(sum(r["bytes_up"] for r in records)),
@@ -178,6 +185,7 @@ def summarize(records: list[dict[str, Any]], cfg: "RunConfig", wall_s: float) ->
             "client": int(sum(c.get("client", 0) for c in cal)),
             "server": int(sum(c.get("server", 0) for c in cal)),
         },
+        "observation_flops": {"client": int(sum(c.get("client", 0) for c in obs))},
         "split_histogram": _histogram(records),
         "failures": sum(len(r.get("failures", {})) for r in records),
         "wall_s": wall_s,

@@ -245,7 +245,9 @@ def test_evaluation_under_every_depth_embedding(digits) -> None:
 
 
 def test_client_flops_are_weighted_by_data(digits) -> None:
-    sim = Simulation(tiny("random", clients=3, rounds=1, partition="dirichlet", alpha=0.3), digits)
+    """Every sample trained once (no batch cap), so the samples trained are |D_i| (tests/test_cost.py)."""
+    sim = Simulation(tiny_config("random", clients=3, rounds=1, partition="dirichlet", alpha=0.3, train_subset=240,
+                                 batch_size=16, max_batches=0), digits)
     rec = next(sim.rounds())
     sizes = sim.coordinator.clients
     expect = sum(sizes[c] * sim.costs.train(k) for c, k in rec["splits"].items()) / sum(sizes[c] for c in rec["splits"])
