@@ -161,6 +161,25 @@ def test_fedmut_odd_fleet_one_device_gets_the_global_model(digits) -> None:
         assert torch.allclose(_mean({"a": paired[0], "b": paired[1]}, n), glob[n].double(), atol=1e-6), n
 
 
+
+def test_fedmut_mutation_state_survives_a_checkpoint(digits, tmp_path) -> None:
+    """A resumed coordinator sends the same mutated copies: w_prev, the acceleration's clock and the
+    factors' generator are in the checkpoint (torch.save / weights_only load, as the service does)."""
+    cfg = tiny_config("fedmut", rounds=3, clients=2, max_batches=1)
+    sim = Simulation(cfg, digits)
+    gen = sim.rounds()
+    next(gen), next(gen)
+    torch.save(sim.coordinator.checkpoint_state(), tmp_path / "ck.pt")
+    other = Simulation(cfg, digits)
+    other.coordinator.restore(torch.load(tmp_path / "ck.pt", weights_only=True))
+    a, b = sim.coordinator.begin_round(3), other.coordinator.begin_round(3)
+    assert sim.coordinator.strategy.mutations == other.coordinator.strategy.mutations == 2
+    for cid in a:
+        assert a[cid]["weights"].keys() == b[cid]["weights"].keys()
+        assert all((a[cid]["weights"][n] == b[cid]["weights"][n]).all() for n in a[cid]["weights"])
+    glob = sim.coordinator.model.state_dict()
+    assert any(not torch.equal(torch.from_numpy(a[cid]["weights"][n]), glob[n]) for cid in a for n in glob)
+
 # -- FedBABU: the head never moves, the body trains ------------------------------------------------------
 
 def _head_and_body(model) -> tuple[dict, dict]:
