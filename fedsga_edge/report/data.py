@@ -428,3 +428,49 @@ def summary_rows(runs: list[Run]) -> list[dict[str, Any]]:
                 "complete": r.summary is not None,
             })
     return rows
+
+
+# -- federated evaluation (issue 18) -----------------------------------------------------------------------
+def federated_curves(runs: list[Run]) -> list[dict[str, Any]]:
+    """Per run with a federated figure: its ``fed_acc`` per model (x: ``fed_model_round``, the round after
+    which the model was aggregated; 0 = the initial model), the coordinator's ``test_acc`` of the same run
+    (x: its round, the model after it) and each device's accuracy (``fed_by_device``)."""
+    out = []
+    for r in runs:
+        fed: dict[int, float] = {}
+        devices: dict[str, dict[int, float]] = {}
+        for row in r.rows:
+            acc, m = _num(row.get("fed_acc")), row.get("fed_model_round")
+            if acc is None or not isinstance(m, int) or isinstance(m, bool):
+                continue
+            fed[m] = acc
+            by = row.get("fed_by_device")
+            for cid, d in (by.items() if isinstance(by, dict) else []):
+                a = _num(d.get("acc")) if isinstance(d, dict) else None
+                if a is not None:
+                    devices.setdefault(str(cid), {})[m] = a
+        if not fed:
+            continue
+        test = {int(row["round"]): a for row in r.rows
+                if isinstance(row.get("round"), int) and (a := _num(row.get("test_acc"))) is not None}
+        out.append({"label": r.name, "method": r.method, "fed": sorted(fed.items()), "test": sorted(test.items()),
+                    "devices": {c: sorted(v.items()) for c, v in sorted(devices.items())}})
+    return out
+
+
+def federated_device_rows(runs: list[Run]) -> list[dict[str, Any]]:
+    """Each device's federated accuracy on the last model the devices evaluated, per run (worst first): who
+    the model serves badly."""
+    rows = []
+    for r in runs:
+        last = next((row for row in reversed(r.rows) if isinstance(row.get("fed_by_device"), dict)), None)
+        if last is None:
+            continue
+        test = next((_num(row.get("test_acc")) for row in r.rows
+                     if row.get("round") == last.get("fed_model_round") and _num(row.get("test_acc")) is not None), None)
+        devs = [(str(c), d) for c, d in last["fed_by_device"].items() if isinstance(d, dict) and _num(d.get("acc")) is not None]
+        for cid, d in sorted(devs, key=lambda cd: (_num(cd[1].get("acc")), cd[0])):
+            rows.append({"run": r.name, "model_round": last.get("fed_model_round"), "device": cid,
+                         "acc": _num(d.get("acc")), "loss": _num(d.get("loss")), "count": d.get("count"),
+                         "fed_acc": _num(last.get("fed_acc")), "test_acc": test})
+    return rows

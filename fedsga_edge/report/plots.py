@@ -19,6 +19,7 @@ __all__ = [
     "plot_bytes",
     "plot_descriptor_entropy",
     "plot_estimator_losses",
+    "plot_federated",
     "plot_latency",
     "plot_reliability",
     "plot_split_depths",
@@ -319,5 +320,30 @@ def plot_descriptor_entropy(curves: list[dict[str, Any]]):
     ax.grid(alpha=0.3)
     _int_xaxis(ax)
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_federated(curves: list[dict[str, Any]], max_runs: int = 6):
+    """Per run: the devices' federated accuracy of each model (bold), the coordinator's test accuracy of the
+    same model (dashed) and each device's own figure (thin): who the model serves badly."""
+    plt = _plt()
+    shown = curves[:max_runs]
+    fig, axes = plt.subplots(len(shown), 1, figsize=(8, 2.9 * len(shown) + 0.3), squeeze=False)
+    for ax, c in zip((a[0] for a in axes), shown):
+        for j, (cid, pts) in enumerate(c["devices"].items()):
+            ax.plot([m for m, _ in pts], [a for _, a in pts], color="0.6", lw=0.8, alpha=0.8,
+                    label="each device" if j == 0 else None)
+        ax.plot([m for m, _ in c["fed"]], [a for _, a in c["fed"]], color=_color(c["method"]), lw=2, marker="o",
+                ms=3, label="federated (devices' held-out data)")
+        if c["test"]:
+            ax.plot([m for m, _ in c["test"]], [a for _, a in c["test"]], color="k", ls="--", lw=1.2,
+                    label="coordinator's test set")
+        ax.set_title(c["label"], fontsize=9)
+        ax.set_xlabel("model after round")
+        ax.set_ylabel("accuracy")
+        ax.grid(alpha=0.3)
+        _int_xaxis(ax)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     return fig

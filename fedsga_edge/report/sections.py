@@ -43,8 +43,8 @@ class Plot:
 
 def plots(i: Inputs) -> list[Plot]:
     """Every plot section of the report, in page order."""
-    return [accuracy(i), splits(i), reliability(i), estimator_losses(i), tradeoff(i), wire_bytes(i), latency(i),
-            acc_by_split(i), descriptor_entropy(i)]
+    return [accuracy(i), federated(i), splits(i), reliability(i), estimator_losses(i), tradeoff(i), wire_bytes(i),
+            latency(i), acc_by_split(i), descriptor_entropy(i)]
 
 
 def _if_runs(i: Inputs, note: str) -> str:
@@ -171,3 +171,29 @@ def descriptor_entropy(i: Inputs) -> Plot:
                 lambda: D.descriptor_entropy(i.runs), P.plot_descriptor_entropy,
                 _if_runs(i, "these runs' client records hold no <code>descriptor_entropy</code> "
                             "(written by newer versions)."))
+
+
+def federated(i: Inputs) -> Plot:
+    return Plot(Section("federated", "Federated accuracy on the devices' own data",
+                        "Runs with <code>--eval-holdout</code>: each device evaluates the global model on a "
+                        "held-out slice of its own data (<code>fed_acc</code>, weighted by each device's count) "
+                        "beside the coordinator's test accuracy of the same model, when it has a test set; thin "
+                        "lines are the devices, the table their last figures, worst first.",
+                        extra_html=_federated_table(i.runs)),
+                lambda: D.federated_curves(i.runs), P.plot_federated,
+                _if_runs(i, "no run has <code>fed_acc</code> in metrics.jsonl (run with <code>--eval-holdout</code>)."))
+
+
+def _federated_table(runs: list[Run]) -> str:
+    rows = D.federated_device_rows(runs)
+    if not rows:
+        return ""
+
+    def pct(x: Any) -> str:
+        return "—" if x is None else f"{100 * x:.2f}"
+
+    head = ["run", "model after round", "device", "accuracy (%)", "loss", "samples", "federated (%)", "test (%)"]
+    body = [[r["run"], str(r["model_round"]), r["device"], pct(r["acc"]),
+             "—" if r["loss"] is None else f"{r['loss']:.3f}", str(r["count"]), pct(r["fed_acc"]), pct(r["test_acc"])]
+            for r in rows]
+    return table_html(head, body, ["l", "", "l"] + [""] * 5)
