@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 from _bench import load_bench
+from _runs import assert_test_accuracy
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +16,7 @@ def bench():
 
 
 @pytest.mark.slow
-def test_smoke_preset_writes_tables_and_resumes(bench, tmp_path, capsys):
+def test_smoke_preset_writes_tables_and_resumes(bench, tmp_path, capsys, digits):
     import torch
 
     threads = torch.get_num_threads()
@@ -30,9 +31,15 @@ def test_smoke_preset_writes_tables_and_resumes(bench, tmp_path, capsys):
     assert keys == {(m, "iid", s) for m in ("static", "fedsga") for s in (0, 1)}
     for r in results["runs"]:
         s = r["summary"]
-        assert 0.0 <= s["final_acc"] <= 1.0
+        rows = [json.loads(line) for line in (tmp_path / r["dir"] / "metrics.jsonl").read_text().splitlines()]
+        # the headline is the last round's count of right answers over the whole test set, as metrics.jsonl has it
+        assert s["final_acc"] == rows[-1]["test_acc"]
+        assert_test_accuracy(rows[-1], len(digits.test))
         assert s["client_flops_per_sample"] > 0 and s["client_params"] > 0
-        assert (tmp_path / r["dir"] / "metrics.jsonl").exists()
+        # client FLOPs: training plus what the method adds on the device (FedSGA's observation and probes)
+        assert s["client_flops_per_sample"] == pytest.approx(s["client_train_flops_per_sample"]
+                                                             + s["client_method_flops_per_sample"])
+        assert (s["client_method_flops_per_sample"] > 0) == (r["method"] == "fedsga")
     fedsga = [r["summary"] for r in results["runs"] if r["method"] == "fedsga"]
     assert all(s["calibration_flops"]["client"] > 0 and s["calibration_all_k_flops"] > 0 for s in fedsga)
     assert all("mean_r" in s["diagnostics"] and "s_positive_rate" in s["diagnostics"] for s in fedsga)

@@ -19,6 +19,8 @@ import numpy as np
 import psutil
 import pytest
 
+from _runs import assert_test_accuracy
+
 from fedsga_edge.broker.launch import (RunLogins, embedded_available, mosquitto_path, start_embedded,
                                             start_mosquitto, start_secured_mosquitto)
 
@@ -74,7 +76,7 @@ def _toml_logins(conf: Path) -> dict[str, str]:
 
 
 @needs_embedded
-def test_trial_runs_every_device_in_every_round_on_the_embedded_broker(tmp_path) -> None:
+def test_trial_runs_every_device_in_every_round_on_the_embedded_broker(tmp_path, digits) -> None:
     """...and its broker takes only the run's logins, handed to each process in its environment."""
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "fedsga_edge.cli.main", "trial", "--clients", "3", "--rounds", "2",
@@ -111,7 +113,10 @@ def test_trial_runs_every_device_in_every_round_on_the_embedded_broker(tmp_path)
         assert set(r["splits"]) == {"client-000", "client-001", "client-002"} and r["failures"] == {}
     assert "L1" in rows[0]["clients"]["client-000"]  # round 1 calibrates over the wire too
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["rounds"] == 2 and summary["failures"] == 0 and 0 <= summary["final_acc"] <= 1
+    assert summary["rounds"] == 2 and summary["failures"] == 0
+    # the headline is the last evaluation's count of right answers over the whole digits test set
+    assert summary["final_acc"] == rows[-1]["test_acc"] and summary["best_acc"] == max(r["test_acc"] for r in rows)
+    assert_test_accuracy(rows[-1], len(digits.test))
     for name in ("broker.out", "broker.toml", "coordinator.out", "device-000.out", "device-002.out"):
         assert (out / "logs" / name).is_file()
     assert "embedded broker" in (out / "logs" / "broker.out").read_text()  # no per-packet trace either
