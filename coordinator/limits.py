@@ -14,7 +14,7 @@ __all__ = ["MAX_ABS_VALUE", "REPORT_FIELDS", "check_values", "all_finite", "chec
 MAX_ABS_VALUE = 1e6
 # Per-client numbers an update may report (docs/method.md); copied into metrics.jsonl, so checked here.
 REPORT_FIELDS = ("a", "delta", "q", "r", "r_prev", "k_policy", "L1", "Lref", "s", "descriptor_entropy",
-                 "probe_samples", "steps")
+                 "probe_samples", "obs_samples", "steps")
 
 
 def check_values(arr: np.ndarray, what: str) -> None:
@@ -44,5 +44,6 @@ def check_report(body: dict[str, Any]) -> None:
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                               or abs(v) > MAX_ABS_VALUE):
             raise ValueError(f"{key} must be a finite number, got {type(v).__name__}")
-    if body.get("probe_samples") is not None and (not isinstance(body["probe_samples"], int) or body["probe_samples"] < 0):
-        raise ValueError("probe_samples must be a non-negative integer")
+    for key in ("probe_samples", "obs_samples"):  # counts that FLOPs are multiplied by
+        if body.get(key) is not None and (not isinstance(body[key], int) or body[key] < 0):
+            raise ValueError(f"{key} must be a non-negative integer")

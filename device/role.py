@@ -100,7 +100,7 @@ class Backend(Protocol):
 
 @dataclass
 class ClientData:
-    """The device's private data: an ImageSet and the indices it owns."""
+    """The device's private data: an ImageSet and the indices it owns (``indices``: the ones it trains on)."""
 
     images: Any  # fedsga_edge.data.ImageSet
     indices: np.ndarray
@@ -108,9 +108,26 @@ class ClientData:
     std: tuple[float, float, float]
     # held out for federated evaluation, never trained on (device/evaluate.py); None: no slice
     eval_indices: np.ndarray | None = None
+    # held out for the calibration probe, never trained on (docs/method.md, "Calibration"); None: no slice
+    probe_indices: np.ndarray | None = None
 
     def __len__(self) -> int:
-        return len(self.indices)
+        """The samples the device trains on plus its probe slice (the evaluation slice is apart): what
+        ``hello`` and the update declare, and what aggregation weighs by."""
+        return len(self.indices) + (0 if self.probe_indices is None else len(self.probe_indices))
+
+    def hold_out_probe(self, fraction: float, seq: np.random.SeedSequence) -> None:
+        """Move ``fraction`` of ``indices`` (at least 2, drawn by ``seq``) to ``probe_indices``, once.
+
+        Deterministic given ``seq``; a device with fewer than 4 samples keeps them all for training."""
+        n = len(self.indices)
+        if self.probe_indices is not None or fraction <= 0 or n < 4:
+            return
+        take = min(max(2, int(round(fraction * n))), n - 2)
+        chosen = np.zeros(n, dtype=bool)
+        chosen[np.random.default_rng(seq).choice(n, size=take, replace=False)] = True
+        self.probe_indices = self.indices[chosen]
+        self.indices = self.indices[~chosen]
 
 
 @dataclass
@@ -122,6 +139,7 @@ class PrivateState:
     m_prev: np.ndarray | None = None  # descriptor before the last one
     m_last: np.ndarray | None = None  # descriptor from the last local training
     H_prev: np.ndarray | None = None  # batch-mean pooled p_1 features at the last observation
+    # extra["q"]: the prompts' weighted movement in the last local training (Eq. 5 as docs/method.md states it)
     rounds: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -199,6 +217,12 @@ class SplitClient:
         self.peer = peer
         self.server = server
         self.rng = rng
+        # The probe slice's own seed: a child of the device generator's seed (the seed and the device id),
+        # so holding it out draws nothing from the batch order's stream.
+        ss = getattr(rng.bit_generator, "seed_seq", None)
+        if ss is None:
+            ss = np.random.SeedSequence(stable_hash(cid))
+        self._probe_seq = np.random.SeedSequence(ss.entropy, spawn_key=(*ss.spawn_key, _PROBE_SPAWN_KEY))
         self.state = PrivateState()
         self._task: _Task | None = None
         self.last_error: str | None = None
@@ -287,6 +311,8 @@ class SplitClient:
                                "needs --backend torch")
         have = _check_weights(be, body["weights"])
         be.load(body["weights"])
+        if fed is not None and fed.estimator and not full:  # the strategy calibrates: probe on unseen data
+            self.data.hold_out_probe(fed.probe_holdout, self._probe_seq)
         use_prompts = fed is not None and fed.adapt and fed.prompts > 0
         if use_prompts and self.state.prompts is None:
             self.state.prompts = be.init_prompts(fed.prompts)
@@ -357,15 +383,23 @@ class SplitClient:
         return float(reply.body["loss"])
 
     def _learn_prompts(self, plan: _Plan, trained: _Trained) -> None:
-        """Keeps the trained prompts and their descriptor (Eq. 2) for the next round's observation."""
-        prompts, fed = plan.prompts, plan.fed
-        if prompts is not None and trained.new_prompts is not None:
+        """Keeps the trained prompts, their descriptor (Eq. 2) and how far they moved (q, Eq. 5) for the
+        next round's observation.
+
+        q = ||sum_k alpha_k (e_k after - e_k before)|| with this round's weights alpha on both sides
+        (docs/method.md, "Observation"): it follows the prompts' movement, not which token alpha favours.
+        """
+        before, fed = plan.prompts, plan.fed
+        prompts = before
+        if before is not None and trained.new_prompts is not None:
             self.state.prompts = plan.prompts = prompts = trained.new_prompts
         if prompts is not None and fed is not None and trained.contrib is not None:
             mean_c = trained.contrib / max(trained.steps, 1)
+            alpha = descriptor_weights(mean_c, fed.tau_m)
             self.state.m_prev = self.state.m_last
             self.state.m_last = descriptor(prompts, mean_c, fed.tau_m)
-            plan.report["descriptor_entropy"] = weight_entropy(descriptor_weights(mean_c, fed.tau_m))
+            self.state.extra["q"] = prompt_variation(prompts, before, alpha)
+            plan.report["descriptor_entropy"] = weight_entropy(alpha)
 
     def _calibrate(self, body: dict[str, Any], plan: _Plan) -> _Steps[None]:
         """On a calibration round: the probe, after local training and before aggregation (docs/method.md)."""
@@ -392,6 +426,13 @@ class SplitClient:
         return report
 
     # -- pieces -----------------------------------------------------------------------------------
+    def _probe_batch(self, batch_size: int) -> np.ndarray:
+        """Up to one batch of the probe slice (a batch of the training data when there is no slice)."""
+        held = self.data.probe_indices
+        if held is None:
+            return self._batches(batch_size, 1)[0]
+        return held[self.rng.permutation(len(held))][:batch_size]
+
     def _batches(self, batch_size: int, max_batches: int) -> list[np.ndarray]:
         order = self.data.indices[self.rng.permutation(len(self.data.indices))]
         out = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
@@ -413,7 +454,7 @@ class SplitClient:
         obs = Observation(
             a=alignment(shallow_head(body["phi_s"], hbar), body["prototypes"], y),
             delta=drift(H, self.state.H_prev),
-            q=prompt_variation(self.state.m_last, self.state.m_prev) if self.state.m_last is not None else 0.0,
+            q=float(self.state.extra.get("q", 0.0)),  # 0 before the prompts have trained once
         )
         self.state.H_prev = H
         o = obs.values(adapt=fed.adapt)
@@ -421,14 +462,16 @@ class SplitClient:
         r = estimate(body["estimator"], o, r_prev)
         k = split_index(r, K, fed.rho)
         self.state.r_prev = r
-        report = {"a": obs.a, "delta": obs.delta, "q": obs.q, "r_prev": r_prev, "r": r, "k_policy": k, "o": o}
+        report = {"a": obs.a, "delta": obs.delta, "q": obs.q, "r_prev": r_prev, "r": r, "k_policy": k, "o": o,
+                  "obs_samples": len(y)}  # the observation forward is client compute too (docs/method.md, "Costs")
         return k, report
 
     def _probe(self, body: dict[str, Any], prompts: np.ndarray | None, o: list[float], r_prev: float) -> dict[str, Any]:
-        """One batch through the device's own (locally trained) blocks to p_1 and on to p_ref."""
+        """One batch through the device's own (locally trained) blocks to p_1 and on to p_ref, from the
+        held-out probe slice when there is one (docs/method.md, "Calibration")."""
         be = self.backend
         d1, dref = be.depth_of(1), be.depth_of(reference_index(be.num_splits))
-        idx = self._batches(body["train"]["batch_size"], 1)[0]
+        idx = self._probe_batch(body["train"]["batch_size"])
         x, y = self._inputs(idx, augment=False)
         z1, zref = be.probe(x, prompts, d1, dref)
         return {"z1": z1, "zref": zref, "y": y, "o": o, "r_prev": r_prev}
@@ -473,6 +516,9 @@ def _check_weights(be: Backend, weights: Any) -> set[int]:
             raise _Refused(f"weight {name!r:.100} has shape {tuple(value.shape)!s:.100}; this device's model "
                            f"has {tuple(want)}: weights of another model")
     return units
+
+
+_PROBE_SPAWN_KEY = 0x9B0BE  # the probe slice's branch of a device's seed sequence
 
 
 def stable_hash(text: str) -> int:

@@ -32,8 +32,9 @@ def test_alignment_uninitialised_prototypes():
 def test_drift_and_prompt_variation():
     assert drift(torch.tensor([3.0, 4.0]), torch.zeros(2)) == 5.0
     assert drift(torch.tensor([3.0, 4.0]), None) == 0.0
-    assert math.isclose(prompt_variation(torch.ones(4), torch.zeros(4)), 2.0)
-    assert prompt_variation(torch.ones(4), None) == 0.0
+    # q: the prompts' movement under one set of weights (tests/test_method_q.py has the properties)
+    assert math.isclose(prompt_variation(torch.ones(2, 4), torch.zeros(2, 4), torch.tensor([0.5, 0.5])), 2.0)
+    assert prompt_variation(torch.ones(2, 4), None, torch.tensor([0.5, 0.5])) == 0.0
 
 
 def test_observation_values():

@@ -213,7 +213,7 @@ def test_no_harmonizer_labels_take_both_values(digits) -> None:
 
 
 def test_estimator_is_refit_once_per_calibration_round_and_used_next_round(digits, monkeypatch) -> None:
-    sim = Simulation(tiny("fedsga", clients=2, rounds=2, fedsga=FedSGAConfig(cal_every=5)), digits)
+    sim = Simulation(tiny("fedsga", clients=2, rounds=3, fedsga=FedSGAConfig(cal_every=2)), digits)
     co = sim.coordinator
     fits = []
     import fedsga_edge.method as method
@@ -225,10 +225,13 @@ def test_estimator_is_refit_once_per_calibration_round_and_used_next_round(digit
         return real_fit(est, buf)
 
     monkeypatch.setattr(method, "fit", counting_fit)  # the FedSGA strategy looks it up at the round's end
-    r1, r2 = list(sim.rounds())
-    assert fits == [2]  # round 1 calibrates (2 pairs, one refit); round 2 does not
-    assert "calibration" in r1 and "calibration" not in r2
-    assert all("s" in c for c in r1["clients"].values()) and not any("s" in c for c in r2["clients"].values())
+    r1, r2, r3 = list(sim.rounds())
+    # round 1 calibrates but its pairs (first observations) are not stored, so Gamma keeps its prior;
+    # round 2 calibrates (2 pairs, one refit); round 3 does not
+    assert fits == [2]
+    assert r1["calibration"]["pairs"] == 0 and r1["calibration"]["brier"] is None
+    assert "calibration" in r2 and "calibration" not in r3
+    assert all("s" in c for c in r2["clients"].values()) and not any("s" in c for c in r3["clients"].values())
 
 
 # -- evaluation, costs, strategies -------------------------------------------------------------

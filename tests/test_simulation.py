@@ -104,7 +104,8 @@ def test_fedsga_records_observations_and_calibration(digits) -> None:
             assert c["k_policy"] == split_index(c["r"], 3, 0.1)  # Eq. 8 from the r the device reported
         assert "calibration" in r and r["calibration_flops"]["client"] > 0 and r["calibration_flops"]["server"] > 0
         assert all({"L1", "Lref", "s"} <= set(c) for c in r["clients"].values())
-    assert rows[1]["calibration"]["pairs"] == 6  # 3 clients x 2 calibration rounds
+    # 3 clients x 1 calibration round: round 1's pairs (every device's first observation) are not stored
+    assert rows[0]["calibration"]["pairs"] == 0 and rows[1]["calibration"]["pairs"] == 3
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "fedprox", "random", "resource"])

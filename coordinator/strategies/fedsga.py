@@ -113,9 +113,12 @@ class FedSGA(Strategy):
         num_obs = 3 if fed.adapt else 2
         self.estimator = MonotoneEstimator(num_obs=num_obs)
         self.cal_buffer = CalibrationBuffer(num_obs=num_obs)
-        self.phi_opt = torch.optim.SGD(self.phi_s.parameters(), lr=self.cfg.train.lr, momentum=self.cfg.train.momentum)
+        # phi_s takes a step on every device's batch, like the shared server copy: its own rate (docs/method.md)
+        self.phi_opt = torch.optim.SGD(self.phi_s.parameters(), lr=fed.phi_lr, momentum=self.cfg.train.momentum)
         self._calibration: list[dict[str, Any]] = []
+        self._new_pairs = 0  # this round's informative pairs, the newest in the buffer
         self._cal_flops_server = 0
+        self._phi_loss, self._phi_steps = 0.0, 0
 
     def server_head(self) -> Any:
         return self.head
@@ -160,8 +163,11 @@ class FedSGA(Strategy):
         # phi_s learns to map pooled p_1 features onto the prototypes (our reading of Eq. 3's head)
         self.phi_opt.zero_grad(set_to_none=True)
         h1 = from_numpy(extra, self.co.device).float()
-        phi_s_loss(self.phi_s(h1), y, self.prototypes.protos, self.cfg.fedsga.tau_a).backward()
+        loss = phi_s_loss(self.phi_s(h1), y, self.prototypes.protos, self.cfg.fedsga.tau_a)
+        loss.backward()
         self.phi_opt.step()
+        self._phi_loss += float(loss.detach())
+        self._phi_steps += 1
 
     def on_probe(self, co: Any, msg: "Message") -> tuple[str, dict[str, Any]]:
         """Calibration (docs/method.md): L1 through the server's blocks from p_1, Lref through the
@@ -170,6 +176,7 @@ class FedSGA(Strategy):
 
         from fedsga_edge.coordinator.limits import MAX_ABS_VALUE
         from fedsga_edge.method import sufficiency_label
+        from fedsga_edge.method.estimator import informative
         from fedsga_edge.tensors import probe_mode
 
         if not co.round.calibrate:
@@ -197,8 +204,12 @@ class FedSGA(Strategy):
         if not (math.isfinite(L1) and math.isfinite(Lref)):
             raise ValueError("probe losses are not finite")
         s = sufficiency_label(L1, Lref, self.cfg.fedsga.beta)
-        self.cal_buffer.append(o.tolist(), r_prev, s)
-        self._calibration.append({"client": msg.sender, "L1": L1, "Lref": Lref, "s": s})
+        # a device's first observation is the same point for everyone: it does not decide Gamma (docs/method.md)
+        stored = informative(o, r_prev)
+        if stored:
+            self.cal_buffer.append(o.tolist(), r_prev, s)
+            self._new_pairs += 1
+        self._calibration.append({"client": msg.sender, "L1": L1, "Lref": Lref, "s": s, "stored": stored})
         self._cal_flops_server += len(y) * (co.costs.suffix_fwd(1) + co.costs.suffix_fwd(k_ref))
         return "probe_result", {"L1": L1, "Lref": Lref, "s": s}
 
@@ -214,26 +225,42 @@ class FedSGA(Strategy):
         return out
 
     def begin_round(self, t: int, calibrate: bool) -> None:
-        self._calibration, self._cal_flops_server = [], 0
+        self._calibration, self._new_pairs, self._cal_flops_server = [], 0, 0
+        self._phi_loss, self._phi_steps = 0.0, 0
 
     def end_round(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
-        from fedsga_edge.method import fit
-
         self.prototypes.commit()
         record["clients"] = {cid: {k: u[k] for k in _RECORD_KEYS if k in u} for cid, u in updates.items()}
         if self._calibration:  # Alg. 1: refit Gamma once per calibration round, on all pairs; used from round t+1
-            fit_stats = fit(self.estimator, self.cal_buffer)
-            record["calibration"] = {
-                "pairs": len(self.cal_buffer),
-                "accuracy": fit_stats["accuracy"],
-                "brier": fit_stats["brier"],
-                "bce": fit_stats["loss"],
-                "positive_rate": float(np.mean([c["s"] for c in self._calibration])),
-            }
+            record["calibration"] = self._refit()
+        if self._phi_steps:
+            record["phi_s_loss"] = self._phi_loss / self._phi_steps
         costs = self.co.costs
         client_cal = sum(costs.prefix_fwd(reference_index(self.K)) * int(u.get("probe_samples", 0))
                          for u in updates.values())
         record["calibration_flops"] = {"client": int(client_cal), "server": int(self._cal_flops_server)}
+        # the round-start observation: obs_samples through the prefix to p_1 (docs/method.md, "Costs")
+        client_obs = sum(costs.prefix_fwd(1) * int(u.get("obs_samples", 0)) for u in updates.values())
+        record["observation_flops"] = {"client": int(client_obs)}
+
+    def _refit(self) -> dict[str, Any]:
+        """Score the Gamma that chose this round's splits on this round's new pairs (fitted before they came:
+        ``heldout_brier``), then refit on every stored pair. Without any stored pair Gamma stays as it is
+        (its prior at the start). docs/method.md, "Calibration"."""
+        from fedsga_edge.method import fit
+        from fedsga_edge.method.estimator import score
+
+        new, total = self._new_pairs, len(self.cal_buffer)
+        out: dict[str, Any] = {"probes": len(self._calibration), "new_pairs": new, "pairs": total,
+                               "positive_rate": float(np.mean([c["s"] for c in self._calibration])),
+                               "heldout_brier": None, "accuracy": None, "brier": None, "bce": None}
+        if new and total > new:  # Gamma has been fit on the older pairs: score it on the new ones first
+            obs, r_prev, s = self.cal_buffer.tensors()
+            out["heldout_brier"] = score(self.estimator, obs[-new:], r_prev[-new:], s[-new:])["brier"]
+        if total:
+            stats = fit(self.estimator, self.cal_buffer)
+            out.update(accuracy=stats["accuracy"], brier=stats["brier"], bce=stats["loss"])
+        return out
 
     def eval_logits(self, model: Any, feats: "Tensor") -> dict[int, "Tensor"]:
         if self.head.harmonizer is None:

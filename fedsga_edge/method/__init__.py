@@ -13,6 +13,7 @@ _WHERE = {
     "descriptor": "adaptation", "descriptor_weights": "adaptation", "prompt_contributions": "adaptation",
     "weight_entropy": "adaptation",
     "CalibrationBuffer": "estimator", "MonotoneEstimator": "estimator", "fit": "estimator",
+    "informative": "estimator", "score": "estimator",
     "Harmonizer": "harmonizer", "ShallowHead": "harmonizer", "alignment_loss": "harmonizer",
     "phi_s_loss": "harmonizer", "server_loss": "harmonizer",
     "estimate": "heads", "shallow_head": "heads",

@@ -23,9 +23,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["MonotoneEstimator", "CalibrationBuffer", "fit"]
+__all__ = ["MonotoneEstimator", "CalibrationBuffer", "fit", "informative", "score"]
 
 _INIT_OUT_WEIGHT = 0.01
+_INIT_OUT_RAW = math.log(math.expm1(_INIT_OUT_WEIGHT))  # softplus^{-1}(0.01)
+# The fit's prior (docs/method.md, "Calibration"): an L2 pull of the output layer back to its untrained
+# values (r ~ 0.5) weighing like two pairs: 4 pairs of one label give r ~ 0.83, 20 give ~0.94, 100 ~0.98.
+PRIOR_PAIRS = 2.0
+
+
+def informative(obs: Sequence[float], r_prev: float) -> bool:
+    """Whether a calibration pair says anything about its device (docs/method.md, "Calibration").
+
+    A device's first observation has no previous interface mean (delta = 0 exactly), no previous estimate
+    (r_prev = 0, the start value) and, in round 1, no prototypes (a = 0) and no trained prompts (q = 0):
+    every device reports the same point, so its label can only teach Gamma the fleet's base rate.
+    """
+    return not (float(obs[1]) == 0.0 and float(r_prev) == 0.0)
 
 
 class MonotoneEstimator(nn.Module):
@@ -44,8 +58,7 @@ class MonotoneEstimator(nn.Module):
         self.num_obs = num_obs
         self.w1_raw = nn.Parameter(torch.randn(hidden, num_obs + 1) * 0.5)
         self.b1 = nn.Parameter(torch.zeros(hidden))
-        out_raw = math.log(math.expm1(_INIT_OUT_WEIGHT))  # softplus^{-1}(0.01)
-        self.w2_raw = nn.Parameter(torch.full((hidden,), out_raw))
+        self.w2_raw = nn.Parameter(torch.full((hidden,), _INIT_OUT_RAW))
         self.b2 = nn.Parameter(torch.zeros(()))
         self.register_buffer("obs_sign", torch.tensor([1.0, -1.0, -1.0][:num_obs]))
         self.register_buffer("obs_scale", torch.ones(num_obs))
@@ -68,6 +81,11 @@ class MonotoneEstimator(nn.Module):
         x = torch.cat([obs * self.obs_sign / self.obs_scale, r_prev.unsqueeze(1).to(obs)], dim=1)
         h = torch.tanh(F.linear(x, F.softplus(self.w1_raw), self.b1))
         return h @ F.softplus(self.w2_raw) + self.b2
+
+    def prior_penalty(self) -> Tensor:
+        """Squared distance of the output layer from its untrained values: |logit| <= sum softplus(w2) + |b2|,
+        so this bounds how confident Gamma can get (docs/method.md, "Calibration")."""
+        return ((F.softplus(self.w2_raw) - _INIT_OUT_WEIGHT) ** 2).sum() + self.b2**2
 
     def forward(self, obs: Tensor, r_prev: Tensor) -> Tensor:
         """Eq. 6: r = Gamma(o, r_prev) in [0, 1], shape (B,)."""
@@ -131,30 +149,11 @@ class CalibrationBuffer:
         self._s = s.tolist()
 
 
-def fit(
-    estimator: MonotoneEstimator, buffer: CalibrationBuffer, steps: int = 200, lr: float = 0.05
-) -> dict[str, float]:
-    """Alg. 1 line 8 / Eq. 7: refit Gamma by BCE on *all* stored pairs.
-
-    Full batch, fresh Adam each call, warm-started from the current weights, so the result is
-    deterministic given the weights and the buffer. Refreshes the input scales first. Returns the
-    final (post-fit) BCE, accuracy at threshold 0.5 and Brier score on the stored pairs.
-    Raises ValueError on an empty buffer.
-    """
-    if len(buffer) == 0:
-        raise ValueError("cannot fit on an empty calibration buffer")
-    if buffer.num_obs != estimator.num_obs:
-        raise ValueError(f"buffer holds {buffer.num_obs} observation values, estimator {estimator.num_obs}")
-    like = estimator.b2
-    obs, r_prev, s = (t.to(like) for t in buffer.tensors())
-    estimator.set_scale(obs)
-    optimizer = torch.optim.Adam(estimator.parameters(), lr=lr)
-    with torch.enable_grad():
-        for _ in range(steps):
-            optimizer.zero_grad()
-            F.binary_cross_entropy_with_logits(estimator.logit(obs, r_prev), s).backward()
-            optimizer.step()
+def score(estimator: MonotoneEstimator, obs: Tensor, r_prev: Tensor, s: Tensor) -> dict[str, float]:
+    """BCE, accuracy at 0.5 and Brier score of Gamma on pairs (obs (N, num_obs), r_prev (N,), s (N,))."""
     with torch.no_grad():
+        like = estimator.b2
+        obs, r_prev, s = obs.to(like), r_prev.to(like), s.to(like)
         logit = estimator.logit(obs, r_prev)
         r = torch.sigmoid(logit)
         return {
@@ -162,3 +161,40 @@ def fit(
             "accuracy": float(((r >= 0.5).float() == s).float().mean()),
             "brier": float(((r - s) ** 2).mean()),
         }
+
+
+def fit(
+    estimator: MonotoneEstimator, buffer: CalibrationBuffer, steps: int = 200, lr: float = 0.05,
+    prior_pairs: float = PRIOR_PAIRS,
+) -> dict[str, float]:
+    """Alg. 1 line 8 / Eq. 7: refit Gamma by BCE on *all* stored pairs, with a prior.
+
+    The objective is mean BCE + (prior_pairs / N) * ``prior_penalty()``: an L2 pull of the output layer
+    towards r ~ 0.5 that weighs like ``prior_pairs`` pairs, so a handful of pairs cannot saturate r at
+    0 or 1 (200 unregularised steps on 4 pairs of one label gave r = 0.9996 for every device) while
+    many consistent pairs still can move it far (docs/method.md, "Calibration"). Full batch, fresh Adam
+    each call, warm-started from the current weights, so the result is deterministic given the weights
+    and the buffer. Refreshes the input scales first. Returns the final (post-fit) BCE, accuracy at
+    threshold 0.5 and Brier score on the stored pairs (in-sample: see :func:`score` for held-out pairs).
+    Raises ValueError on an empty buffer.
+    """
+    if len(buffer) == 0:
+        raise ValueError("cannot fit on an empty calibration buffer")
+    if buffer.num_obs != estimator.num_obs:
+        raise ValueError(f"buffer holds {buffer.num_obs} observation values, estimator {estimator.num_obs}")
+    if prior_pairs < 0:
+        raise ValueError("prior_pairs must be >= 0")
+    like = estimator.b2
+    obs, r_prev, s = (t.to(like) for t in buffer.tensors())
+    estimator.set_scale(obs)
+    optimizer = torch.optim.Adam(estimator.parameters(), lr=lr)
+    weight = prior_pairs / len(buffer)
+    with torch.enable_grad():
+        for _ in range(steps):
+            optimizer.zero_grad()
+            loss = F.binary_cross_entropy_with_logits(estimator.logit(obs, r_prev), s)
+            if weight:
+                loss = loss + weight * estimator.prior_penalty()
+            loss.backward()
+            optimizer.step()
+    return score(estimator, obs, r_prev, s)

@@ -3,7 +3,8 @@
 - a (Eq. 3): mean cosine between phi_s(hbar(x)) and last round's prototype of x's class —
   is the shallow interface already consistent with the cross-client class geometry?
 - delta (Eq. 4): ||H^t - H^{t-1}||_2 with H = batch mean of hbar — is the interface still moving?
-- q (Eq. 5): ||m^t - m^{t-1}||_2 of the prompt descriptor — is client-local adaptation still active?
+- q (Eq. 5): ||sum_k alpha_k (e_k^t - e_k^{t-1})||_2, the prompts' weighted movement under one set of
+  weights alpha — is client-local adaptation still active?
 
 The device computes all three, so this module is numpy only: the torch device and the torch-free
 (onnxruntime) device share it. phi_s itself is trained on the coordinator (``ShallowHead`` in
@@ -63,9 +64,23 @@ def drift(H_now: Any, H_prev: Any | None) -> float:
     return _l2_change(H_now, H_prev)
 
 
-def prompt_variation(m_now: Any, m_prev: Any | None) -> float:
-    """Eq. 5: q = ||m^t - m^{t-1}||_2 of the prompt descriptor; 0.0 with no previous descriptor."""
-    return _l2_change(m_now, m_prev)
+def prompt_variation(prompts_now: Any, prompts_before: Any | None, alpha: Any) -> float:
+    """Eq. 5 as we compute it: q = ||sum_k alpha_k (e_k^t - e_k^{t-1})||_2, one set of weights on both sides.
+
+    ``prompts_now`` / ``prompts_before``: the (m, d) prompt tokens after and before the device's last
+    local training; ``alpha``: that training's descriptor weights (:func:`.adaptation.descriptor_weights`).
+    The paper's ||m^t - m^{t-1}|| puts each round's own weights on its descriptor, so with near one-hot
+    weights q jumped whenever the favoured token changed while the prompts barely moved (docs/method.md,
+    "Observation"). With one alpha, prompts that did not move give q = 0 whatever alpha is, and q scales
+    with the movement. 0.0 with no previous prompts.
+    """
+    if prompts_before is None:
+        return 0.0
+    now, before = _array(prompts_now).astype(np.float64), _array(prompts_before).astype(np.float64)
+    w = _array(alpha).astype(np.float64).reshape(-1)
+    if now.ndim != 2 or now.shape != before.shape or w.shape != now.shape[:1]:
+        raise ValueError(f"expected prompts (m, d) twice and alpha (m,), got {now.shape}, {before.shape}, {w.shape}")
+    return float(np.linalg.norm(w @ (now - before)))
 
 
 @dataclass(frozen=True)
