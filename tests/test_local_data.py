@@ -361,3 +361,32 @@ def test_bad_local_data_fails_at_device_start_before_the_device_registers(partit
 
         assert re.search(expect[name], err), (name, err[-2000:])
     assert '"hello_ack"' not in log and '"hello_refused"' not in log  # no device got as far as a hello
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_trial_with_device_folders_equals_simulate_on_the_same_share(tmp_path) -> None:
+    """`trial --device-data` (a coordinator with no training data, the device process given its folder) and
+    `simulate` (the in-process partition): with one device the same computation, so the same numbers, bit
+    for bit: the folder holds the share's samples in the share's order (test 1), so the batches, the held-out
+    slice and the federated figures are the same."""
+    flags = ["--dataset", "digits", "--model", "resnet18_cifar", "--width", "0.25", "--seed", "0", "--local-epochs",
+             "1", "--max-batches", "2", "--batch-size", "32", "--round-timeout", "300", "--clients", "1", "--rounds",
+             "2", "--eval-holdout", "0.2", "--strategy", "static"]
+    shares, trial, sim = tmp_path / "shares", tmp_path / "trial", tmp_path / "sim"
+    assert _cli("partition", *flags, "--out", str(shares), "--test").returncode == 0
+    res = _cli("trial", *flags, "--device-data", str(shares), "--test-data", str(shares / "test"), "--out", str(trial),
+               "--quiet")
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = _cli("simulate", *flags, "--out", str(sim), "--quiet", "--threads", "1")
+    assert res.returncode == 0, res.stderr[-3000:]
+    a = [json.loads(x) for x in (trial / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (sim / "metrics.jsonl").read_text().splitlines()]
+    assert len(a) == len(b) == 2
+    for ra, rb in zip(a, b):
+        for key in ("train_loss", "test_acc", "test_loss", "fed_acc", "fed_loss", "fed_count", "fed_by_device"):
+            assert ra[key] == rb[key], (ra["round"], key, ra[key], rb[key])
+    config = json.loads((trial / "config.json").read_text())
+    assert config["local_data"]["test_samples"] == 360 and config["client_sizes"] == {}
+    agent = [json.loads(x) for x in (trial / "devices" / "client-000" / "agent.log").read_text().splitlines()]
+    assert next(e for e in agent if e["event"] == "local_data")["path"] == str((shares / "client-000").resolve())

@@ -139,6 +139,9 @@ def test_every_kind_with_its_required_fields_round_trips():
         "probe": {"z1": z, "zref": z, "y": y, "o": [0.5, 0.1, 0.0], "r_prev": 0.0},
         "probe_result": {"L1": 1.0, "Lref": 0.9, "s": 0},
         "error": {"reason": "x"},
+        "evaluate": {"z": z, "y": y, "split": 1},
+        "eval_result": {"loss": 3.2, "correct": 1, "count": 2},
+        "description": {"classes": ["cat", "dog"], "image_size": 32, "mean": [0.5] * 3, "std": [0.25] * 3},
     }
     for kind in KINDS:
         msg = Message(kind, "run-1", 2, 3, "coordinator", bodies.get(kind, {}))
