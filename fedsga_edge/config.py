@@ -80,6 +80,9 @@ class FedSGAConfig:
         0.1, "Fraction of each device's data held out for the calibration probe and never trained on (only when "
         "the estimator calibrates; 0 = probe on training data) (docs/method.md, \"Calibration\").", ge=0, le=0.5,
         finite=True)
+    prompt_lr: float = opt(
+        0.1, "SGD learning rate of each device's private prompts (docs/method.md, \"Adaptation channel\").",
+        gt=0, le=1000, finite=True)
     phi_lr: float = opt(
         0.1, "SGD learning rate of the shallow head phi_s on the server (docs/method.md, \"Observation\").",
         gt=0, le=100, finite=True)
