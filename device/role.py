@@ -29,6 +29,7 @@ from fedsga_edge.method.policy import reference_index, split_index
 from fedsga_edge.wire import Message, RemoteProtocolError
 
 from .evaluate import held_out_evaluation
+from .methods import check_method, device_method
 
 __all__ = ["Backend", "BackendError", "Caller", "ClientData", "PrivateState", "SplitClient", "check_round_start"]
 
@@ -224,6 +225,7 @@ class SplitClient:
             ss = np.random.SeedSequence(stable_hash(cid))
         self._probe_seq = np.random.SeedSequence(ss.entropy, spawn_key=(*ss.spawn_key, _PROBE_SPAWN_KEY))
         self.state = PrivateState()
+        self.method_state: dict[str, Any] = {}  # a method's private state between rounds (device/methods.py)
         self._task: _Task | None = None
         self.last_error: str | None = None
         # The newest round the coordinator answered a request of (not with an error): proof that the
@@ -293,12 +295,18 @@ class SplitClient:
         """The round's requests in order (fetch, activation per batch, probe); returns the update."""
         plan = self._plan(body)
         yield from self._fetch(plan)
+        method = device_method(body.get("method"))  # a method's device side (device/methods.py), or None
+        if method is not None:
+            method.before_train(self, plan)
         if body.get("evaluate"):  # the model this round starts from, on the held-out slice (device/evaluate.py)
             plan.report.update((yield from held_out_evaluation(self, plan, _expect)))
         trained = yield from self._train(plan)
         self._learn_prompts(plan, trained)
         yield from self._calibrate(body, plan)
-        return self._update(plan, trained)
+        update = self._update(plan, trained)
+        if method is not None:
+            update["method"] = method.report(self, plan)
+        return update
 
     def _plan(self, body: dict[str, Any]) -> _Plan:
         """Settings, the round's weights loaded, prompts, split and depth: everything before the first request."""
@@ -483,6 +491,8 @@ def check_round_start(body: dict[str, Any]) -> None:
         from_wire(TrainConfig, body["train"])
         if body.get("fedsga"):
             from_wire(FedSGAConfig, body["fedsga"])
+        if body.get("method") is not None:
+            check_method(body["method"])
         if not isinstance(body["weights"], dict):
             raise TypeError("weights must be a map of arrays")
         split = body.get("split")
