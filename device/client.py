@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,23 @@ from fedsga_edge.tensors import augment_batch, from_numpy_state, image_batch, pr
 from .role import Caller, ClientData, SplitClient, device_rng
 
 __all__ = ["ClientData", "TorchBackend", "TorchClient"]
+
+
+@contextmanager
+def _batch_statistics(model: torch.nn.Module) -> Iterator[None]:
+    """Forward passes on batch statistics (BatchNorm as in training) that leave no trace in the running
+    statistics: ``probe_mode`` with gradients allowed. Eval-mode BatchNorm lags far behind weights trained
+    this round in early rounds (tensors.probe_mode says by how much), which would swamp a Fisher estimate."""
+    was = model.training
+    saved = {k: v.clone() for k, v in model.named_buffers()}
+    model.train()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                v.copy_(saved[k])
+        model.train(was)
 
 
 class TorchBackend:
@@ -150,6 +168,53 @@ class TorchBackend:
             h1 = self.model.prefix(x, d1, self._prompts(prompts))
             href = self.model.run_blocks(h1, d1, dref)
         return to_numpy(h1), to_numpy(href)
+
+    # -- what a method's device side needs (device/methods.py) -----------------------------------------
+    @torch.no_grad()
+    def features(self, x: Tensor) -> np.ndarray:
+        """The whole body's pooled features (the head's input) on batch statistics, running statistics
+        untouched: FedGH's and FedAS's class means."""
+        with _batch_statistics(self.model):
+            return to_numpy(self.model.pool(self.model.prefix(x, self.model.num_blocks))).astype(np.float32)
+
+    def fisher_trace(self, x: Tensor, y: np.ndarray) -> float:
+        """FedAS's Fisher information of one batch: sum over every parameter of the squared gradient of the
+        batch's mean negative log-likelihood, on batch statistics (the weights, their gradients and the running
+        statistics are left as they were)."""
+        model = self.model
+        params = [p for p in model.parameters() if p.requires_grad]
+        with _batch_statistics(model):
+            logits = model.head(model.pool(model.prefix(x, model.num_blocks)))
+            nll = F.cross_entropy(logits, torch.from_numpy(np.asarray(y, dtype=np.int64)).to(self.device))
+            grads = torch.autograd.grad(nll, params, allow_unused=True)
+        return float(sum(float((g.double() ** 2).sum()) for g in grads if g is not None))
+
+    def align_step(self, x: Tensor, y: np.ndarray, classes: np.ndarray, means: np.ndarray, lr: float) -> float:
+        """FedAS's parameter alignment, one plain SGD step of the body (train mode): for each class of the
+        batch that ``classes`` holds, the mean squared distance of its samples' features to that class's
+        ``means`` row, summed over classes. Returns the loss (0 and no step when no class matches)."""
+        model = self.model
+        body = [p for j in range(model.num_blocks) for p in model.blocks[j].parameters()]
+        was = model.training
+        model.train()
+        try:
+            f = model.pool(model.prefix(x, model.num_blocks))
+            target = torch.from_numpy(np.asarray(means, dtype=np.float32)).to(self.device)
+            row = {int(c): i for i, c in enumerate(np.asarray(classes))}
+            yy = np.asarray(y)
+            terms = [((f[torch.from_numpy(yy == c).to(self.device)] - target[row[int(c)]]) ** 2).mean()
+                     for c in np.unique(yy) if int(c) in row]
+            if not terms:
+                return 0.0
+            loss = torch.stack(terms).sum()
+            grads = torch.autograd.grad(loss, body, allow_unused=True)
+            with torch.no_grad():
+                for p, g in zip(body, grads):
+                    if g is not None:
+                        p.add_(g, alpha=-lr)
+            return float(loss.detach())
+        finally:
+            model.train(was)
 
     def weights(self, depth: int, full: bool) -> dict[str, np.ndarray]:
         sd, model = self.model.state_dict(), self.model
