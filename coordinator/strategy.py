@@ -202,6 +202,18 @@ class Strategy:
         """A device's weight in aggregation (and its data's weight in the server copies' average)."""
         return float(num_samples)
 
+    def check_update(self, body: dict[str, Any]) -> None:
+        """Validate the method's fields of a device's update (``body["method"]``, from its device side,
+        device/methods.py) before the update is accepted; raise ValueError. The default accepts none."""
+        if body.get("method") is not None:
+            raise ValueError(f"{self.name} takes no method fields in an update")
+
+    def aggregation_weight(self, cid: str, update: dict[str, Any], weight: float) -> float:
+        """Device ``cid``'s weight in this round's aggregation, given its accepted ``update`` and its
+        ``weight(n)``: FedAS weighs by the Fisher information its device reported. The default keeps
+        ``weight``; 0 leaves the device out of the average."""
+        return weight
+
     def begin_round(self, t: int, calibrate: bool) -> None:
         """Reset the method's per-round state."""
 
