@@ -312,6 +312,7 @@ class Coordinator:
             raise ValueError(f"num_samples {body.get('num_samples')!r:.40} is not this device's "
                              f"{self.clients[msg.sender]}")
         check_report(body)
+        self.strategy.check_update(body)  # the method's own fields (device/methods.py), none by default
         self.fed_eval.check_update(msg.sender, body)
         self.server.finish_device(msg.sender, depth)
         self.round.accept_update(msg.sender, dict(body, split=k, depth=depth))
@@ -341,8 +342,9 @@ class Coordinator:
                   for cid, u in updates.items()}
         global_units = group_by_unit(self._snapshot, unit)
         self._stats["clipped"]["updates"] = clip_updates(global_units, states, self.cfg.clip_updates)
-        device_updates = [DeviceUpdate(cid, int(u["depth"]), self.strategy.weight(self.clients[cid]), states[cid])
-                          for cid, u in updates.items()]
+        weight = self.strategy.aggregation_weight  # the strategy's weight(n) unless it weighs otherwise (FedAS)
+        device_updates = [DeviceUpdate(cid, int(u["depth"]), weight(cid, u, self.strategy.weight(self.clients[cid])),
+                                       states[cid]) for cid, u in updates.items()]
         new = aggregate_round(global_units, device_updates,
                               group_by_unit(self.model.state_dict(), unit))
         self.model.load_state_dict({n: v for u in new.values() for n, v in u.items()})
