@@ -400,7 +400,8 @@ def _hello_problem(sender: str, body: dict[str, Any], expected: int | None) -> s
         return "hello must carry num_samples (an integer)"
     if body["num_samples"] != expected:
         return (f"num_samples {body['num_samples']} does not match this run's partition for {sender} "
-                f"({expected}): the device was built from a different config or data set")
+                f"({expected}): the device was built from a different config or data set (a device with its own "
+                "data, --data, needs a coordinator started with --classes)")
     if not isinstance(body.get("capabilities", {}), dict):
         return "capabilities must be a map"
     return None

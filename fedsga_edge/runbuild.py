@@ -342,9 +342,9 @@ def device_agent(
 def _local_device_agent(cfg: RunConfig, i: int, transport: Transport, state_dir: str | Path, data: str | Path, *,
                         run_id: str | None, backend: str, artifacts: str | Path | None, threads: int | None,
                         **agent_kwargs: Any) -> Any:
+    from fedsga_edge.data.local import scan_local_data
     from fedsga_edge.device.agent import DeviceAgent
     from fedsga_edge.device.localdata import describe_run, local_client_data
-    from fedsga_edge.data.local import scan_local_data
 
     validate_config(cfg)
     if not 0 <= i < cfg.clients:

@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 from _export_artifacts import device_artifacts
 from _runs import tiny_config
-from test_device_runtime import BLOCK_TORCH
+from fedsga_edge.device.evaluate import hold_out
 
 from fedsga_edge.data import ArrayImageSet
 from fedsga_edge.data.local import LocalDataError, RunData, read_local_data, read_run_data, scan_local_data
-from fedsga_edge.device.evaluate import hold_out
 from fedsga_edge.runbuild import plan_run
 from fedsga_edge.simulation import Simulation
 from fedsga_edge.wire import Message
@@ -104,8 +103,8 @@ def test_bad_local_data_gets_an_error_that_names_the_file_and_what_to_do(tmp_pat
     assert len(read_local_data(tmp_path / "grey", RUN)[0]) == 2
 
     cases = {
-        "unknown class": (lambda r: _png(r / "bird" / "0.png"), r"class folder .*bird is not a class of this run.*"
-                          r"cat, dog.*rename it"),
+        "unknown class": (lambda r: _png(r / "bird" / "0.png"),
+                          r"class folder .*bird is not a class of this run.*cat, dog.*rename it"),
         "empty folder": (lambda r: (r / "dog" / "empty").mkdir() or (r / "cat2").mkdir(), r"is empty|inside a class"),
         "corrupt image": (lambda r: (r / "cat" / "9.png").write_bytes(b"\x89PNG\r\n\x1a\n broken"),
                           r"cat/9\.png is not a readable image.*corrupt or truncated"),
@@ -132,6 +131,19 @@ def test_bad_local_data_gets_an_error_that_names_the_file_and_what_to_do(tmp_pat
     np.savez(tmp_path / "e.npz", x_train=np.zeros((4, 32, 32, 3), np.uint8), y_train=np.array([1, 0, 1, 0]),
              classes=np.array(["dog", "cat"]))  # names map to the run's ids, whatever the file's order
     assert list(read_local_data(tmp_path / "e.npz", RUN)[0].labels) == [0, 1, 0, 1]
+
+
+def test_device_data_is_not_read_from_the_data_root_variable() -> None:
+    """FEDSGA_EDGE_DATA is the data sets' root (the systemd unit sets it): --data has a variable of its own."""
+    import typer.main
+
+    from fedsga_edge.cli.main import app
+
+    commands = typer.main.get_command(app).commands
+    data = next(p for p in commands["device"].params if p.name == "data")
+    assert data.envvar == "FEDSGA_EDGE_DEVICE_DATA"
+    assert {"classes", "test_data"} <= {p.name for p in commands["coordinator"].params}
+    assert {"device_data", "classes", "test_data"} <= {p.name for p in commands["trial"].params}
 
 
 # -- federated evaluation, in one process ---------------------------------------------------------------------

@@ -270,6 +270,9 @@ def coordinator(
         raise typer.BadParameter("--test-data goes with --classes (a coordinator without training data); without "
                                  "--classes the test set is the --dataset's")
     run_data = _run_data(classes, cfg) if classes is not None else None
+    if run_data is not None and test_data is None and not cfg.eval_holdout > 0:
+        typer.secho("warning: no --test-data and --eval-holdout 0: nothing will measure the model's accuracy",
+                    fg="yellow", err=True)
     transport = _transport(broker, default_run_id(cfg), "coordinator", max_packet)
     try:
         service = coordinator_service(cfg, transport, run_dir, min_devices=min_devices or cfg.clients,
@@ -281,7 +284,8 @@ def coordinator(
         raise typer.BadParameter(str(exc)) from None
     finally:
         transport.close()
-    typer.echo(f"final_acc={summary.get('final_acc')} rounds={summary.get('rounds')} "
+    fed = f" final_fed_acc={summary['final_fed_acc']}" if "final_fed_acc" in summary else ""
+    typer.echo(f"final_acc={summary.get('final_acc')}{fed} rounds={summary.get('rounds')} "
                f"failures={summary.get('failures')} -> {run_dir}")
 
 
@@ -299,8 +303,9 @@ def device(
     threads: int = typer.Option(0, help="Intra-op threads of torch or onnxruntime (0 = the library's default)."),
     request_timeout: float = typer.Option(60.0, help="Seconds to wait for the coordinator's reply to one request."),
     data: Optional[Path] = typer.Option(
-        None, help="This device's own data, used whole: a folder with one sub-folder per class (PNG, JPEG, ...) or "
-        "an npz (x_train, y_train, classes). The run's classes and input size come from the coordinator (started "
+        # not FEDSGA_EDGE_DATA: that variable is the data sets' root (fedsga_edge.data.default_root)
+        None, "--data", envvar="FEDSGA_EDGE_DEVICE_DATA",
+        help="This device's own data, used whole: a folder with one sub-folder per class (PNG, JPEG, ...) or an npz (x_train, y_train, classes). The run's classes and input size come from the coordinator (started "
         "with --classes); bad data is an error here, before the device registers. Without it the device rebuilds "
         "its share of --dataset."),
     **flags: Any,
@@ -447,7 +452,8 @@ def trial(
         typer.secho(f"error: the coordinator exited with {rc}; see {out / 'logs' / 'coordinator.out'}", fg="red", err=True)
         raise typer.Exit(1)
     summary = json.loads((out / "summary.json").read_text())
-    typer.echo(f"final_acc={summary.get('final_acc')} rounds={summary.get('rounds')} "
+    fed = f" final_fed_acc={summary['final_fed_acc']}" if "final_fed_acc" in summary else ""
+    typer.echo(f"final_acc={summary.get('final_acc')}{fed} rounds={summary.get('rounds')} "
                f"failures={summary.get('failures')} -> {out}")
 
 
@@ -556,8 +562,13 @@ def _start_broker(broker: Optional[str], log_dir: Path, devices: list[str], run:
     A local broker takes only this run's logins (a fresh password per device and for the coordinator):
     127.0.0.1 alone would let every local user read and forge the run's traffic. Mosquitto also binds
     each login to its topics and its client id; rumqttd cannot (docs/protocol.md)."""
-    from fedsga_edge.broker.launch import (BrokerError, RunLogins, check_reachable, start_embedded,
-                                                start_secured_mosquitto)
+    from fedsga_edge.broker.launch import (
+        BrokerError,
+        RunLogins,
+        check_reachable,
+        start_embedded,
+        start_secured_mosquitto,
+    )
 
     try:
         if broker is None or broker == "embedded":
