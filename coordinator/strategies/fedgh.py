@@ -1,0 +1,124 @@
+"""FedGH (ACM MM 2023, "FedGH: Heterogeneous Federated Learning with Generalized Global Header"): each
+device trains its whole model (its own body under the global head it received), then uploads the mean
+representation of each class of its data; the server trains the shared "generalized" head on those class
+means (class mean -> its label, cross-entropy, one SGD step per mean) and sends it back.
+
+The bodies stay on the devices (FedGH's rule; device/methods.py ``FedGHDevice`` keeps each device's own
+body between rounds and only takes the received one in its first round). The coordinator still averages
+the bodies the devices upload, by data size, but only for its own test figure: FedGH has no global body,
+and no device ever trains from that average. docs/method.md, "Baselines beyond the paper's own".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fedsga_edge.options import Opt
+
+from ..limits import check_values
+from ..strategy import register_strategy
+from .fedavg import FedAvg
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
+
+__all__ = ["FedGH", "train_head"]
+
+
+def train_head(head: "nn.Module", samples: list[tuple["Tensor", int]], lr: float, epochs: int) -> list[float]:
+    """The server's head training: for each epoch, one plain SGD step (lr, no momentum, no weight decay)
+    per (class mean, label) in ``samples``' order, on the cross-entropy of head(mean) and the label.
+    Returns each step's loss (before the step)."""
+    import torch
+    import torch.nn.functional as F
+
+    params = [p for p in head.parameters() if p.requires_grad]
+    losses: list[float] = []
+    for _ in range(epochs):
+        for mean, label in samples:
+            logits = head(mean.reshape(1, -1))
+            loss = F.cross_entropy(logits, torch.tensor([label], device=logits.device))
+            grads = torch.autograd.grad(loss, params)
+            with torch.no_grad():
+                for p, g in zip(params, grads):
+                    p.add_(g, alpha=-lr)
+            losses.append(float(loss.detach()))
+    return losses
+
+
+@register_strategy
+class FedGH(FedAvg):
+    name = "fedgh"
+    help = ("FedGH: whole model on every device, bodies kept on the devices, the server trains the shared head "
+            "on the devices' class-mean representations (--fedgh-server-lr)")
+    label = "FedGH (generalized global head)"
+    options = (
+        Opt("server_lr", float, 0.01, "SGD learning rate of the server's head training on the class means "
+            "(the paper's setting: 0.01).", gt=0, le=10, finite=True),
+        Opt("server_epochs", int, 1, "Passes over the round's uploaded class means, one SGD step per mean "
+            "(the paper: 1).", ge=1, le=1000),
+    )
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._model: Any = None
+        self._num_classes = 0
+        self._head: dict[str, Tensor] = {}
+
+    def attach(self, coordinator: Any) -> None:
+        self._model = coordinator.model
+        self._num_classes = int(coordinator.num_classes)
+
+    def round_start_fields(self, k: int | None, calibrate: bool) -> dict[str, Any]:
+        return {"fedsga": None, "method": {"name": self.name}}
+
+    def head_names(self) -> list[str]:
+        model = self._model
+        return [n for n in model.state_dict() if model.unit_of(n) == model.num_blocks]
+
+    def begin_round(self, t: int, calibrate: bool) -> None:
+        state = self._model.state_dict()
+        self._head = {n: state[n].detach().clone() for n in self.head_names()}
+
+    def check_update(self, body: dict[str, Any]) -> None:
+        """classes (n,) distinct labels, counts (n,) >= 1, means (n, D) finite with D the head's input."""
+        m = body.get("method")
+        if not isinstance(m, dict):
+            raise ValueError("a FedGH update must carry its class means (method)")
+        classes, counts, means = m.get("classes"), m.get("counts"), m.get("means")
+        if not all(isinstance(a, np.ndarray) for a in (classes, counts, means)):
+            raise ValueError("method.classes, counts and means must be arrays")
+        dim = int(self._model.head.in_features)
+        n = len(classes) if classes.ndim == 1 else -1
+        if classes.dtype.kind not in "iu" or counts.dtype.kind not in "iu" or means.dtype.kind != "f":
+            raise ValueError("method.classes and counts must be integers, means floating point")
+        if n < 1 or counts.shape != (n,) or means.shape != (n, dim):
+            raise ValueError(f"method: classes {classes.shape}, counts {counts.shape}, means {means.shape} do "
+                             f"not fit n classes and the head's {dim} inputs")
+        if len(np.unique(classes)) != n or classes.min() < 0 or classes.max() >= self._num_classes:
+            raise ValueError(f"method.classes must be distinct labels in 0..{self._num_classes - 1}")
+        if counts.min() < 1:
+            raise ValueError("method.counts must be positive")
+        check_values(means, "method.means")
+
+    def end_round(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
+        """The head: the round's starting head trained on the uploaded class means (devices in id order,
+        classes ascending), whatever the average of the devices' heads was."""
+        import torch
+
+        model = self._model
+        if self._head:
+            model.load_state_dict(self._head, strict=False)
+        device = next(model.head.parameters()).device
+        samples = [(torch.from_numpy(np.array(mean, dtype=np.float32)).to(device), int(c))
+                   for cid in sorted(updates)
+                   for c, mean in zip(updates[cid]["method"]["classes"], updates[cid]["method"]["means"])]
+        losses = train_head(model.head, samples, self.args["server_lr"], self.args["server_epochs"])
+        record["head_loss"] = float(np.mean(losses)) if losses else None
+        record["class_means"] = len(samples)
+
+    def info(self) -> dict[str, Any]:
+        return {"bodies": "kept on the devices (the coordinator's average is for its test figure only)",
+                "head": "trained on the server on the devices' class means"}
