@@ -105,7 +105,8 @@ class TorchBackend:
         h1 = self.model.prefix(x, self.model.depth_of(1), self._prompts(prompts))
         return to_numpy(self.model.interface_pool(h1)).astype(np.float64)
 
-    def train_begin(self, cfg: TrainConfig, depth: int, full: bool, prompts: np.ndarray | None) -> None:
+    def train_begin(self, cfg: TrainConfig, depth: int, full: bool, prompts: np.ndarray | None,
+                    prompt_lr: float | None = None) -> None:
         model = self.model
         model.train()
         self._params = [p for j in range(depth) for p in model.blocks[j].parameters()]
@@ -116,8 +117,10 @@ class TorchBackend:
         self._p = self._prompts(prompts)
         if self._p is not None:
             self._p.requires_grad_(True)
-        self._opt = torch.optim.SGD(self._params + ([self._p] if self._p is not None else []), lr=cfg.lr,
-                                    momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        groups: list[dict[str, Any]] = [{"params": self._params}]
+        if self._p is not None:  # the prompts at their own rate (docs/method.md, "Adaptation channel")
+            groups.append({"params": [self._p], "lr": cfg.lr if prompt_lr is None else prompt_lr})
+        self._opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         self._depth = depth
 
     def forward(self, x: Tensor, want_h1: bool) -> tuple[np.ndarray, np.ndarray | None]:

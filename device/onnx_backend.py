@@ -195,7 +195,8 @@ class OnnxBackend:
         return z1, zref
 
     # -- training ---------------------------------------------------------------------------------
-    def train_begin(self, cfg: TrainConfig, depth: int, full: bool, prompts: np.ndarray | None) -> None:
+    def train_begin(self, cfg: TrainConfig, depth: int, full: bool, prompts: np.ndarray | None,
+                    prompt_lr: float | None = None) -> None:
         if full:
             raise BackendError("the onnx backend trains a prefix only; full-model rounds need --backend torch")
         runner = self.runner(self._split_at(depth))
@@ -207,6 +208,7 @@ class OnnxBackend:
             "anchor": {n: self.state[n].copy() for n in params} if cfg.mu > 0 else None,
             "sgd": _Sgd(cfg.momentum, cfg.weight_decay),
             "prompts": None if prompts is None else {"prompts": np.array(prompts, dtype=np.float32)},
+            "prompt_lr": cfg.lr if prompt_lr is None else prompt_lr,  # docs/method.md, "Adaptation channel"
             "x": None,
         }
 
@@ -237,7 +239,7 @@ class OnnxBackend:
         if pd is None or pgrad is None:
             return None
         before = pd["prompts"].copy()
-        tr["sgd"].step(pd, {"prompts": pgrad}, tr["cfg"].lr)
+        tr["sgd"].step(pd, {"prompts": pgrad}, tr["prompt_lr"])
         return pgrad, before
 
     def full_step(self, x: np.ndarray, y: np.ndarray) -> float:

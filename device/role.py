@@ -78,7 +78,10 @@ class Backend(Protocol):
 
     def observe(self, x: Any, prompts: np.ndarray | None) -> np.ndarray: ...
 
-    def train_begin(self, cfg: TrainConfig, depth: int, full: bool, prompts: np.ndarray | None) -> None: ...
+    def train_begin(self, cfg: TrainConfig, depth: int, full: bool, prompts: np.ndarray | None,
+                    prompt_lr: float | None = None) -> None:
+        """Start local training; the prompts (if any) step at ``prompt_lr`` (None: ``cfg.lr``)."""
+        ...
 
     def forward(self, x: Any, want_h1: bool) -> tuple[np.ndarray, np.ndarray | None]: ...
 
@@ -360,7 +363,9 @@ class SplitClient:
         be = self.backend
         done = _Trained(np.zeros(len(plan.prompts)) if plan.prompts is not None else None)
         want_h1 = plan.fed is not None and not plan.full  # phi_s trains on pooled p_1 features (docs/method.md)
-        be.train_begin(plan.train, plan.depth, plan.full, plan.prompts)
+        # the prompts' own rate (docs/method.md, "Adaptation channel")
+        be.train_begin(plan.train, plan.depth, plan.full, plan.prompts,
+                       prompt_lr=plan.fed.prompt_lr if plan.fed is not None and plan.prompts is not None else None)
         try:
             for _ in range(plan.train.local_epochs):
                 for idx in self._batches(plan.train.batch_size, plan.train.max_batches):

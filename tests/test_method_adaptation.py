@@ -58,3 +58,32 @@ def test_temperature_sharpens_and_bad_inputs_are_rejected():
         descriptor_weights(np.array([1.0, np.nan]), 0.5)
     with pytest.raises(ValueError, match="contributions"):
         descriptor(np.eye(4), c[:3])
+
+
+@pytest.mark.parametrize("prompt_lr", [0.05, 2.0])
+def test_prompts_step_at_their_own_rate_and_the_blocks_at_lr(prompt_lr):
+    """docs/method.md, "Adaptation channel": --prompt-lr moves the prompts, --lr the blocks."""
+    torch = pytest.importorskip("torch")
+    from fedsga_edge.config import TrainConfig
+    from fedsga_edge.device.client import TorchBackend
+    from fedsga_edge.device.role import ClientData
+    from fedsga_edge.models import create_model
+
+    def one_step(rate):
+        torch.manual_seed(0)
+        be = TorchBackend(lambda: create_model("resnet18_cifar", num_classes=10, img_size=32, width=0.25),
+                          ClientData(None, np.arange(4), (0.0,) * 3, (1.0,) * 3), torch.Generator().manual_seed(0))
+        prompts = be.init_prompts(4)
+        blocks = {n: v.clone() for n, v in be.model.blocks[0].state_dict().items() if v.dtype.is_floating_point}
+        cfg = TrainConfig(lr=0.1, weight_decay=0.0)
+        be.train_begin(cfg, be.depth_of(1), False, prompts, prompt_lr=rate)
+        z, _ = be.forward(torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1)), False)
+        grad, before = be.backward(np.ones_like(z))
+        after = be.train_end()
+        moved = {n: (be.model.blocks[0].state_dict()[n] - v).abs().sum().item() for n, v in blocks.items()}
+        return after - before, grad, moved
+
+    step, grad, moved = one_step(prompt_lr)
+    assert np.allclose(step, -prompt_lr * grad, rtol=1e-4, atol=1e-7) and np.abs(step).max() > 0
+    _, _, moved_default = one_step(None)  # None: the prompts at --lr; the blocks' step is the same either way
+    assert moved == pytest.approx(moved_default)
