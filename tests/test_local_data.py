@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ import pytest
 from _export_artifacts import device_artifacts
 from _runs import tiny_config
 from fedsga_edge.device.evaluate import hold_out
+from test_device_runtime import BLOCK_TORCH
 
 from fedsga_edge.data import ArrayImageSet
 from fedsga_edge.data.local import LocalDataError, RunData, read_local_data, read_run_data, scan_local_data
@@ -320,9 +320,14 @@ def test_devices_each_with_only_their_own_folder_and_a_coordinator_without_train
 @pytest.mark.integration
 @pytest.mark.slow
 def test_bad_local_data_fails_at_device_start_before_the_device_registers(partitioned, tmp_path) -> None:
-    """An unknown class folder, a corrupt image, an empty folder: each device process exits with the file named
-    and what to do, and the coordinator never sees its hello."""
+    """An unknown class folder, a corrupt image, an empty folder: each device process (torch-free: the data is
+    read before any backend is built) exits with the file named and what to do, and what stands in for the
+    coordinator on the broker sees its describe at most, never a hello."""
+    import re
+
     from fedsga_edge.broker.launch import start_embedded
+    from fedsga_edge.transport import Peer
+    from fedsga_edge.transport.mqtt import MqttTransport
 
     bad = {}
     for name in ("unknown", "corrupt", "empty"):
@@ -331,48 +336,47 @@ def test_bad_local_data_fails_at_device_start_before_the_device_registers(partit
         bad[name] = root
     (bad["unknown"] / "ten").mkdir()
     shutil.copy(next((bad["unknown"] / "0").iterdir()), bad["unknown"] / "ten" / "x.png")
-    victim = sorted((bad["corrupt"] / "3").iterdir())[0]
+    victim = min((bad["corrupt"] / "3").iterdir())
     victim.write_bytes(victim.read_bytes()[:40])  # truncated
-    (bad["empty"] / "4").mkdir(exist_ok=True)
     for f in (bad["empty"] / "4").iterdir():
         f.unlink()
+    description = read_run_data(partitioned / "dataset.json").to_wire()
     running = start_embedded(tmp_path / "broker")
-    script = tmp_path / "cli.py"
-    script.write_text(GUARDED_CLI)
-    run = tmp_path / "run"
-    common = ["--broker", running.url, "--threads", "1", "--rounds", "1", *FLAGS]
-    coord = _spawn(script, ["coordinator", "--run-dir", str(run), "--classes", str(partitioned / "dataset.json"),
-                            "--register-timeout", "120", *common], tmp_path / "coord.log")
+    seen: list[tuple[str, str]] = []
+    transport = MqttTransport.from_url(running.url, run="sim-0", client_id="coordinator")
+    peer = Peer(transport, "coordinator", "sim-0")
+
+    def coordinator(msg: Message) -> Message:
+        seen.append((msg.sender, msg.kind))
+        if msg.kind == "describe":
+            return peer.reply(msg, "description", description)
+        return peer.reply(msg, "error", {"reason": "this test registers nobody"})
+
+    peer.register(coordinator)
+    common = ["--broker", running.url, "--rounds", "1", "--backend", "onnx", "--artifacts", str(tmp_path / "none"),
+              *FLAGS]
     try:
-        devices = {name: subprocess.Popen([*CLI, "device", "--index", str(i), "--state-dir", str(tmp_path / f"s{i}"),
-                                           "--data", str(root), *common], stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True,
+        devices = {name: subprocess.Popen([sys.executable, "-c", BLOCK_TORCH + "\nfrom fedsga_edge.cli.main import "
+                                           "app\napp(sys.argv[1:])", "device", "--index", str(i), "--state-dir",
+                                           str(tmp_path / f"s{i}"), "--data", str(root), *common],
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                           env=os.environ | {"OMP_NUM_THREADS": "1", "COLUMNS": "300"})
                    for i, (name, root) in enumerate(bad.items())}
-        results = {}
-        for name, proc in devices.items():
-            out, err = proc.communicate(timeout=300)
-            results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-        time.sleep(1)
-        log = (run / "coordinator.log").read_text()
+        results = {name: (proc.communicate(timeout=300), proc.returncode) for name, proc in devices.items()}
     finally:
-        coord.terminate()
-        try:
-            coord.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            coord.kill()
+        transport.close()
         running.stop()
     expect = {"unknown": r"class folder \S*ten is not a class of this run .*rename it to one of them or remove it",
               "corrupt": rf"{victim.name} is not a readable image .*corrupt or truncated; replace or remove it",
               "empty": r"class folder \S*/4 is empty: put that class's images in it or remove it"}
-    for name, res in results.items():
-        err = " ".join(res.stderr.split())
-        assert res.returncode == 2, (name, res.stderr[-2000:])
+    for name, ((_, stderr), rc) in results.items():
+        err = " ".join(stderr.split())
+        assert rc == 2, (name, stderr[-2000:])
         assert "did not register: its data:" in err and "Traceback" not in err, (name, err[-2000:])
-        import re
-
         assert re.search(expect[name], err), (name, err[-2000:])
-    assert '"hello_ack"' not in log and '"hello_refused"' not in log  # no device got as far as a hello
+    assert {kind for _, kind in seen} <= {"describe"}  # no hello from any of them
+    assert ("client-002", "describe") not in seen  # the empty folder is found before the coordinator is asked
+    assert {("client-000", "describe"), ("client-001", "describe")} <= set(seen)
 
 
 @pytest.mark.integration
