@@ -81,7 +81,8 @@ class FedSGAConfig:
         "the estimator calibrates; 0 = probe on training data) (docs/method.md, \"Calibration\").", ge=0, le=0.5,
         finite=True)
     prompt_lr: float = opt(
-        0.1, "SGD learning rate of each device's private prompts (docs/method.md, \"Adaptation channel\").",
+        0.1, "SGD learning rate of each device's private prompts (docs/method.md, \"Adaptation channel\": 1-3 "
+        "moved them 10-30x further without making them useful, so the paper's device rate stays).",
         gt=0, le=1000, finite=True)
     phi_lr: float = opt(
         0.3, "SGD learning rate of the shallow head phi_s on the server (docs/method.md, \"Observation\": its "
