@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
     from fedsga_edge.models import CostTable, SplitModel
 
-__all__ = ["COORDINATOR", "RunPlan", "plan_local", "run_data_of", "make_client", "CoordinatorSide", "client_id", "plan_run", "make_model", "build_coordinator",
+__all__ = ["COORDINATOR", "RunPlan", "plan_local", "run_data_of", "make_client",
+           "CoordinatorSide", "client_id", "plan_run", "make_model", "build_coordinator",
            "build_client", "coordinator_service", "device_agent", "default_run_id", "resolve_device", "validate_config",
            "summarize", "WIRE_FORMATS", "peer_format"]
 
@@ -161,7 +162,8 @@ def plan_run(cfg: RunConfig, bundle: DatasetBundle | None = None, *, seed_global
     return RunPlan(cfg, bundle, device, shares, ids, held)
 
 
-def held_out_slices(cfg: RunConfig, shares: list[np.ndarray], ids: list[str]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+def held_out_slices(cfg: RunConfig, shares: list[np.ndarray],
+                    ids: list[str]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
     """Each share split into (what the device trains on, its held-out slice) by ``--eval-holdout``, as the
     device does with its own data (``device.evaluate.hold_out``); the shares themselves when it is 0."""
     if not cfg.eval_holdout > 0:

@@ -278,7 +278,8 @@ def test_devices_each_with_only_their_own_folder_and_a_coordinator_without_train
         common = ["--broker", running.url, "--threads", "1", "--rounds", "2", *FLAGS]
         procs.append(_spawn(script, ["coordinator", "--run-dir", str(run), "--classes", str(source / "dataset.json"),
                                      "--test-data", str(source / "test"), *common], tmp_path / "coord.log",
-                            GUARD_BLOCK="sklearn.datasets", GUARD_DENY=deny, FEDSGA_EDGE_DATA=str(tmp_path / "nothing")))
+                            GUARD_BLOCK="sklearn.datasets", GUARD_DENY=deny,
+                            FEDSGA_EDGE_DATA=str(tmp_path / "nothing")))
         for i in range(3):
             onnx = ["--backend", "onnx", "--artifacts", str(art)] if i == 2 else []
             procs.append(_spawn(script, ["device", "--index", str(i), "--state-dir", str(tmp_path / f"state-{i}"),

@@ -305,9 +305,10 @@ def device(
     data: Optional[Path] = typer.Option(
         # not FEDSGA_EDGE_DATA: that variable is the data sets' root (fedsga_edge.data.default_root)
         None, "--data", envvar="FEDSGA_EDGE_DEVICE_DATA",
-        help="This device's own data, used whole: a folder with one sub-folder per class (PNG, JPEG, ...) or an npz (x_train, y_train, classes). The run's classes and input size come from the coordinator (started "
-        "with --classes); bad data is an error here, before the device registers. Without it the device rebuilds "
-        "its share of --dataset."),
+        help="This device's own data, used whole: a folder with one sub-folder per class (PNG, JPEG, ...) or an "
+        "npz (x_train, y_train, classes). The run's classes and input size come from the coordinator (started with "
+        "--classes); bad data is an error here, before the device registers. Without it the device rebuilds its "
+        "share of --dataset."),
     **flags: Any,
 ) -> None:
     """Run one device agent until the coordinator ends the run (or SIGTERM)."""
@@ -475,7 +476,8 @@ def _device_folders(device_data: Path, clients: int) -> list[Path]:
         folder, npz = device_data / f"client-{i:03d}", device_data / f"client-{i:03d}.npz"
         if not folder.exists() and not npz.exists():
             raise typer.BadParameter(f"--device-data {device_data} has no client-{i:03d}/ (or client-{i:03d}.npz) for "
-                                     f"device {i} of --clients {clients}; `fedsga-edge partition` writes one per device")
+                                     f"device {i} of --clients {clients}; `fedsga-edge partition` writes one per "
+                                     "device")
         out.append(folder if folder.exists() else npz)
     return out
 

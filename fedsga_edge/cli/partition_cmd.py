@@ -61,9 +61,10 @@ def partition(
         dest = out / (cid if format == "folder" else f"{cid}.npz")
         sizes[cid] = write(dest, b.train.get_batch(share), b.train.labels[share], b.classes)
     if test:
-        idx = range(len(b.test))
-        write(out / ("test" if format == "folder" else "test.npz"), b.test.get_batch(list(idx)), b.test.labels, b.classes)
-    source = {k: getattr(cfg, k) for k in ("dataset", "partition", "alpha", "clients", "seed", "train_subset", "img_size")}
+        dest = out / ("test" if format == "folder" else "test.npz")
+        write(dest, b.test.get_batch(list(range(len(b.test)))), b.test.labels, b.classes)
+    keys = ("dataset", "partition", "alpha", "clients", "seed", "train_subset", "img_size")
+    source = {k: getattr(cfg, k) for k in keys}
     description = run_data_of(b).to_wire() | {"source": source, "format": format, "devices": sizes,
                                                "test_samples": len(b.test) if test else 0}
     (out / DESCRIPTION_FILE).write_text(json.dumps(description, indent=2))

@@ -59,8 +59,8 @@ class RunData:
     std: tuple[float, float, float]
 
     def to_wire(self) -> dict[str, Any]:
-        return {"classes": list(self.classes), "image_size": int(self.image_size), "mean": [float(v) for v in self.mean],
-                "std": [float(v) for v in self.std]}
+        return {"classes": list(self.classes), "image_size": int(self.image_size),
+                "mean": [float(v) for v in self.mean], "std": [float(v) for v in self.std]}
 
     @classmethod
     def from_wire(cls, body: Any, where: str = "the coordinator's description") -> "RunData":
@@ -79,8 +79,8 @@ class RunData:
         stats = []
         for key in ("mean", "std"):
             v = body.get(key)
-            if (not isinstance(v, (list, tuple)) or len(v) != 3
-                    or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)):
+            if not isinstance(v, (list, tuple)) or len(v) != 3 or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v):
                 raise LocalDataError(f"{where}: {key} must be three finite numbers")
             stats.append(tuple(float(x) for x in v))
         if not all(0 < s <= 10 for s in stats[1]) or not all(-10 <= m <= 10 for m in stats[0]):
@@ -262,8 +262,10 @@ def _read_npz(p: Path, run: RunData) -> tuple[ArrayImageSet, dict[str, int]]:
         labels = np.array([ids[names[int(v)]] for v in y], dtype=np.int64)
     else:
         if y.size and (y.min() < 0 or y.max() >= len(run.classes)):
-            raise LocalDataError(f"{p}: y_train holds label {int(y.max())}, but the run has {len(run.classes)} classes "
-                                 "(ids 0..{}); add classes (the names of the labels) to the npz".format(len(run.classes) - 1))
+            top = len(run.classes) - 1
+            raise LocalDataError(f"{p}: y_train holds label {int(y.max() if y.max() > top else y.min())}, but the run "
+                                 f"has {top + 1} classes (ids 0..{top}); add classes (the names of the labels) to the "
+                                 "npz")
         labels = y.astype(np.int64)
     images = ArrayImageSet(x, labels, image_size=size)
     counts = {run.classes[int(c)]: int(n) for c, n in zip(*np.unique(labels, return_counts=True))}

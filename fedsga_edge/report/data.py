@@ -466,9 +466,10 @@ def federated_device_rows(runs: list[Run]) -> list[dict[str, Any]]:
         last = next((row for row in reversed(r.rows) if isinstance(row.get("fed_by_device"), dict)), None)
         if last is None:
             continue
-        test = next((_num(row.get("test_acc")) for row in r.rows
-                     if row.get("round") == last.get("fed_model_round") and _num(row.get("test_acc")) is not None), None)
-        devs = [(str(c), d) for c, d in last["fed_by_device"].items() if isinstance(d, dict) and _num(d.get("acc")) is not None]
+        test = next((_num(row.get("test_acc")) for row in r.rows if row.get("round") == last.get("fed_model_round")
+                     and _num(row.get("test_acc")) is not None), None)
+        devs = [(str(c), d) for c, d in last["fed_by_device"].items()
+                if isinstance(d, dict) and _num(d.get("acc")) is not None]
         for cid, d in sorted(devs, key=lambda cd: (_num(cd[1].get("acc")), cd[0])):
             rows.append({"run": r.name, "model_round": last.get("fed_model_round"), "device": cid,
                          "acc": _num(d.get("acc")), "loss": _num(d.get("loss")), "count": d.get("count"),
