@@ -49,11 +49,12 @@ def hold_out(indices: np.ndarray, fraction: float, seed: int, cid: str) -> tuple
 
 
 def eval_batches(indices: np.ndarray, batch_size: int) -> list[np.ndarray]:
-    """The slice in order, in batches of at most ``batch_size`` (+1: a last batch of one joins the one before,
-    as in training, so every request holds 2 or more samples)."""
+    """``indices`` in order, in batches of at most ``batch_size`` (+1: a last batch of one joins the one
+    before, so every batch holds 2 or more samples: BatchNorm cannot train on one). Training batches too."""
     out = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
     if len(out) > 1 and len(out[-1]) < 2:
-        out[-2] = np.concatenate([out[-2], out.pop()])
+        last = out.pop()  # popped first: out[-2] read after the pop would be the batch before
+        out[-1] = np.concatenate([out[-1], last])
     return out
 
 

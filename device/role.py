@@ -28,7 +28,7 @@ from fedsga_edge.method.observation import Observation, alignment, drift, prompt
 from fedsga_edge.method.policy import reference_index, split_index
 from fedsga_edge.wire import Message, RemoteProtocolError
 
-from .evaluate import held_out_evaluation
+from .evaluate import eval_batches, held_out_evaluation
 from .methods import check_method, device_method
 
 __all__ = ["Backend", "BackendError", "Caller", "ClientData", "PrivateState", "SplitClient", "check_round_start"]
@@ -447,10 +447,7 @@ class SplitClient:
         return held[self.rng.permutation(len(held))][:batch_size]
 
     def _batches(self, batch_size: int, max_batches: int) -> list[np.ndarray]:
-        order = self.data.indices[self.rng.permutation(len(self.data.indices))]
-        out = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-        if len(out) > 1 and len(out[-1]) < 2:  # BatchNorm cannot train on a batch of one
-            out[-2] = np.concatenate([out[-2], out.pop()])
+        out = eval_batches(self.data.indices[self.rng.permutation(len(self.data.indices))], batch_size)
         return out[:max_batches] if max_batches else out
 
     def _inputs(self, idx: np.ndarray, augment: bool) -> tuple[Any, np.ndarray]:
