@@ -84,8 +84,10 @@ class Coordinator:
         self.num_classes = num_classes
         strategy.attach(self)
         self.head = strategy.server_head().to(self.device)
-        self.server = make_server_side(self.model, self.head, cfg, lambda d: strategy.weight(self.clients[d]),
-                                       steps=strategy.server_steps())
+        weight = lambda d: strategy.weight(self.clients[d])  # noqa: E731
+        # the strategy's own server side (MultiSFL's branches), else the one cfg asks for
+        self.server = strategy.server_side(self.model, self.head, cfg, weight) or make_server_side(
+            self.model, self.head, cfg, weight, steps=strategy.server_steps())
         self.round = RoundState()
         self.bounds = ActivationBound(cfg.clip_activations)  # docs/protocol.md, "Bounded influence"
         self.split_samples: dict[int, int] = {}  # split -> samples trained there so far (headline eval)

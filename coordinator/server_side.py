@@ -9,6 +9,8 @@
   snapshot; the copies are averaged by data weight at the end of the round.
 * ``unbalanced`` (MU-SplitFed): the shared copy takes tau steps on each accepted activation, the
   device's gradient coming from the first (docs/method.md, "Baselines beyond the paper's own").
+* ``branches`` (MultiSFL): one copy per branch model, kept by the strategy across rounds, with
+  knowledge replay from helper devices (the strategy's ``server_side`` hook builds it).
 
 Each is a ``ServerSide``: the coordinator asks it for the copy a device trains, lets it take the
 step, tells it when a device is done and when the round ends. A new variant (the merged batch of
@@ -31,7 +33,7 @@ from .influence import clip_updates
 from .limits import all_finite
 
 __all__ = ["ServerCopy", "ServerSide", "SharedServer", "ContextServer", "PerClientServer", "UnbalancedServer",
-           "SERVER_SIDES", "make_server_side"]
+           "BranchServer", "SERVER_SIDES", "make_server_side"]
 
 
 class ServerCopy:
@@ -251,6 +253,102 @@ class UnbalancedServer(SharedServer):
             side.opt.load_state_dict(saved[2])
             raise
         return loss, Z
+
+
+class BranchServer(ServerSide):
+    """MultiSFL's server side: one copy per branch model, started every round from that branch's state
+    (``start(b)``); a device trains the copy of the branch it was dealt (``branch_of``). After each of a
+    branch's own steps the branch earns ``replay`` replay steps; each one trains the branch's copy on the
+    latest accepted batch of a helper device (one of another branch at the same split) whose labels
+    fill the classes this branch has seen least this round (docs/method.md, "Baselines beyond the paper's
+    own"). Replay steps return no gradient to anyone. At the round's end each branch's trained state is
+    left in ``trained`` for the strategy, which builds the branches and the master from it; the shared
+    copy is not trained.
+    """
+
+    name = "branches"
+
+    def __init__(self, model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float], *,
+                 branch_of: Callable[[str], int], start: Callable[[int], dict[str, Tensor]], replay: float) -> None:
+        super().__init__(model, head, cfg, weight)
+        if not 0 <= replay <= 1:
+            raise ValueError(f"replay steps per branch step must be in 0..1, got {replay}")
+        self.branch_of, self.start, self.replay = branch_of, start, replay
+        self.trained: dict[int, dict[str, Tensor]] = {}  # branch -> its copy's state at the last round's end
+        self.replayed: list[tuple[int, str]] = []  # (branch, helper) of each replay step this round
+        self._copies: dict[int, ServerCopy] = {}
+        self._latest: dict[str, tuple[Tensor, Tensor, int]] = {}  # device -> its latest accepted (z, y, k)
+        self._labels: dict[int, dict[int, int]] = {}  # branch -> class -> samples its own steps saw this round
+        self._credit: dict[int, float] = {}
+        self._force: int | None = None  # the branch a replay step trains
+
+    def begin_round(self, snapshot: dict[str, Tensor]) -> None:
+        super().begin_round(snapshot)
+        self._copies, self._latest, self._labels, self._credit = {}, {}, {}, {}
+        self.replayed = []
+
+    def copy_for(self, device: str) -> ServerCopy:
+        b = self.branch_of(device) if self._force is None else self._force
+        side = self._copies.get(b)
+        if side is None:
+            model, head = copy.deepcopy(self.model), copy.deepcopy(self.head)
+            model.load_state_dict(self.start(b))
+            if self.cfg.server_bn == "round":
+                round_average_bn(model)
+            side = self._copies[b] = ServerCopy(model, head, self.cfg)
+        return side
+
+    def step(self, device: str, z: Tensor, y: Tensor, k: int, strategy: Any) -> tuple[Tensor, Tensor | None]:
+        loss, Z = super().step(device, z, y, k, strategy)
+        b = self.branch_of(device)
+        self._latest[device] = (z.detach().clone(), y.detach().clone(), k)
+        counts = self._labels.setdefault(b, {})
+        for c in y.tolist():
+            counts[c] = counts.get(c, 0) + 1
+        self._credit[b] = self._credit.get(b, 0.0) + self.replay
+        while self._credit[b] >= 1 - 1e-9:
+            self._credit[b] -= 1
+            self._replay(b, k, strategy)
+        return loss, Z
+
+    def helper(self, b: int, k: int) -> str | None:
+        """The device whose latest batch fills branch b's least-seen classes best (None: none helps).
+
+        A class's gap is 1 - (its count / the branch's most-seen class's count); a helper scores the sum
+        of its batch's labels' gaps; ties go to the first device in id order."""
+        counts = self._labels.get(b, {})
+        top = max(counts.values(), default=0)
+        best, score = None, 0.0
+        for d in sorted(self._latest):
+            _, y, kd = self._latest[d]
+            if kd != k or self.branch_of(d) == b:
+                continue
+            s = sum(1.0 - counts.get(c, 0) / top if top else 1.0 for c in y.tolist())
+            if s > score + 1e-12:
+                best, score = d, s
+        return best
+
+    def _replay(self, b: int, k: int, strategy: Any) -> None:
+        d = self.helper(b, k)
+        if d is None:
+            return
+        z, y, _ = self._latest[d]
+        self._force = b
+        try:
+            ServerSide.step(self, d, z.clone(), y, k, strategy)
+        except ValueError:  # a non-finite replay changes nothing (ServerSide.step restored the statistics)
+            return
+        finally:
+            self._force = None
+        self.replayed.append((b, d))
+
+    @torch.no_grad()
+    def end_round(self, snapshot: dict[str, Tensor]) -> None:
+        """Keep each branch's trained copy for the strategy; the shared model stays as it is."""
+        self.trained = {b: {n: v.detach().clone() for n, v in side.model.state_dict().items()}
+                        for b, side in self._copies.items()}
+        self._copies.clear()
+        self._latest.clear()
 
 
 SERVER_SIDES: dict[str, type[ServerSide]] = {"shared": SharedServer, "per_client": PerClientServer}

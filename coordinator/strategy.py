@@ -177,6 +177,11 @@ class Strategy:
 
         return nn.Module()
 
+    def server_side(self, model: Any, head: Any, cfg: RunConfig, weight: Any) -> Any:
+        """The method's own ``ServerSide`` (coordinator/server_side.py), or None for the one ``cfg`` asks for
+        (``make_server_side``): MultiSFL's per-branch copies."""
+        return None
+
     def server_steps(self) -> int:
         """Server optimizer steps per accepted activation (MU-SplitFed's tau); one for every other method
         (coordinator/server_side.py, ``UnbalancedServer``)."""

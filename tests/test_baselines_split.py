@@ -1,0 +1,175 @@
+"""Issue 19's split baselines with their own server side: MultiSFL's branches, master and knowledge replay
+(and, with it, the split device step on the torch-free ONNX device). Each test fails when the method's
+core rule is broken (docs/method.md, "Baselines beyond the paper's own")."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _runs import tiny_config
+
+from fedsga_edge.simulation import Simulation
+from fedsga_edge.tensors import from_numpy
+
+# -- MultiSFL: branch models, a master that is their aggregate, knowledge replay -------------------------
+
+
+def _capture_updates(sim: Simulation) -> dict[str, dict]:
+    """The accepted updates of the next round(s), as the strategy's end_round receives them."""
+    seen: dict[str, dict] = {}
+    end = sim.strategy.end_round
+
+    def spy(updates, record):
+        seen.clear()
+        seen.update(copy.deepcopy(updates))
+        return end(updates, record)
+
+    sim.strategy.end_round = spy
+    return seen
+
+
+def _weighted(states: list[dict[str, torch.Tensor]], weights: list[float], name: str) -> torch.Tensor:
+    return sum(w * s[name].double() for s, w in zip(states, weights)) / sum(weights)
+
+
+def test_multisfl_master_is_the_data_weighted_aggregate_of_its_branches(digits) -> None:
+    """Three devices on two branches (2 + 1): each branch = its devices' prefixes averaged by data + its own
+    trained server copy; the master (the global model) = the branches averaged by their data; each branch
+    then starts the next round at (1 - mix) W_b + mix * master, and its devices receive that prefix."""
+    sim = Simulation(tiny_config("multisfl", rounds=2, clients=3, max_batches=2, clip_updates=0.0,
+                                 strategy_args={"branches": 2, "mix": 0.25, "replay": 0.5}), digits)
+    co, st = sim.coordinator, sim.strategy
+    updates = _capture_updates(sim)
+    start = {n: v.clone() for n, v in co.model.state_dict().items()}
+    rec = next(sim.rounds())
+    assert rec["failures"] == {} and len(updates) == 3
+    dealt = dict(st.dealt)
+    assert sorted(dealt.values()) == [0, 1, 1] and rec["branches"] == {"0": ["client-001"], "1": ["client-000", "client-002"]}
+    unit, depth = co.model.unit_of, co.model.depth_of(sim.cfg.split)
+    n = {c: co.clients[c] for c in updates}
+    branch, mass = {}, {}
+    for b in (0, 1):
+        devs = sorted(c for c in updates if dealt[c] == b)
+        ups = [{k: from_numpy(a, "cpu") for k, a in updates[c]["weights"].items()} for c in devs]
+        server = co.server.trained[b]
+        branch[b] = {name: (_weighted(ups, [n[c] for c in devs], name) if unit(name) < depth else server[name].double())
+                     for name in start}
+        mass[b] = sum(n[c] for c in devs)
+    master = co.model.state_dict()
+    for name, v in master.items():
+        want = (mass[0] * branch[0][name] + mass[1] * branch[1][name]) / (mass[0] + mass[1])
+        if v.is_floating_point():
+            torch.testing.assert_close(v.double(), want, rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(v, want.round().to(v.dtype)), name
+    floats = [name for name, v in master.items() if v.is_floating_point()]
+    assert any(not torch.allclose(branch[0][k], branch[1][k]) for k in floats)  # the branches differ
+    for b in (0, 1):  # the mix, then round 2's devices receive their branch's prefix
+        for name in floats:
+            torch.testing.assert_close(st.branches[b][name].double(),
+                                       0.75 * branch[b][name] + 0.25 * master[name].double(), rtol=1e-5, atol=1e-6)
+    bodies = co.begin_round(2)
+    for cid, body in bodies.items():
+        b = st.dealt[cid]
+        assert b != dealt[cid]  # the deal rotates
+        for name, a in body["weights"].items():
+            assert torch.equal(from_numpy(a, "cpu"), st.branches[b][name]), (cid, name)
+
+
+def _batch(model, k: int, labels: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(len(labels), *model.interface_shape(model.depth_of(k), 0), generator=gen), torch.tensor(labels)
+
+
+def _sgd(model, cfg, k: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Plain SGD steps of a fresh optimizer over suffix + head, one per batch."""
+    model = copy.deepcopy(model)
+    tc = cfg.train
+    opt = torch.optim.SGD(model.parameters(), lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+    model.train()
+    for z, y in batches:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model.head(model.suffix(z.clone(), model.depth_of(k))), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def test_multisfl_replay_trains_a_branch_on_the_helper_that_fills_its_gaps(digits) -> None:
+    """replay 1: after branch 1's own step, its server copy also steps on the latest batch of the helper
+    (another branch's device) whose labels it has seen least: exactly two SGD steps, the helper's second;
+    branch 0's steps had no helper (nobody else yet, then only its own branch). With replay 0 no branch ever replays."""
+    for replay in (1.0, 0.0):
+        sim = Simulation(tiny_config("multisfl", rounds=1, clients=3, strategy_args={"branches": 2, "replay": replay}),
+                         digits)
+        co, st, k = sim.coordinator, sim.strategy, sim.cfg.split
+        co.begin_round(1)
+        st.dealt = {"client-000": 0, "client-001": 1, "client-002": 0}
+        server = co.server
+        a = _batch(co.model, k, [0, 0, 0, 0], 1)  # branch 0: class 0
+        c = _batch(co.model, k, [1, 1, 2, 2], 2)  # branch 0 too: classes 1, 2
+        b = _batch(co.model, k, [0, 0, 1, 1], 3)  # branch 1: classes 0, 1
+        server.step("client-000", a[0].clone(), a[1], k, st)
+        assert server.replayed == []  # nobody of another branch has sent yet
+        server.step("client-002", c[0].clone(), c[1], k, st)
+        assert server.replayed == []  # client-000 is of the same branch: no helper
+        server.step("client-001", b[0].clone(), b[1], k, st)
+        if replay == 0:
+            assert server.replayed == []
+            continue
+        # branch 1 saw classes 0 and 1 twice each; client-002's batch (1, 1, 2, 2) fills class 2, client-000's
+        # (0, 0, 0, 0) nothing: client-002 helps, though client-000 comes first in id order
+        assert server.replayed == [(1, "client-002")]
+        assert server.helper(1, k) == "client-002"
+        got = server.copy_for("client-001").model.state_dict()
+        want = _sgd(co.model, sim.cfg, k, [b, c])
+        wrong = _sgd(co.model, sim.cfg, k, [b, a])
+        names = [n for n, v in want.items() if v.is_floating_point() and co.model.unit_of(n) >= co.model.depth_of(k)]
+        assert all(torch.allclose(got[n], want[n], atol=1e-6) for n in names)
+        assert not all(torch.allclose(got[n], wrong[n], atol=1e-6) for n in names)
+
+
+def test_multisfl_branches_survive_a_checkpoint(digits) -> None:
+    sim = Simulation(tiny_config("multisfl", rounds=2, clients=2, max_batches=1), digits)
+    next(sim.rounds())
+    state = sim.coordinator.checkpoint_state()
+    other = Simulation(tiny_config("multisfl", rounds=2, clients=2, max_batches=1), digits)
+    other.coordinator.restore(copy.deepcopy(state))
+    for mine, theirs in zip(sim.strategy.branches, other.strategy.branches):
+        assert all(torch.equal(mine[n], theirs[n]) for n in mine)
+
+
+def test_multisfl_options_are_refused_out_of_range() -> None:
+    from fedsga_edge.coordinator.strategy import create_strategy
+
+    with pytest.raises(ValueError, match="branches"):
+        create_strategy(tiny_config("multisfl", strategy_args={"branches": 0}), 4, ["a"], {})
+    with pytest.raises(ValueError, match="mix"):
+        create_strategy(tiny_config("multisfl", strategy_args={"mix": 1.5}), 4, ["a"], {})
+
+
+# -- the split device step on the torch-free ONNX device ---------------------------------------------------
+
+def test_multisfl_round_on_onnx_devices_matches_torch_devices(digits) -> None:
+    """The device side is a prefix forward/backward of the branch's prefix: the ONNX device trains it as
+    the torch device does (one local step: float32 rounding differs between the two backends)."""
+    from _export_artifacts import device_artifacts
+
+    def run(**kw) -> tuple[Simulation, dict]:
+        sim = Simulation(tiny_config("multisfl", clients=2, rounds=2, max_batches=1), digits, **kw)
+        recs = list(sim.rounds())
+        return sim, recs
+
+    ref, rec_t = run()
+    sim, rec_o = run(backend="onnx", artifacts=device_artifacts())
+    assert all(c.backend.name == "onnx" for c in sim.clients)
+    for rt, ro in zip(rec_t, rec_o):
+        assert not ro["failures"] and ro["branches"] == rt["branches"] and ro["splits"] == rt["splits"]
+        assert ro["train_loss"] == pytest.approx(rt["train_loss"], rel=1e-3)
+    va = torch.cat([v.flatten().double() for v in ref.model.state_dict().values() if v.is_floating_point()])
+    vb = torch.cat([v.flatten().double() for v in sim.model.state_dict().values() if v.is_floating_point()])
+    # round 2 trains the branches' own prefixes (not the master's); two rounds let the rounding grow, as in
+    # tests/test_onnx_device.py's two-round comparison
+    assert float((va - vb).norm() / va.norm()) < 1e-2
