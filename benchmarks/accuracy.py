@@ -287,7 +287,7 @@ def run_one(cfg: Any, out: Path, bundle: Any, p: Preset, eval_set: Any, bar: Any
     """One simulation, written like ``run_simulation`` does, plus subset evaluations."""
     from fedsga_edge.simulation import Simulation, summarize
 
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     sim = Simulation(cfg, bundle)
     out.mkdir(parents=True, exist_ok=True)
     config = cfg.to_dict() | {
@@ -315,6 +315,8 @@ def run_one(cfg: Any, out: Path, bundle: Any, p: Preset, eval_set: Any, bar: Any
                                     + (f" acc {acc:.3f}" if acc is not None else ""))
     summary = summarize(records, sim.cfg, time.perf_counter() - started)
     summary.update(headline(records, window))
+    # CPU seconds: on one thread this is the run's time on an idle machine, whatever else shares the cores
+    summary["cpu_s"] = time.process_time() - started_cpu
     summary["calibration_all_k_flops"] = all_k_probe_flops(sim, records)
     summary["train_client_flops_total"] = train_client_flops(sim, records)
     summary["diagnostics"] = diagnostics(records)
@@ -486,9 +488,10 @@ def _cost_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:
     out: list[str] = []
     out.append("**Table 5 (shape of the paper's): client cost** — means over rounds, clients and seeds")
     out.append("")
-    out.append("| Method | Partition | client params (K) | client MFLOPs/sample (fwd+bwd) | client FLOPs / static's (per seed) "
-               "| split histogram (k: client-rounds, all seeds) | wall s / run | MB on the wire / run |")
-    out.append("|---|---|---:|---:|---:|---|---:|---:|")
+    out.append("| Method | Partition | client params (K) | client MFLOPs/sample (training + method) | of which the method's "
+               "(observation, probes) | client FLOPs / static's (per seed) | split histogram (k: client-rounds, all seeds) "
+               "| wall s / run (CPU s) | MB on the wire / run |")
+    out.append("|---|---|---:|---:|---:|---:|---|---:|---:|")
     for m in methods:
         for p in parts:
             ss = g.get((m, p))
@@ -501,9 +504,9 @@ def _cost_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:
             hist_s = " ".join(f"{'full' if k == '0' else k}:{v}" for k, v in sorted(hist.items()))
             out.append(
                 f"| {LABELS.get(m, m)} | {partition_label(p)} | {np.mean([s['client_params'] for s in ss]) / 1e3:.1f} "
-                f"| {np.mean([s['client_flops_per_sample'] for s in ss]) / 1e6:.2f} "
+                f"| {np.mean([s['client_flops_per_sample'] for s in ss]) / 1e6:.2f} | {_method_flops(ss)} "
                 f"| {_flops_ratio(ss, g.get((REFERENCE, p), []))} | {hist_s} "
-                f"| {np.mean([s['wall_s'] for s in ss]):.0f} | {np.mean([s['bytes_total'] for s in ss]) / 1e6:.1f} |"
+                f"| {np.mean([s['wall_s'] for s in ss]):.0f}{_cpu(ss)} | {np.mean([s['bytes_total'] for s in ss]) / 1e6:.1f} |"
             )
     out.append("")
 
@@ -582,6 +585,18 @@ def _split_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:
         out.append("")
 
     return out
+
+
+def _cpu(ss: list[dict[str, Any]]) -> str:
+    vals = [s.get("cpu_s") for s in ss]
+    return "" if any(v is None for v in vals) else f" ({np.mean(vals):.0f})"
+
+
+def _method_flops(ss: list[dict[str, Any]]) -> str:
+    """The client FLOPs per sample the method adds to training (FedSGA's observation forward and probes);
+    "—" for runs summarised before the cost was split (their figure is training only)."""
+    vals = [s.get("client_method_flops_per_sample") for s in ss]
+    return "—" if any(v is None for v in vals) else f"{np.mean(vals) / 1e6:.2f}"
 
 
 def _flops_ratio(ss: list[dict[str, Any]], ref: list[dict[str, Any]]) -> str:
