@@ -21,7 +21,7 @@ SCHEDULES = ("round_robin", "random", "sequential")
 # Which device takes the first turn of a simulated round, and in which order the rest follow.
 DEVICE_ORDERS = ("shuffled", "fixed")
 # Activations / gradients on the wire (weights stay fp32): runbuild.WIRE_FORMATS maps them to codecs.
-WIRE_FORMATS = ("fp32", "fp16", "int8")
+WIRE_FORMATS = ("fp32", "fp16", "int8", "int4")
 
 
 @dataclass
@@ -135,6 +135,11 @@ class RunConfig:
         "evaluation round; docs/protocol.md, \"Federated evaluation\"); 0 = off.", ge=0, le=0.5, finite=True)
     speed_sigma: float = opt(0.5, "--strategy resource: log-normal spread of device speeds.")
     profile: str | None = opt(None, "--strategy resource: a measured `fedsga-edge profile --json`.", path=True)
+    fleet: str | None = opt(
+        None, "A fleet file (TOML: device classes with a count, a compute speed, a link and an availability; "
+        "docs/fleet.md): simulate runs the devices on a virtual clock (their FLOPs over their speed, their bytes "
+        "over their link), --round-timeout and dropouts act on that clock, and --strategy resource takes the "
+        "devices' speeds from it. Simulation only.", path=True)
     server_copies: str = opt(
         "shared", "shared: one server copy trained on the clients in turn (SplitFed-v2 style); "
         "per-client: each client trains its own copy, averaged every round (SplitFed-v1 style).",
@@ -172,7 +177,8 @@ class RunConfig:
     prox_mu: float = opt(0.01, "FedProx proximal weight (used by --strategy fedprox).", flag="--mu", ge=0)
     wire_format: str = opt(
         "fp32", "Tensor encoding of the per-batch activations and gradients on the wire: fp32 | fp16 (half the "
-        "bytes) | int8 (a quarter, per-tensor scale). Weights always travel fp32 (docs/protocol.md, \"Messages\").",
+        "bytes) | int8 (a quarter, per-tensor scale) | int4 (0.129x, a float32 scale per 256 values). Weights always "
+        "travel fp32 (docs/protocol.md, \"Messages\").",
         choices=WIRE_FORMATS)
     train: TrainConfig = field(default_factory=TrainConfig)
     fedsga: FedSGAConfig = field(default_factory=FedSGAConfig)
