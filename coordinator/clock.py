@@ -3,7 +3,8 @@
 A field run lives in real time (``MonotonicClock``). A simulation runs its devices one request at
 a time in one process, so real time would charge each device for the others' work; it keeps a
 ``VirtualClock`` that the scheduler advances by the work each device step did (measured, or a
-fixed cost per step when a test wants deadlines that fall at the same request every run).
+fixed cost per step when a test wants deadlines that fall at the same request every run). With a
+fleet (``simulate --fleet``) the scheduler instead ``set``s it to each request's arrival time.
 """
 
 from __future__ import annotations
@@ -48,3 +49,10 @@ class VirtualClock:
 
     def advance(self, seconds: float) -> None:
         self.t += seconds if self.per_step is None else self.per_step
+
+    def set(self, t: float) -> None:
+        """Jump to virtual time ``t``: the next event of a discrete-event schedule (``FleetScheduler``,
+        coordinator/scheduling.py), whose time comes from the fleet's model, not from measured work."""
+        if t < self.t:
+            raise ValueError(f"a virtual clock does not go back ({t} < {self.t})")
+        self.t = float(t)

@@ -96,6 +96,9 @@ class RoundDriver:
         with lock:
             self.scheduler.advance(co, self.clock)
             rec = co.end_round(self.clock.now())
+            fields = getattr(self.scheduler, "round_fields", None)  # a fleet's fleet_s and per-device timing
+            if fields is not None:
+                rec.update(fields())
         # bytes each device sent this round: a failed device's partial work shows here (docs/protocol.md, "Faults")
         up_by = {c: stats.bytes_sent(src=c) - up0[c] for c in co.clients}
         rec["bytes_up"] = sum(up_by.values())

@@ -20,6 +20,7 @@ its ``lock`` is held around every call into the Coordinator (which is not thread
 from __future__ import annotations
 
 import contextlib
+import heapq
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +30,8 @@ import numpy as np
 
 from .clock import Clock
 
-__all__ = ["Scheduler", "InProcessScheduler", "MessageScheduler", "DEVICE_ORDER_STREAM", "round_order"]
+__all__ = ["Scheduler", "InProcessScheduler", "MessageScheduler", "FleetScheduler", "DEVICE_ORDER_STREAM",
+           "FLEET_STREAM", "round_order", "step_flops", "server_flops"]
 
 # The device order's own random stream: np.random.default_rng([seed, t, DEVICE_ORDER_STREAM]). Its
 # own stream, so drawing an order moves no other random draw (the random schedule's, the strategies').
@@ -132,3 +134,312 @@ class MessageScheduler:
                     co.fail(d, "coordinator stopped")
                 break
             self._cond.wait(self.poll_s)
+
+
+# -- a fleet on a virtual clock (issue 20; docs/fleet.md) ---------------------------------------------------
+
+# The availability draws' own random stream: np.random.default_rng([seed, t, FLEET_STREAM]).
+FLEET_STREAM = 20
+
+
+class _Dropped(BaseException):
+    """Unwinds a device thread whose request the deadline overtook (not an ``Exception``: no device or
+    scheduler handler may take it for the device's own failure)."""
+
+
+class _Lane:
+    """One device's round on its own thread, run only while the scheduler waits for it.
+
+    A device step computes and then sends its request in one call (``SplitClient.step``); a
+    discrete-event schedule must deliver requests in arrival order, which is known only once each
+    request is computed. So each device steps on its own thread and stops at its transport (the
+    gate) until the scheduler delivers it: exactly one thread runs at any time, in an order that
+    depends only on the virtual times (deterministic)."""
+
+    def __init__(self, client: Any, step: Callable[[Any], bool]) -> None:
+        self.client, self._step = client, step
+        self._go, self._back = threading.Semaphore(0), threading.Semaphore(0)
+        self.kind: str | None = None
+        self.body: dict[str, Any] | None = None
+        self.up = self.down = 0
+        self.state = "idle"  # idle -> computing -> gated -> delivered -> stepped | dropped
+        self.more = True
+        self._drop = False
+        self.thread = threading.Thread(target=self._run, name=f"fleet-{client.cid}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._go.acquire()
+            if self._drop:
+                return
+            try:
+                self.more = self._step(self.client)
+            except _Dropped:
+                self.state = "dropped"
+                self._back.release()
+                return
+            self.state = "stepped"
+            self._back.release()
+            if not self.more:
+                return
+
+    def compute(self) -> None:
+        """Run the device until its next request is at the gate (or its round ended without one)."""
+        self.kind, self.body, self.up, self.down, self.state = None, None, 0, 0, "computing"
+        self._go.release()
+        self._back.acquire()
+
+    def deliver(self) -> None:
+        """Let the gated request through; back once the reply is in."""
+        self._go.release()
+        self._back.acquire()
+
+    def drop(self) -> None:
+        """End the thread (the round closed): a gated request raises ``_Dropped`` inside the device."""
+        gated = self.state == "gated"
+        self._drop = True
+        if self.thread.is_alive():
+            self._go.release()
+            if gated:
+                self._back.acquire()
+        self.thread.join()
+
+    # the device thread's side, called from its peer and transport
+    def note(self, kind: str, body: dict[str, Any] | None) -> None:
+        self.kind, self.body = kind, body or {}
+
+    def gate(self, nbytes: int) -> None:
+        self.up, self.state = nbytes, "gated"
+        self._back.release()
+        self._go.acquire()
+        if self._drop:
+            raise _Dropped
+        self.state = "delivered"
+
+
+class _NotingPeer:
+    """A device's Peer that tells its lane which request it is about to send (the FLOPs depend on it)."""
+
+    def __init__(self, peer: Any, sched: "FleetScheduler", cid: str) -> None:
+        self._peer, self._sched, self._cid = peer, sched, cid
+
+    def call(self, dst: str, kind: str, round: int, body: dict[str, Any] | None = None, **kw: Any) -> Any:
+        self._sched._note(self._cid, kind, body)
+        return self._peer.call(dst, kind, round, body, **kw)
+
+    def send(self, dst: str, kind: str, round: int, body: dict[str, Any] | None = None) -> None:
+        self._sched._note(self._cid, kind, body)
+        self._peer.send(dst, kind, round, body)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._peer, name)
+
+
+class _GatedTransport:
+    """A device's view of the shared transport: each request or one-way message waits at its lane's gate."""
+
+    def __init__(self, inner: Any, sched: "FleetScheduler", cid: str) -> None:
+        self._inner, self._sched, self._cid = inner, sched, cid
+
+    def request(self, src: str, dst: str, payload: bytes, *, timeout: float | None = None) -> bytes:
+        lane = self._sched._lanes.get(self._cid)
+        if lane is not None:
+            lane.gate(len(payload))
+        reply = self._inner.request(src, dst, payload, timeout=timeout)
+        if lane is not None:
+            lane.down = len(reply)
+        return reply
+
+    def send(self, src: str, dst: str, payload: bytes) -> None:
+        lane = self._sched._lanes.get(self._cid)
+        if lane is not None:
+            lane.gate(len(payload))
+        self._inner.send(src, dst, payload)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def step_flops(kind: str | None, body: dict[str, Any] | None, costs: Any, train: Any) -> float:
+    """The device FLOPs behind one request (docs/fleet.md, "The time model"): an activation is one batch's
+    forward and backward at its split, an evaluation or a probe a forward of its samples, a whole-model
+    update its local training (FedAvg trains without a request per batch); fetches and split updates
+    cost nothing. FedSGA's observation forward (one batch at round start) is not counted."""
+    if not kind or not body:
+        return 0.0
+    n = len(body["y"]) if body.get("y") is not None else 0
+    if kind == "activation":
+        return float(n * costs.train(int(body.get("split") or 0)))
+    if kind == "evaluate":
+        return float(n * costs.prefix_fwd(int(body.get("split") or 0)))
+    if kind == "probe":
+        from fedsga_edge.method.policy import reference_index
+
+        return float(n * costs.prefix_fwd(reference_index(max(costs.prefix))))
+    if kind == "update" and body.get("split") is None and "num_samples" in body:
+        from .server import samples_per_epoch
+
+        seen = train.local_epochs * samples_per_epoch(int(body["num_samples"]), train.batch_size, train.max_batches)
+        return float(seen * costs.train(0))
+    return 0.0
+
+
+def server_flops(kind: str | None, body: dict[str, Any] | None, costs: Any) -> float:
+    """The coordinator's FLOPs for a request: the rest of the model on an activation (forward and backward,
+    about three forwards), nothing else (probes, evaluations and aggregation are not modelled)."""
+    if kind != "activation" or not body or body.get("y") is None:
+        return 0.0
+    return float(3 * len(body["y"]) * costs.suffix_fwd(int(body.get("split") or 0)))
+
+
+class FleetScheduler:
+    """``simulate --fleet``: the in-process devices on a discrete-event schedule of virtual time.
+
+    A device's step takes its FLOPs over its class's speed, its bytes over its link and half its
+    round trip each way; the coordinator serves requests in the order they would arrive, at that
+    time on the clock (so ``--round-timeout`` and dropouts act on the fleet's time, not the host's).
+    Ties go to the round's device order (``round_order``), so a run is a function of its seed. The
+    coordinator's own compute is free unless the fleet has ``[server] gflops`` (then it serves one
+    request at a time, FIFO). ``round_fields`` gives the round's ``fleet_s`` and per-device ``timing``
+    (docs/fleet.md, "Per-device timing").
+    """
+
+    def __init__(self, clients: Sequence[Any], classes: dict[str, Any], costs: Any, train: Any, *,
+                 order: str = "shuffled", seed: int = 0, server_gflops: float | None = None,
+                 server: str = "coordinator") -> None:
+        self.clients = list(clients)
+        missing = [c.cid for c in self.clients if c.cid not in classes]
+        if missing:
+            raise ValueError(f"no fleet class for device(s) {missing}")
+        self.classes, self.costs, self.train = classes, costs, train
+        self.order, self.seed, self.server_gflops, self.server = order, seed, server_gflops, server
+        round_order(len(self.clients), 1, seed, order)
+        self.lock: ContextManager[Any] = contextlib.nullcontext()
+        self._lanes: dict[str, _Lane] = {}
+        self._down_seen: dict[str, int] = {c.cid: 0 for c in self.clients}
+        self._fields: dict[str, Any] = {}
+        for c in self.clients:  # each device's requests stop at its gate; the coordinator's peer is untouched
+            c.peer.transport = _GatedTransport(c.peer.transport, self, c.cid)
+            c.peer = _NotingPeer(c.peer, self, c.cid)
+
+    def ready(self, first: int) -> None:
+        pass
+
+    def devices(self, t: int) -> list[str]:
+        return [c.cid for c in self.clients]
+
+    def missed(self, t: int) -> set[str]:
+        """The devices that miss round ``t`` (each with its class's 1 - availability), from the seed alone."""
+        u = np.random.default_rng([self.seed, t, FLEET_STREAM]).random(len(self.clients))
+        return {c.cid for c, x in zip(self.clients, u) if x >= self.classes[c.cid].availability}
+
+    def _note(self, cid: str, kind: str, body: dict[str, Any] | None) -> None:
+        lane = self._lanes.get(cid)
+        if lane is not None:
+            lane.note(kind, body)
+
+    def round_fields(self) -> dict[str, Any]:
+        """The last round's ``fleet_s`` and ``timing`` (added to its metrics record by the driver)."""
+        return self._fields
+
+    def advance(self, co: Any, clock: Clock) -> None:
+        t0 = clock.now()
+        t = co.round.t
+        rank = {c.cid: i for i, c in enumerate(self.turn_order(t))}
+        started = {c.cid for c in self.clients if c.busy}
+        timing: dict[str, dict[str, Any]] = {}
+        events: list[tuple[float, int, int, str]] = []  # (time, 0 arrival | 1 compute start, rank, device)
+        missed = self.missed(t) & started
+        deadline = co.cfg.round_timeout
+        for client in self.clients:
+            cid = client.cid
+            if cid not in started:
+                continue
+            cls = self.classes[cid]
+            rs = self._round_start_bytes(client)
+            timing[cid] = {"class": cls.name, "compute_s": 0.0, "wire_s": 0.0, "wait_s": 0.0, "bytes_up": 0,
+                           "bytes_down": rs, "split": None}
+            if cid in missed:
+                timing[cid]["missed"] = True
+                client.abort()  # it never heard the round start: silent until the deadline
+                if deadline <= 0:  # nobody would ever close the round: the coordinator is told at once
+                    co.fail(cid, "missed the round (fleet availability)")
+                continue
+            wire = cls.down_s(rs) + cls.rtt_ms / 2e3
+            timing[cid]["wire_s"] = wire
+            self._lanes[cid] = _Lane(client, lambda c, co=co: InProcessScheduler._step(co, c))
+            heapq.heappush(events, (t0 + wire, 1, rank[cid], cid))
+        server_free = t0
+        try:
+            while events and not co.tick(clock.now()):
+                when, kind, _, cid = heapq.heappop(events)
+                lane, cls, tm = self._lanes[cid], self.classes[cid], timing[cid]
+                if kind == 1:  # the device computes its next request from ``when`` on
+                    lane.compute()
+                    if lane.state != "gated":  # its round ended without another message
+                        tm["done_s"] = when - t0
+                        continue
+                    c = cls.compute_s(step_flops(lane.kind, lane.body, self.costs, self.train))
+                    up = cls.up_s(lane.up) + cls.rtt_ms / 2e3
+                    tm["compute_s"] += c
+                    tm["wire_s"] += up
+                    tm["bytes_up"] += lane.up
+                    if lane.kind in ("activation", "evaluate", "update") and lane.body:
+                        split = lane.body.get("split")
+                        tm["split"] = 0 if split is None and lane.kind == "update" else split
+                    heapq.heappush(events, (when + c + up, 0, rank[cid], cid))
+                    continue
+                dl = co.round.deadline
+                if dl is not None and when >= dl:  # it would arrive too late: the round closes at its deadline
+                    clock.set(dl)
+                    co.tick(dl)
+                    break
+                clock.set(when)  # the request arrives: the coordinator sees it at this time
+                serve = 0.0
+                if self.server_gflops:
+                    serve = server_flops(lane.kind, lane.body, self.costs) / (self.server_gflops * 1e9)
+                    server_free = max(server_free, when) + serve
+                    serve = server_free - when  # queueing behind earlier requests, then its own compute
+                lane.deliver()
+                if lane.kind == "error" or lane.state == "stepped" and not lane.more and lane.down == 0:
+                    tm["done_s"] = when - t0
+                    continue
+                down = cls.down_s(lane.down) + cls.rtt_ms / 2e3
+                tm["wire_s"] += down
+                tm["bytes_down"] += lane.down
+                self._down_seen[cid] += lane.down
+                if lane.state == "stepped" and not lane.more:
+                    tm["done_s"] = when + serve + down - t0
+                    continue
+                heapq.heappush(events, (when + serve + down, 1, rank[cid], cid))
+            if not co.tick(clock.now()) and co.round.deadline is not None:  # only silent devices left
+                clock.set(max(clock.now(), co.round.deadline))
+                co.tick(clock.now())
+        finally:
+            for cid, lane in self._lanes.items():
+                if lane.thread.is_alive():
+                    lane.drop()
+                    lane.client.abort()
+            self._lanes = {}
+        end = clock.now()
+        for cid, tm in timing.items():
+            busy = tm["compute_s"] + tm["wire_s"]
+            tm["wait_s"] = max(0.0, end - t0 - busy) if not tm.get("missed") else 0.0
+            for key in ("compute_s", "wire_s", "wait_s", "done_s"):
+                if key in tm:
+                    tm[key] = round(tm[key], 6)
+        self._fields = {"fleet_s": end - t0, "timing": timing}
+
+    def turn_order(self, t: int) -> list[Any]:
+        return [self.clients[i] for i in round_order(len(self.clients), t, self.seed, self.order)]
+
+    def _round_start_bytes(self, client: Any) -> int:
+        """What the round start to ``client`` weighed: the coordinator's bytes to it not yet accounted."""
+        stats = getattr(client.peer.transport, "stats", None)
+        if stats is None:
+            return 0
+        total = stats.bytes_sent(src=self.server, dst=client.cid)
+        rs = total - self._down_seen[client.cid]
+        self._down_seen[client.cid] = total
+        return rs

@@ -6,7 +6,9 @@ Rounds run through the coordinator's one round driver (coordinator/driver.py), t
 coordinator service uses, with a virtual clock and an in-process scheduler: devices run
 concurrently under a deterministic schedule (``RunConfig.schedule``), each turn advancing one
 device by one request (one local batch), so the coordinator answers the devices' activations
-interleaved, as it would from real devices in arrival order.
+interleaved, as it would from real devices in arrival order. With ``--fleet`` (docs/fleet.md) a
+``FleetScheduler`` replaces the interleaving: each request is served at the virtual time it would
+arrive from its device's class (FLOPs over speed, bytes over link, delay).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from fedsga_edge.config import RunConfig
 from fedsga_edge.coordinator.checkpoint import CheckpointWriter
 from fedsga_edge.coordinator.clock import Clock, VirtualClock
 from fedsga_edge.coordinator.driver import RoundDriver
-from fedsga_edge.coordinator.scheduling import InProcessScheduler
+from fedsga_edge.coordinator.scheduling import FleetScheduler, InProcessScheduler
 from fedsga_edge.data import DatasetBundle
+from fedsga_edge.fleet import load_fleet
 from fedsga_edge.runbuild import (
     COORDINATOR,
     build_client,
@@ -66,8 +69,17 @@ class Simulation:
             cpeer.register(client.handle)
             self.clients.append(client)
         self.schedule_rng = np.random.default_rng([cfg.seed, 13])
-        self.scheduler = InProcessScheduler(self.clients, cfg.schedule, self.schedule_rng,
-                                            order=cfg.device_order, seed=cfg.seed)
+        self.fleet = load_fleet(cfg.fleet) if cfg.fleet else None
+        self.scheduler: InProcessScheduler | FleetScheduler
+        if self.fleet is not None:  # a discrete-event schedule on the fleet's time (docs/fleet.md)
+            self.scheduler = FleetScheduler(self.clients, self.fleet.assign(self.client_ids), self.costs, cfg.train,
+                                            order=cfg.device_order, seed=cfg.seed,
+                                            server_gflops=self.fleet.server_gflops, server=COORDINATOR)
+            if clock is not None and not isinstance(clock, VirtualClock):
+                raise ValueError("a fleet runs on a VirtualClock")
+        else:
+            self.scheduler = InProcessScheduler(self.clients, cfg.schedule, self.schedule_rng,
+                                                order=cfg.device_order, seed=cfg.seed)
         b = self.bundle
         self.driver = RoundDriver(self.coordinator, self.peer, clock or VirtualClock(), self.scheduler,
                                   test=(b.test, b.mean, b.std))
