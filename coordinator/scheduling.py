@@ -28,6 +28,8 @@ from typing import Any, ContextManager, Protocol
 
 import numpy as np
 
+from fedsga_edge.runfiles import device_timing
+
 from .clock import Clock
 
 __all__ = ["Scheduler", "InProcessScheduler", "MessageScheduler", "FleetScheduler", "DEVICE_ORDER_STREAM",
@@ -371,6 +373,7 @@ class FleetScheduler:
             self._lanes[cid] = _Lane(client, lambda c, co=co: InProcessScheduler._step(co, c))
             heapq.heappush(events, (t0 + wire, 1, rank[cid], cid))
         server_free = t0
+        pending: dict[str, tuple[float, float, float, int]] = {}  # device -> its request in flight
         try:
             while events and not co.tick(clock.now()):
                 when, kind, _, cid = heapq.heappop(events)
@@ -382,12 +385,10 @@ class FleetScheduler:
                         continue
                     c = cls.compute_s(step_flops(lane.kind, lane.body, self.costs, self.train))
                     up = cls.up_s(lane.up) + cls.rtt_ms / 2e3
-                    tm["compute_s"] += c
-                    tm["wire_s"] += up
-                    tm["bytes_up"] += lane.up
                     if lane.kind in ("activation", "evaluate", "update") and lane.body:
                         split = lane.body.get("split")
                         tm["split"] = 0 if split is None and lane.kind == "update" else split
+                    pending[cid] = (when, c, up, lane.up)  # counted once it arrives (or clipped at the close)
                     heapq.heappush(events, (when + c + up, 0, rank[cid], cid))
                     continue
                 dl = co.round.deadline
@@ -396,6 +397,10 @@ class FleetScheduler:
                     co.tick(dl)
                     break
                 clock.set(when)  # the request arrives: the coordinator sees it at this time
+                _, c, up, nbytes = pending.pop(cid)
+                tm["compute_s"] += c
+                tm["wire_s"] += up
+                tm["bytes_up"] += nbytes
                 serve = 0.0
                 if self.server_gflops:
                     serve = server_flops(lane.kind, lane.body, self.costs) / (self.server_gflops * 1e9)
@@ -423,13 +428,18 @@ class FleetScheduler:
                     lane.client.abort()
             self._lanes = {}
         end = clock.now()
+        for cid, (start, c, up, _) in pending.items():  # cut by the deadline: the part done before it
+            busy = max(0.0, end - start)
+            timing[cid]["compute_s"] += min(c, busy)
+            timing[cid]["wire_s"] += min(up, max(0.0, busy - c))
+        out = {}
         for cid, tm in timing.items():
-            busy = tm["compute_s"] + tm["wire_s"]
-            tm["wait_s"] = max(0.0, end - t0 - busy) if not tm.get("missed") else 0.0
-            for key in ("compute_s", "wire_s", "wait_s", "done_s"):
-                if key in tm:
-                    tm[key] = round(tm[key], 6)
-        self._fields = {"fleet_s": end - t0, "timing": timing}
+            missed = bool(tm.get("missed"))
+            wait = 0.0 if missed else max(0.0, end - t0 - tm["compute_s"] - tm["wire_s"])
+            out[cid] = device_timing(split=tm["split"], compute_s=tm["compute_s"], wire_s=tm["wire_s"], wait_s=wait,
+                                     bytes_up=tm["bytes_up"], bytes_down=tm["bytes_down"], done_s=tm.get("done_s"),
+                                     cls=tm["class"], missed=missed)
+        self._fields = {"fleet_s": end - t0, "timing": out}
 
     def turn_order(self, t: int) -> list[Any]:
         return [self.clients[i] for i in round_order(len(self.clients), t, self.seed, self.order)]

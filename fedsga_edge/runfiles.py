@@ -27,7 +27,7 @@ import numpy as np
 if TYPE_CHECKING:
     from fedsga_edge.config import RunConfig
 
-__all__ = ["JsonLog", "RunFiles", "atomic_write", "atomic_torch_save", "summarize"]
+__all__ = ["JsonLog", "RunFiles", "TIMING_FIELDS", "atomic_write", "atomic_torch_save", "device_timing", "summarize"]
 
 LEVELS = ("debug", "info", "warning", "error")
 
@@ -117,6 +117,27 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
     atomic_write(path, buf.getvalue())
 
 
+# A round record's "timing" map: device -> these fields (docs/method.md, "Time per device"). The one shape for
+# simulate --fleet (its virtual clock fills them) and the field service (real timestamps, when it fills them).
+TIMING_FIELDS = ("class", "split", "compute_s", "wire_s", "wait_s", "bytes_up", "bytes_down", "done_s", "missed")
+
+
+def device_timing(*, split: int | None, compute_s: float, wire_s: float, wait_s: float, bytes_up: int,
+                  bytes_down: int, done_s: float | None = None, cls: str | None = None,
+                  missed: bool = False) -> dict[str, Any]:
+    """One device's round in ``timing``: seconds computing, on its link (bytes over rate plus delay) and
+    waiting (for the server's replies and for the round's last device), its bytes each way, its split
+    (0: the whole model; None: it sent none), when it was done (None: never, e.g. the deadline took it),
+    its fleet class (None outside a fleet) and whether it missed the round."""
+    rec: dict[str, Any] = {"class": cls, "split": split, "compute_s": round(float(compute_s), 6),
+                           "wire_s": round(float(wire_s), 6), "wait_s": round(float(wait_s), 6),
+                           "bytes_up": int(bytes_up), "bytes_down": int(bytes_down),
+                           "done_s": None if done_s is None else round(float(done_s), 6)}
+    if missed:
+        rec["missed"] = True
+    return rec
+
+
 class RunFiles:
     """``config.json`` (the run's settings), ``metrics.jsonl`` (one record per round, flushed as it
     ends, so a killed run keeps its rounds) and ``summary.json`` under ``run_dir``."""
@@ -162,7 +183,7 @@ def summarize(records: list[dict[str, Any]], cfg: "RunConfig", wall_s: float) ->
     accs = [r["test_acc"] for r in records if "test_acc" in r]
     cal = [r.get("calibration_flops", {}) for r in records]
     obs = [r.get("observation_flops", {}) for r in records]
-    return {
+    out = {
         "strategy": cfg.strategy,
         "rounds": len(records),
         "final_acc": accs[-1] if accs else None,
@@ -190,6 +211,11 @@ def summarize(records: list[dict[str, Any]], cfg: "RunConfig", wall_s: float) ->
         "failures": sum(len(r.get("failures", {})) for r in records),
         "wall_s": wall_s,
     }
+    fleet = [r["fleet_s"] for r in records if "fleet_s" in r]
+    if fleet:  # simulate --fleet: the seconds the fleet would have taken (docs/fleet.md); absent otherwise
+        out["fleet_s"] = float(sum(fleet))
+        out["fleet_round_s"] = {"median": float(np.median(fleet)), "max": float(max(fleet))}
+    return out
 
 
 def _mean(values: list[float]) -> float | None:

@@ -51,6 +51,9 @@ class Simulation:
         """``backend="onnx"`` runs every device on the torch-free ONNX backend (``export --train`` artifacts);
         ``clock`` (default: a ``VirtualClock`` advanced by each device step's measured time) is what
         ``--round-timeout`` and ``round_s`` are measured on."""
+        fleet = load_fleet(cfg.fleet) if cfg.fleet else None  # a bad fleet file fails before any data loads
+        if fleet is not None and fleet.size != cfg.clients:
+            fleet.assign([f"client-{i}" for i in range(cfg.clients)])  # raises the FleetError naming the counts
         plan = plan_run(cfg, bundle)
         self.cfg, self.bundle, self.device = cfg, plan.bundle, plan.device
         self.parts, self.client_ids = plan.parts, plan.client_ids
@@ -69,7 +72,7 @@ class Simulation:
             cpeer.register(client.handle)
             self.clients.append(client)
         self.schedule_rng = np.random.default_rng([cfg.seed, 13])
-        self.fleet = load_fleet(cfg.fleet) if cfg.fleet else None
+        self.fleet = fleet
         self.scheduler: InProcessScheduler | FleetScheduler
         if self.fleet is not None:  # a discrete-event schedule on the fleet's time (docs/fleet.md)
             self.scheduler = FleetScheduler(self.clients, self.fleet.assign(self.client_ids), self.costs, cfg.train,

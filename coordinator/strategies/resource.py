@@ -1,7 +1,8 @@
 """MultiSFL-style resource-driven split: the deepest split each device's speed allows.
 
 This borrows only MultiSFL's split assignment (not its branches or replay); the speeds are drawn
-(--speed-sigma) or taken from a measured latency profile (--profile).
+(--speed-sigma), or with --fleet each device's class speed over the fleet's median device (docs/fleet.md);
+latency per split is FLOPs over speed, or a measured latency profile (--profile) over speed.
 """
 
 from __future__ import annotations
@@ -24,14 +25,19 @@ __all__ = ["Resource", "resource_splits"]
 @register_strategy
 class Resource(Strategy):
     name = "resource"
-    help = "MultiSFL-style: the deepest split each device's speed allows (--speed-sigma or --profile)"
+    help = "MultiSFL-style: the deepest split each device's speed allows (--speed-sigma or --fleet; --profile)"
     label = "Resource-driven (MultiSFL-style)"
     adaptive = True
 
     def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
         super().__init__(cfg, num_splits, clients, train_flops)
+        speed = None
+        if cfg.fleet:  # the devices' real classes, not a draw (torch-free: fedsga_edge/fleet.py)
+            from fedsga_edge.fleet import load_fleet
+
+            speed = load_fleet(cfg.fleet).speed_factors(list(clients))
         self.splits, self.speed = resource_splits(clients, train_flops, seed=cfg.seed, sigma=cfg.speed_sigma,
-                                                  profile=cfg.profile)
+                                                  profile=cfg.profile, speed=speed)
 
     def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
         return {c: self.splits[c] for c in clients}
@@ -43,7 +49,7 @@ class Resource(Strategy):
 
 def resource_splits(
     clients: list[str], train_flops: dict[int, int], *, seed: int = 0, sigma: float = 0.5,
-    profile: str | Path | None = None,
+    profile: str | Path | None = None, speed: dict[str, float] | None = None,
 ) -> tuple[dict[str, int], dict[str, float]]:
     """MultiSFL-style baseline: each client gets the deepest split whose per-sample latency fits.
 
@@ -51,14 +57,18 @@ def resource_splits(
     per-sample latency of the reference split on a median device, so a median device sits at
     p_ref, faster ones go deeper and slower ones shallower. With a measured ``profile`` (the JSON
     of ``fedsga-edge profile``), latency per split comes from it instead of FLOPs (device speed
-    factors still apply). Approximation: latency is taken as proportional to FLOPs / speed.
+    factors still apply). ``speed`` (a fleet's factors, median 1) replaces the draw. Approximation:
+    latency is taken as proportional to FLOPs / speed.
     """
     K = len([k for k in train_flops if k > 0])
     cost = {k: float(train_flops[k]) for k in range(1, K + 1)}
     if profile is not None:
         cost = _profile_latency(profile, K)
-    rng = np.random.default_rng([seed, 11])
-    speed = {c: float(math.exp(sigma * rng.standard_normal())) for c in clients}
+    if speed is None:
+        rng = np.random.default_rng([seed, 11])
+        speed = {c: float(math.exp(sigma * rng.standard_normal())) for c in clients}
+    else:
+        speed = {c: float(speed[c]) for c in clients}
     budget = cost[reference_index(K)]
     out: dict[str, int] = {}
     for c in clients:
