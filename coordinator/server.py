@@ -4,7 +4,9 @@ It sees messages, never a transport, and never waits on a device. A driver calls
 
 * ``begin_round(t, now)`` -> the ``round_start`` bodies to send, one per device;
 * ``receive(msg, now)`` for every message from a device, in arrival order -> the reply (one
-  server step per activation, so the shared server blocks see the devices' batches interleaved);
+  server step per activation, so the shared server blocks see the devices' batches interleaved;
+  with a server side that ``merges`` (MergeSFL) None for an activation held until its step's last
+  device has sent, the other devices' replies then coming from ``take_replies``);
 * ``tick(now)`` to apply the round's deadline, and ``end_round()`` once ``round_complete``.
 
 What differs between methods is the strategy's (coordinator/strategy.py); how the server blocks
@@ -18,6 +20,7 @@ ValueError from validation) and gets a refusal; any other exception is our bug a
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,6 +43,21 @@ from .strategy import Strategy
 __all__ = ["Coordinator", "samples_per_epoch"]
 
 _MAX_REFUSALS_KEPT = 50  # reasons kept per round in the record; the count goes on
+_HELD = "held"  # a handler's reply kind for a request answered later (a merged step, MergeSFL)
+
+
+@dataclass
+class _Held:
+    """An accepted activation waiting for its merged step: its request and what its step needs."""
+
+    msg: Message
+    k: int
+    z: Tensor
+    y: Tensor
+    scale: Any
+    clipped: int
+    norms: Any
+    extra: Any
 
 
 def samples_per_epoch(n: int, batch_size: int, max_batches: int) -> int:
@@ -84,7 +102,7 @@ class Coordinator:
         self.num_classes = num_classes
         strategy.attach(self)
         self.head = strategy.server_head().to(self.device)
-        weight = lambda d: strategy.weight(self.clients[d])  # noqa: E731
+        weight = lambda d: strategy.weight(self.clients[d])
         # the strategy's own server side (MultiSFL's branches), else the one cfg asks for
         self.server = strategy.server_side(self.model, self.head, cfg, weight) or make_server_side(
             self.model, self.head, cfg, weight, steps=strategy.server_steps())
@@ -101,6 +119,10 @@ class Coordinator:
         self._last_seq: dict[str, int] = {}  # device -> seq of its last accepted request this round
         self._snapshot: dict[str, Tensor] = {}
         self._stats: dict[str, Any] = {}
+        # A server side that merges (MergeSFL) holds each activation until every training device of the
+        # step has sent; the replies released for devices other than the sender wait in the outbox.
+        self._held: dict[str, _Held] = {}
+        self._outbox: list[tuple[str, Message]] = []
 
     # -- rounds -----------------------------------------------------------------------------------
     def begin_round(self, t: int, now: float | None = None, devices: list[str] | None = None) -> dict[str, dict[str, Any]]:
@@ -118,6 +140,7 @@ class Coordinator:
         self._stats = {"server_samples": {}, "remote_errors": [], "refused": 0, "started": now,
                        "clipped": {"activations": {}, "updates": {}}}
         self._last_seq = {}
+        self._held, self._outbox = {}, []
         return {cid: self._round_start_body(cid, k, calibrate) for cid, k in assigned.items()}
 
     @property
@@ -126,12 +149,20 @@ class Coordinator:
 
     def tick(self, now: float | None = None) -> bool:
         """Apply the deadline; True when the round is over (complete, or closed by the deadline)."""
-        self.round.expire(time.monotonic() if now is None else now)
+        if self.round.expire(time.monotonic() if now is None else now):
+            self._release()  # held requests of a closed round are refused, not left waiting
         return self.round_complete
 
     def fail(self, device: str, reason: str) -> None:
         """A driver saw ``device`` fail (its transport broke, it crashed): it leaves this round."""
         self.round.fail(device, reason)
+        self._release()  # a merged step no longer waits for it
+
+    def take_replies(self) -> list[tuple[str, Message]]:
+        """Replies to held requests released since the last call, (device, reply) in release order: the
+        driver sends them (a merged step answers every device of the step at once)."""
+        out, self._outbox = self._outbox, []
+        return out
 
     def end_round(self, now: float | None = None) -> dict[str, Any]:
         """Aggregate what arrived, let the strategy close its round; the round's record."""
@@ -141,6 +172,7 @@ class Coordinator:
             rs.failures[d] = "no update when the round was closed"
         if rs.phase == "training":
             rs.close()
+        self._release()  # nothing stays held past the round
         updates = rs.updates
         self.server.end_round(self._snapshot)
         if updates:
@@ -216,6 +248,7 @@ class Coordinator:
             self.round.check_request(msg.sender, msg.round, msg.kind)
             if msg.kind == "error":  # the device gives up on this round
                 self.round.fail(msg.sender, f"device reported: {str(msg.body.get('reason', ''))[:200]}")
+                self._release()
                 return None
             # A device's requests are sequential, so their seqs grow: an old one is a replay (e.g. after
             # the Peer's reply cache turned over) and must not step the server twice.
@@ -228,6 +261,10 @@ class Coordinator:
             return self._refuse(msg, f"bad {msg.kind}: {exc}")
         self.round.advance(msg.sender, msg.kind)
         self._last_seq[msg.sender] = msg.seq
+        if kind == _HELD or self._held:  # a held activation, or a device that no longer trains (update)
+            self._release()
+            if kind == _HELD:  # answered now only if the sender was the step's last device
+                return self._take_reply(msg.sender)
         return Message(kind, msg.run, msg.round, msg.seq, self.name, body)
 
     def _refuse(self, msg: Message, reason: str) -> Message:
@@ -273,16 +310,76 @@ class Coordinator:
         z, y = self.check_activation(msg.body, "z", k)
         extra = self.strategy.check_activation(msg.body, len(y))
         z, scale, clipped, norms = self.bounds.clip(k, z, fleet=len(self.round.assigned))
+        if self.server.merges:  # validated whole; stepped with the rest of its step (``_release``)
+            self._held[msg.sender] = _Held(msg, k, z.detach(), y, scale, clipped, norms, extra)
+            return _HELD, {}
         loss, Z = self.server.step(msg.sender, z, y, k, self.strategy)
-        self.bounds.accept(msg.sender, k, norms)
+        return "gradient", self._stepped(msg.sender, k, y, Z, extra, z.grad, float(loss.detach()), scale, clipped,
+                                         norms)
+
+    def _stepped(self, device: str, k: int, y: Tensor, Z: Tensor | None, extra: Any, grad: Tensor, loss: float,
+                 scale: Any, clipped: int, norms: Any) -> dict[str, Any]:
+        """After an accepted server step: the bookkeeping, and the gradient reply's body."""
+        self.bounds.accept(device, k, norms)
         self.strategy.after_step(Z, y, extra)
         samples = self._stats["server_samples"]
         samples[k] = samples.get(k, 0) + len(y)
         if clipped:
             counts = self._stats["clipped"]["activations"]
-            counts[msg.sender] = counts.get(msg.sender, 0) + clipped
-        dz = z.grad if scale is None else z.grad * scale  # through the scaling, the scale held constant
-        return "gradient", {"dz": to_numpy(dz), "loss": float(loss.detach())}
+            counts[device] = counts.get(device, 0) + clipped
+        dz = grad if scale is None else grad * scale  # through the scaling, the scale held constant
+        return {"dz": to_numpy(dz), "loss": loss}
+
+    # -- merged steps (a server side that ``merges``: MergeSFL) ---------------------------------------
+    def _release(self) -> None:
+        """Take the merged step once every device still training this round holds an activation.
+
+        A held device that left the round (failed, gave up, or sent its update) is answered with a
+        refusal and leaves the step; a round that is over refuses every held request. Activations at
+        different splits merge per split. A merged step refused as non-finite falls back to one step per
+        device, so one device's batch cannot cost the others their step: a device whose own step is
+        refused gets the refusal."""
+        if not self._held:
+            return
+        waiting = set(self.round.waiting) if self.round.phase == "training" else set()
+        for d in [d for d in self._held if d not in waiting]:
+            h = self._held.pop(d)
+            why = "the round closed" if self.round.phase != "training" else "the device left the round"
+            self._outbox.append((d, Message("error", h.msg.run, h.msg.round, h.msg.seq, self.name,
+                                             {"reason": f"activation not stepped: {why} before its merged step"})))
+        if not self._held or any(d not in self._held for d in waiting):
+            return
+        held, self._held = self._held, {}
+        by_split: dict[int, list[tuple[str, _Held]]] = {}
+        for d, h in held.items():  # arrival order within a split
+            by_split.setdefault(h.k, []).append((d, h))
+        for k, group in sorted(by_split.items()):
+            try:
+                loss, grads = self.server.step_merged([(d, h.z, h.y) for d, h in group], k, self.strategy)
+                results = {d: (grads[d], float(loss.detach())) for d, _ in group}
+            except ValueError:
+                results = {}
+                for d, h in group:
+                    z = h.z.detach().clone()
+                    try:
+                        one, _ = self.server.step(d, z, h.y, k, self.strategy)
+                    except ValueError as exc:
+                        self._outbox.append((d, self._refuse(h.msg, f"bad activation: {exc}")))
+                        continue
+                    results[d] = (z.grad, float(one.detach()))
+            for d, h in group:
+                if d in results:
+                    grad, value = results[d]
+                    body = self._stepped(d, k, h.y, None, h.extra, grad, value, h.scale, h.clipped, h.norms)
+                    self._outbox.append((d, Message("gradient", h.msg.run, h.msg.round, h.msg.seq, self.name, body)))
+
+    def _take_reply(self, device: str) -> Message | None:
+        """The sender's own released reply, out of the outbox (None: its request is still held)."""
+        for i, (d, reply) in enumerate(self._outbox):
+            if d == device:
+                del self._outbox[i]
+                return reply
+        return None
 
     def _on_fetch(self, msg: Message) -> tuple[str, dict[str, Any]]:
         raw = msg.body["blocks"]

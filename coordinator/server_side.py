@@ -33,7 +33,7 @@ from .influence import clip_updates
 from .limits import all_finite
 
 __all__ = ["ServerCopy", "ServerSide", "SharedServer", "ContextServer", "PerClientServer", "UnbalancedServer",
-           "BranchServer", "SERVER_SIDES", "make_server_side"]
+           "BranchServer", "MergedServer", "SERVER_SIDES", "make_server_side"]
 
 
 class ServerCopy:
@@ -51,6 +51,8 @@ class ServerSide:
     """Base: one shared copy; subclasses change which copy a device trains and what a batch sees."""
 
     name: ClassVar[str] = ""
+    # the coordinator holds each activation until every training device of the step has sent (MergeSFL)
+    merges: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float]) -> None:
         self.cfg = cfg
@@ -349,6 +351,53 @@ class BranchServer(ServerSide):
                         for b, side in self._copies.items()}
         self._copies.clear()
         self._latest.clear()
+
+
+class MergedServer(SharedServer):
+    """MergeSFL's server step: the activations of every device of one step, concatenated into one batch,
+    take ONE step of the shared copy; each device gets its slice of the merged batch's input gradient,
+    scaled by (merged size / its size) so that it is the gradient of the mean loss over its own samples
+    (as the reference code dispatches it). The batch's BatchNorm statistics are the merged batch's.
+
+    ``merges`` tells the coordinator to hold each activation until the step's last device has sent
+    (coordinator/server.py); ``step`` of one activation stays the shared copy's (the fallback when a
+    merged step is refused).
+    """
+
+    name = "merged"
+    merges = True
+
+    def step_merged(self, batches: list[tuple[str, Tensor, Tensor]], k: int,
+                    strategy: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """One server step on the concatenation of ``batches`` ((device, z, y), all entering at split k);
+        returns the merged loss and each device's gradient. A non-finite loss or gradient undoes the
+        forward's BatchNorm statistics and raises ValueError: nothing changes."""
+        side = self.shared
+        z = torch.cat([b[1].detach() for b in batches]).requires_grad_(True)
+        y = torch.cat([b[2] for b in batches])
+        side.model.train()
+        side.head.train()
+        side.opt.zero_grad(set_to_none=True)
+        buffers = [b for m in (side.model, side.head) for b in m.buffers()]
+        saved = [b.detach().clone() for b in buffers]
+        logits, Z = strategy.forward(side, z, k)
+        loss = strategy.loss(logits, Z, y)
+        loss.backward()
+        params = [p for g in side.opt.param_groups for p in g["params"] if p.grad is not None]
+        if not (bool(torch.isfinite(loss)) and all_finite([z.grad, *(p.grad for p in params), *buffers])):
+            with torch.no_grad():
+                for b, old in zip(buffers, saved):
+                    b.copy_(old)
+            side.opt.zero_grad(set_to_none=True)
+            raise ValueError("the merged batch gives a non-finite loss or gradient: refused, nothing changed")
+        side.opt.step()
+        out: dict[str, Tensor] = {}
+        start, total = 0, len(y)
+        for device, zi, _ in batches:
+            n = len(zi)
+            out[device] = z.grad[start:start + n] * (total / n)
+            start += n
+        return loss, out
 
 
 SERVER_SIDES: dict[str, type[ServerSide]] = {"shared": SharedServer, "per_client": PerClientServer}

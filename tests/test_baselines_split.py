@@ -173,3 +173,103 @@ def test_multisfl_round_on_onnx_devices_matches_torch_devices(digits) -> None:
     # round 2 trains the branches' own prefixes (not the master's); two rounds let the rounding grow, as in
     # tests/test_onnx_device.py's two-round comparison
     assert float((va - vb).norm() / va.norm()) < 1e-2
+
+
+# -- MergeSFL's merged step, on the I/O-free coordinator ---------------------------------------------------
+
+def _merging(digits, clients: int = 3, **kw):
+    """A coordinator whose server side merges (MergeSFL's), round 1 begun at time 0."""
+    from fedsga_edge.coordinator.strategies.mergesfl import MergeSFL
+
+    sim = Simulation(tiny_config("static", clients=clients, rounds=1, clip_activations=0.0, **kw), digits)
+    co = sim.coordinator
+    co.server = MergeSFL(sim.cfg, co.model.num_splits, list(co.clients), {}).server_side(co.model, co.head, sim.cfg,
+                                                                                         lambda d: 1.0)
+    co.begin_round(1, now=0.0)
+    return sim, co
+
+
+def _activation_msg(device: str, seq: int, z: torch.Tensor, y: torch.Tensor, k: int):
+    from fedsga_edge.wire import Message
+
+    return Message("activation", "run", 1, seq, device, {"z": z.numpy(), "y": y.numpy(), "split": k})
+
+
+def _count_steps(opt) -> dict[str, int]:
+    count = {"steps": 0}
+    step = opt.step
+
+    def counted(*a, **kw):
+        count["steps"] += 1
+        return step(*a, **kw)
+
+    opt.step = counted
+    return count
+
+
+def test_mergesfl_one_server_step_per_merged_batch_and_each_device_gets_its_slice(digits) -> None:
+    """Three devices' activations (8, 5 and 3 samples) are held until the last arrives, then ONE server step
+    on their concatenation: the server's weights equal a hand-made concatenated forward/backward/SGD step,
+    and each device's gradient is its slice of the merged batch's input gradient times (16 / its size)."""
+    sim, co = _merging(digits)
+    k = sim.cfg.split
+    model = copy.deepcopy(co.model)
+    count = _count_steps(co.server.shared.opt)
+    sizes = {"client-000": 8, "client-001": 5, "client-002": 3}
+    batches = {d: _batch(model, k, [i % 10 for i in range(n)], seed) for seed, (d, n) in enumerate(sizes.items())}
+    replies = {}
+    for seq, (d, (z, y)) in enumerate(batches.items(), start=1):
+        replies[d] = co.receive(_activation_msg(d, seq, z, y, k), now=1.0)
+    assert replies["client-000"] is None and replies["client-001"] is None  # held
+    assert replies["client-002"].kind == "gradient" and count["steps"] == 1
+    released = dict(co.take_replies())
+    assert sorted(released) == ["client-000", "client-001"] and co.take_replies() == []
+    replies.update(released)
+    # by hand: one forward/backward of the concatenation, one SGD step
+    z = torch.cat([z for z, _ in batches.values()]).requires_grad_(True)
+    y = torch.cat([y for _, y in batches.values()])
+    tc = sim.cfg.train
+    opt = torch.optim.SGD(model.parameters(), lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+    model.train()
+    loss = F.cross_entropy(model.head(model.suffix(z, model.depth_of(k))), y)
+    loss.backward()
+    opt.step()
+    got, want = co.model.state_dict(), model.state_dict()
+    names = [n for n, v in want.items() if v.is_floating_point() and co.model.unit_of(n) >= co.model.depth_of(k)]
+    assert all(torch.allclose(got[n], want[n], atol=1e-6) for n in names)
+    start = 0
+    for d, n in sizes.items():
+        dz = torch.from_numpy(replies[d].body["dz"])
+        torch.testing.assert_close(dz, z.grad[start:start + n] * (16 / n), rtol=1e-5, atol=1e-7)
+        assert replies[d].body["loss"] == pytest.approx(float(loss.detach()))
+        assert replies[d].seq == list(sizes).index(d) + 1  # each reply answers its own request
+        start += n
+
+
+def test_mergesfl_releases_the_step_with_whoever_still_trains(digits) -> None:
+    """A garbage activation is refused at once and holds nothing; a device that gives up, fails or is
+    past the round's deadline no longer holds the step: the others get their gradients (or, once the
+    round has closed, a refusal), so nothing waits forever."""
+    sim, co = _merging(digits, round_timeout=10.0)
+    k = sim.cfg.split
+    count = _count_steps(co.server.shared.opt)
+    a, c = (_batch(co.model, k, [0, 1, 2, 3], s) for s in range(2))
+    from fedsga_edge.wire import Message
+
+    assert co.receive(_activation_msg("client-000", 1, *a, k), now=1.0) is None
+    bad = co.receive(_activation_msg("client-001", 1, a[0][:, :1], a[1], k), now=1.0)
+    assert bad.kind == "error" and co.take_replies() == []  # refused, nothing released
+    assert co.receive(Message("error", "run", 1, 2, "client-001", {"reason": "gave up"}), now=1.0) is None
+    assert co.take_replies() == [] and count["steps"] == 0  # client-002 still trains
+    reply = co.receive(_activation_msg("client-002", 1, *c, k), now=1.0)
+    assert reply.kind == "gradient" and count["steps"] == 1
+    assert [d for d, m in co.take_replies() if m.kind == "gradient"] == ["client-000"]
+    # client-002 fails: client-000's next activation is stepped alone
+    assert co.receive(_activation_msg("client-002", 2, *c, k), now=1.0) is None  # held: client-000 trains on
+    co.fail("client-000", "transport broke")
+    assert [(d, m.kind) for d, m in co.take_replies()] == [("client-002", "gradient")] and count["steps"] == 2
+    # the deadline: a held request is refused, not left waiting
+    _, co2 = _merging(digits, clients=2, round_timeout=10.0)
+    assert co2.receive(_activation_msg("client-000", 1, *a, k), now=1.0) is None
+    assert co2.tick(11.0)
+    assert [(d, m.kind) for d, m in co2.take_replies()] == [("client-000", "error")]

@@ -1,0 +1,51 @@
+"""MergeSFL (ICDE 2024, "MergeSFL: Split Federated Learning with Feature Merging and Batch Size
+Regulation"): SplitFed whose server merges the activations of every device of one step into one batch.
+
+The server concatenates the step's activations, takes ONE step of its copy on the merged batch and sends
+each device its slice of the input gradient (scaled to its own mean loss, as the reference code does);
+the device prefixes are averaged at the round's end as in SplitFed. The merged step is
+``MergedServer`` (coordinator/server_side.py); the coordinator holds each activation until the step's
+last training device has sent (``Coordinator._release``, ``take_replies``).
+
+Not registered yet: the transports cannot deliver a deferred reply (the in-process device's call and an
+MQTT request both need their reply from the handler that received the request), so this strategy cannot
+run in ``simulate`` or the field service until they can (docs/method.md, "Baselines beyond the paper's
+own", says what is missing). Register it, by adding ``@register_strategy`` and its module to the import
+line in ``__init__.py``, once they do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedsga_edge.config import RunConfig
+
+from ..strategy import Method, Strategy
+
+__all__ = ["MergeSFL"]
+
+
+class MergeSFL(Strategy):
+    name = "mergesfl"
+    help = "MergeSFL: every device at --split; the server merges each step's activations into one batch"
+    label = "MergeSFL (merged server batches)"
+
+    def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
+        super().__init__(cfg, num_splits, clients, train_flops)
+        if not 1 <= cfg.split <= num_splits:
+            raise ValueError(f"--split must be in 1..{num_splits} for {cfg.model}")
+        if cfg.server_copies != "shared" or cfg.server_bn_context:
+            raise ValueError("MergeSFL merges into the one shared server copy: it needs --server-copies shared "
+                             "and no --server-bn-context")
+
+    @classmethod
+    def methods(cls) -> dict[str, Method]:
+        return {cls.name: Method(cls.label, split="ref")}
+
+    def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
+        return {c: self.cfg.split for c in clients}
+
+    def server_side(self, model: Any, head: Any, cfg: RunConfig, weight: Any) -> Any:
+        from ..server_side import MergedServer
+
+        return MergedServer(model, head, cfg, weight)
