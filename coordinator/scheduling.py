@@ -416,6 +416,7 @@ class FleetScheduler:
                 self._down_seen[cid] += lane.down
                 if lane.state == "stepped" and not lane.more:
                     tm["done_s"] = when + serve + down - t0
+                    tm["tail"] = down  # its last reply (the update's ack): may come after the round closed
                     continue
                 heapq.heappush(events, (when + serve + down, 1, rank[cid], cid))
             if not co.tick(clock.now()) and co.round.deadline is not None:  # only silent devices left
@@ -432,6 +433,9 @@ class FleetScheduler:
             busy = max(0.0, end - start)
             timing[cid]["compute_s"] += min(c, busy)
             timing[cid]["wire_s"] += min(up, max(0.0, busy - c))
+        for tm in timing.values():  # the round is [t0, end]: an ack still on its way at the close is not in it
+            if "tail" in tm:
+                tm["wire_s"] -= min(tm.pop("tail"), max(0.0, t0 + tm["done_s"] - end))
         out = {}
         for cid, tm in timing.items():
             missed = bool(tm.get("missed"))
