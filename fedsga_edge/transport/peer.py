@@ -64,7 +64,7 @@ _SMALL_REPLY = 4096  # replies up to this size are never dropped for bytes (only
 _ENTRY_COST = 200  # bookkeeping of one cache entry, counted against the byte caps
 RejectHook = Callable[[str, str, str], None]
 
-# A lossy tensor_format (fp16 / int8) touches only the per-batch tensors of these kinds: activations,
+# A lossy tensor_format (fp16 / int8 / int4) touches only the per-batch tensors of these kinds: activations,
 # their gradients and the calibration probe (docs/protocol.md, "Messages"). Weights (round_start,
 # weights, update), prototypes and phi_s always travel exact, and labels are integers, which the
 # codec never encodes lossily. A message of these kinds that holds a floating tensor under any other
@@ -93,7 +93,7 @@ class _SenderCache:
 class Peer:
     """One party (coordinator or a device) on a transport, speaking for one run.
 
-    ``tensor_format`` (raw, fp16, int8) is how this peer *sends* the per-batch tensors
+    ``tensor_format`` (raw, fp16, int8, int4) is how this peer *sends* the per-batch tensors
     (``LOSSY_KINDS`` / ``LOSSY_FIELDS``); everything else goes raw. Receiving accepts every
     encoding whatever this peer's own setting. Thread-safe: seq numbers and the reply cache are
     guarded by a lock.
