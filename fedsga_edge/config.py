@@ -21,7 +21,7 @@ SCHEDULES = ("round_robin", "random", "sequential")
 # Which device takes the first turn of a simulated round, and in which order the rest follow.
 DEVICE_ORDERS = ("shuffled", "fixed")
 # Activations / gradients on the wire (weights stay fp32): runbuild.WIRE_FORMATS maps them to codecs.
-WIRE_FORMATS = ("fp32", "fp16", "int8")
+WIRE_FORMATS = ("fp32", "fp16", "int8", "int4")
 
 
 @dataclass
@@ -177,7 +177,8 @@ class RunConfig:
     prox_mu: float = opt(0.01, "FedProx proximal weight (used by --strategy fedprox).", flag="--mu", ge=0)
     wire_format: str = opt(
         "fp32", "Tensor encoding of the per-batch activations and gradients on the wire: fp32 | fp16 (half the "
-        "bytes) | int8 (a quarter, per-tensor scale). Weights always travel fp32 (docs/protocol.md, \"Messages\").",
+        "bytes) | int8 (a quarter, per-tensor scale) | int4 (0.129x, a float32 scale per 256 values). Weights always "
+        "travel fp32 (docs/protocol.md, \"Messages\").",
         choices=WIRE_FORMATS)
     train: TrainConfig = field(default_factory=TrainConfig)
     fedsga: FedSGAConfig = field(default_factory=FedSGAConfig)

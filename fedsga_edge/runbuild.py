@@ -42,7 +42,7 @@ __all__ = ["COORDINATOR", "RunPlan", "plan_local", "run_data_of", "make_client",
 COORDINATOR = "coordinator"
 # --wire-format -> the codec's tensor_format (docs/protocol.md, "Messages"); Peer applies it to the
 # per-batch tensors only (transport/peer.py LOSSY_FIELDS), weights always travel fp32.
-WIRE_FORMATS: dict[str, str] = {"fp32": "raw", "fp16": "fp16", "int8": "int8"}
+WIRE_FORMATS: dict[str, str] = {"fp32": "raw", "fp16": "fp16", "int8": "int8", "int4": "int4"}
 
 
 def peer_format(cfg: RunConfig) -> str:
