@@ -285,7 +285,8 @@ class BranchServer(ServerSide):
         self._force: int | None = None  # the branch a replay step trains
 
     def begin_round(self, snapshot: dict[str, Tensor]) -> None:
-        super().begin_round(snapshot)
+        # not the base's: the shared model is the master, which no branch copy trains (--server-bn round
+        # applies to each branch's copy as it is made)
         self._copies, self._latest, self._labels, self._credit = {}, {}, {}, {}
         self.replayed = []
 
