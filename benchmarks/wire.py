@@ -10,13 +10,19 @@
    and int8 tensor encodings of the wire codec (docs/protocol.md, "Messages").
 4. trial round time vs simulate round time on a tiny config (digits, 3 clients, 2 rounds, width
    0.25, ``--max-batches 2``), the trial on each broker.
-5. what each ``--wire-format`` (fp32, fp16, int8) costs in accuracy and saves in bytes: one short
+5. what each ``--wire-format`` (fp32, fp16, int8, int4) costs in accuracy and saves in bytes: one short
    ``simulate`` per format and strategy (digits, 4 clients, 3 rounds, width 0.25, seed 0; static at
    split 2 and FedSGA), side by side. simulate is deterministic for a seed, so the accuracy
    difference to fp32 is the encoding's alone.
+6. the formats on real tensors (issue 20 item 5): resnet18_cifar width 0.25 after a short warm-up on
+   CIFAR-10, the activation z and its gradient dz of consecutive batches at each split: the encoded
+   message's bytes against fp32's, the reconstruction error, and what error feedback (the sender keeps
+   the residual it could not send and adds it to its next message) does to the parameter gradient
+   summed over those batches, the quantity SGD actually uses.
 
     python benchmarks/wire.py [--json runs/wire.json] [--mib 48] [--reps 3] [--skip-runs]
-        [--brokers embedded,mosquitto] [--skip-accuracy | --accuracy-only] [--accuracy-strategies static,fedsga]
+        [--brokers embedded,mosquitto] [--skip-accuracy | --accuracy-only | --tensors-only]
+        [--accuracy-strategies static,fedsga] [--tensor-batches 8]
 
 Brokers are started here on free 127.0.0.1 ports (``fedsga_edge.broker.launch``); a broker
 that is not installed is skipped with a note. Nothing leaves 127.0.0.1.
@@ -43,7 +49,9 @@ import numpy as np
 MiB = 1024 * 1024
 SIZES = (64 * 1024, MiB, 4 * MiB)
 RUN = "bench"
-WIRE_FORMATS = ("fp32", "fp16", "int8")  # --wire-format (fedsga_edge/runbuild.py)
+WIRE_FORMATS = ("fp32", "fp16", "int8", "int4")  # --wire-format (fedsga_edge/runbuild.py)
+CODECS = ("raw", "fp16", "int8", "int4")  # the codec's tensor_format for each of them
+CIFAR_NPZ = Path.home() / ".cache" / "fedsga-edge" / "cifar10.npz"  # benchmarks/accuracy.py's DEFAULT_NPZ
 ACCURACY = ["--dataset", "digits", "--clients", "4", "--rounds", "3", "--model", "resnet18_cifar", "--width", "0.25",
             "--seed", "0"]
 ACCURACY_STRATEGIES = {"static": ["--strategy", "static", "--split", "2"], "fedsga": ["--strategy", "fedsga"]}
@@ -87,7 +95,7 @@ def bench_codec(reps: int) -> list[dict[str, Any]]:
         msg = _activation(z)
         n = max(3, reps * (4 * MiB // size))  # more calls for small messages: steadier medians
         memcpy = _timed(lambda: np.copyto(dst, z), n)
-        for fmt in ("raw", "fp16", "int8"):
+        for fmt in CODECS:
             data = encode(msg, tensor_format=fmt)
             enc = _timed(lambda: encode(msg, tensor_format=fmt), n)  # noqa: B023 - called in this iteration
             dec = _timed(lambda: decode(data), n)  # noqa: B023
@@ -275,7 +283,7 @@ def bench_sizes(batch: int = 32) -> list[dict[str, Any]]:
         shape = model.interface_shape(depth)
         z = rng.standard_normal((batch, *shape)).astype(np.float32)
         row: dict[str, Any] = {"split": k, "depth": depth, "shape": list(shape), "fp32_tensor_bytes": z[0].nbytes}
-        for fmt in ("raw", "fp16", "int8"):
+        for fmt in CODECS:
             act = encode(Message("activation", RUN, 1, 1, "client-000",
                                  {"z": z, "y": np.zeros(batch, np.int64), "split": k}), tensor_format=fmt)
             grad = encode(Message("gradient", RUN, 1, 2, "coordinator", {"dz": z, "loss": 0.0}), tensor_format=fmt)
@@ -353,6 +361,142 @@ def bench_accuracy(strategies: list[str], workdir: Path) -> list[dict[str, Any]]
     return rows
 
 
+# ------------------------------------------------------------------ 6. the formats on real tensors
+
+
+def _load_images(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, str]:
+    """``n`` CIFAR-10 training images (uint8 NHWC) and labels; standard-normal noise if the npz is absent."""
+    rng = np.random.default_rng(seed)
+    if CIFAR_NPZ.exists():
+        with np.load(CIFAR_NPZ) as f:
+            idx = rng.choice(len(f["y_train"]), n, replace=False)
+            return f["x_train"][np.sort(idx)], f["y_train"][np.sort(idx)].astype(np.int64), "cifar10"
+    x = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+    return x, rng.integers(0, 10, n).astype(np.int64), "random images (no cifar10.npz)"
+
+
+def bench_tensors(batches: int = 8, batch: int = 64, warmup: int = 30, seed: int = 0) -> dict[str, Any]:
+    """Bytes, reconstruction error and error feedback of every codec on real z / dz (see the module doc).
+
+    The model is fixed while the ``batches`` consecutive batches go through it, so every difference in
+    the summed parameter gradient comes from the encoding alone: the server's gradient from the decoded
+    activations, the device's from the decoded gradients (its prefix's backward with them)."""
+    import torch
+    import torch.nn.functional as F
+
+    from fedsga_edge.models import create_model
+    from fedsga_edge.tensors import image_batch
+    from fedsga_edge.wire import Message, decode, encode
+
+    torch.manual_seed(seed)
+    mean, std = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+    x_all, y_all, source = _load_images((warmup + batches) * batch, seed)
+    model = create_model("resnet18_cifar", num_classes=10, width=0.25)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model.train()
+    for i in range(warmup):  # a model that has learnt a little, so z and dz are not those of a random init
+        xb = image_batch(x_all[i * batch:(i + 1) * batch], mean, std, "cpu")
+        loss = F.cross_entropy(model(xb), torch.from_numpy(y_all[i * batch:(i + 1) * batch]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    params = list(model.parameters())
+    xs = [image_batch(x_all[(warmup + t) * batch:(warmup + t + 1) * batch], mean, std, "cpu") for t in range(batches)]
+    ys = [torch.from_numpy(y_all[(warmup + t) * batch:(warmup + t + 1) * batch]) for t in range(batches)]
+
+    def roundtrip(a: np.ndarray, fmt: str, kind: str) -> tuple[np.ndarray, int]:
+        body = {"z": a, "y": np.zeros(batch, np.int64), "split": 1} if kind == "activation" else {"dz": a, "loss": 0.0}
+        data = encode(Message(kind, RUN, 1, 1, "client-000", body), tensor_format=fmt)
+        return decode(data).body["z" if kind == "activation" else "dz"], len(data)
+
+    def flat(gs: list[torch.Tensor | None]) -> torch.Tensor:
+        return torch.cat([g.reshape(-1) for g in gs if g is not None]).double()
+
+    def rel(a: np.ndarray | torch.Tensor, b: np.ndarray | torch.Tensor) -> float:
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.linalg.norm(a64 - b64) / max(np.linalg.norm(b64), 1e-300))
+
+    rows = []
+    for k in range(1, model.num_splits + 1):
+        depth = model.depth_of(k)
+        zs, dzs, graphs = [], [], []
+        for xb, yb in zip(xs, ys):  # the exact z and dz of each batch, and the prefix graph for the device's backward
+            z = model.prefix(xb, depth)
+            zd = z.detach().requires_grad_(True)
+            loss = F.cross_entropy(model.head(model.suffix(zd, depth)), yb)
+            (dz,) = torch.autograd.grad(loss, zd)
+            zs.append(zd.detach().numpy().copy())
+            dzs.append(dz.numpy().copy())
+            graphs.append(z)
+
+        def server_grad(zt: np.ndarray, yb: torch.Tensor, depth: int = depth) -> torch.Tensor:
+            loss = F.cross_entropy(model.head(model.suffix(torch.from_numpy(zt), depth)), yb)
+            return flat(list(torch.autograd.grad(loss, params, allow_unused=True)))
+
+        def device_grad(t: int, dz: np.ndarray, graphs: list[torch.Tensor] = graphs) -> torch.Tensor:
+            return flat(list(torch.autograd.grad(graphs[t], params, grad_outputs=torch.from_numpy(dz),
+                                                 retain_graph=True, allow_unused=True)))
+
+        row: dict[str, Any] = {"split": k, "depth": depth, "shape": list(zs[0].shape[1:]), "formats": {}}
+        exact_s = sum(server_grad(zs[t], ys[t]) for t in range(batches))
+        exact_d = sum(device_grad(t, dzs[t]) for t in range(batches))
+        raw_bytes = {kind: sum(roundtrip(a, "raw", kind)[1] for a in arrs)
+                     for kind, arrs in (("activation", zs), ("gradient", dzs))}
+        for fmt in CODECS:
+            r: dict[str, Any] = {}
+            for kind, arrs in (("activation", zs), ("gradient", dzs)):
+                got = [roundtrip(a, fmt, kind) for a in arrs]
+                r[f"{kind}_bytes_ratio"] = sum(n for _, n in got) / raw_bytes[kind]
+                r[f"{kind}_rel_err"] = statistics.mean(rel(d, a) for (d, _), a in zip(got, arrs))
+                r[f"{kind}_max_err"] = max(float(np.abs(d - a).max() / np.abs(a).max()) for (d, _), a in zip(got, arrs))
+                if kind == "activation":
+                    g = sum(server_grad(d, ys[t]) for t, (d, _) in enumerate(got))
+                    r["server_grad_rel_err"] = rel(g, exact_s)
+                else:
+                    g = sum(device_grad(t, d) for t, (d, _) in enumerate(got))
+                    r["device_grad_rel_err"] = rel(g, exact_d)
+            if fmt != "raw":  # error feedback: each message carries the previous messages' residual too
+                for kind, arrs in (("activation", zs), ("gradient", dzs)):
+                    resid = np.zeros_like(arrs[0])
+                    sent, errs = [], []
+                    for a in arrs:
+                        d, _ = roundtrip(a + resid, fmt, kind)
+                        resid = a + resid - d
+                        sent.append(d)
+                        errs.append(rel(d, a))
+                    r[f"ef_{kind}_rel_err"] = statistics.mean(errs)
+                    if kind == "activation":
+                        g = sum(server_grad(d, ys[t]) for t, d in enumerate(sent))
+                        r["ef_server_grad_rel_err"] = rel(g, exact_s)
+                    else:
+                        g = sum(device_grad(t, d) for t, d in enumerate(sent))
+                        r["ef_device_grad_rel_err"] = rel(g, exact_d)
+            row["formats"][{"raw": "fp32"}.get(fmt, fmt)] = r
+        rows.append(row)
+    return {"source": source, "batches": batches, "batch": batch, "warmup_steps": warmup, "rows": rows}
+
+
+def _print_tensors(t: dict[str, Any]) -> None:
+    print(f"\n## the formats on real tensors (resnet18_cifar width 0.25, {t['source']}, {t['warmup_steps']} warm-up"
+          f" SGD steps, then {t['batches']} consecutive batches of {t['batch']} per split, the model held fixed)")
+    print(f"{'split':>5} {'shape':>10} {'format':>6} {'act x fp32':>10} {'grad x fp32':>11} {'z rel err':>9}"
+          f" {'z max err':>9} {'dz rel err':>10} {'dz max err':>10} {'server g err':>12} {'device g err':>12}"
+          f" {'EF: z err':>9} {'dz err':>7} {'server g':>8} {'device g':>8}")
+    for row in t["rows"]:
+        for fmt, r in row["formats"].items():
+            ef = (f" {r['ef_activation_rel_err']:>9.4f} {r['ef_gradient_rel_err']:>7.4f} {r['ef_server_grad_rel_err']:>8.4f}"
+                  f" {r['ef_device_grad_rel_err']:>8.4f}" if "ef_activation_rel_err" in r else f" {'-':>9} {'-':>7} {'-':>8} {'-':>8}")
+            print(f"{row['split']:>5} {'x'.join(map(str, row['shape'])):>10} {fmt:>6} {r['activation_bytes_ratio']:>10.4f}"
+                  f" {r['gradient_bytes_ratio']:>11.4f} {r['activation_rel_err']:>9.4f} {r['activation_max_err']:>9.4f}"
+                  f" {r['gradient_rel_err']:>10.4f} {r['gradient_max_err']:>10.4f} {r['server_grad_rel_err']:>12.4f}"
+                  f" {r['device_grad_rel_err']:>12.4f}{ef}")
+    print("(x fp32: the whole encoded message, labels and envelope included, against the same message raw. rel err:"
+          " ||decoded - exact|| / ||exact|| per message, mean over the batches; max err: max |decoded - exact| / max"
+          " |exact|. server g / device g err: the parameter gradient summed over the batches, from the decoded z (the"
+          " server's blocks) or the decoded dz (the device's prefix), against the exact one. EF: the same with error"
+          " feedback, each message carrying the residual of the ones before.)")
+
+
 # ------------------------------------------------------------------ report
 
 
@@ -360,6 +504,8 @@ def _print(result: dict[str, Any]) -> None:
     print(f"# wire benchmark  ({result['machine']})\n")
     if result.get("codec"):
         _print_transport(result)
+    if result.get("tensors"):
+        _print_tensors(result["tensors"])
     if result.get("accuracy"):
         _print_accuracy(result["accuracy"])
 
@@ -405,13 +551,14 @@ def _print_transport(result: dict[str, Any]) -> None:
         print(f"slow subscriber (1 MiB publishes, 50 ms per message): received {s['received']}/{s['sent']};"
               f" broker peak RSS {m['broker_peak_rss'] / MiB:.0f} MiB")
     print("\n## bytes per sample per split (resnet18_cifar width 0.25, batch 32; the codec's tensor encodings)")
-    print(f"{'split':>5} {'depth':>5} {'shape':>14} {'fp32 act':>9} {'fp16 act':>9} {'int8 act':>9}"
-          f" {'fp32 grad':>10} {'fp16 grad':>10} {'int8 grad':>10}")
+    print(f"{'split':>5} {'depth':>5} {'shape':>14} {'fp32 act':>9} {'fp16 act':>9} {'int8 act':>9} {'int4 act':>9}"
+          f" {'fp32 grad':>10} {'fp16 grad':>10} {'int8 grad':>10} {'int4 grad':>10}")
     for r in result["sizes"]:
         print(f"{r['split']:>5} {r['depth']:>5} {'x'.join(map(str, r['shape'])):>14} {r['raw']['activation']:>9.0f}"
-              f" {r['fp16']['activation']:>9.0f} {r['int8']['activation']:>9.0f} {r['raw']['gradient']:>10.0f}"
-              f" {r['fp16']['gradient']:>10.0f} {r['int8']['gradient']:>10.0f}")
-    print("(the run flag --wire-format fp32 | fp16 | int8 selects these for activations and gradients;"
+              f" {r['fp16']['activation']:>9.0f} {r['int8']['activation']:>9.0f} {r['int4']['activation']:>9.0f}"
+              f" {r['raw']['gradient']:>10.0f} {r['fp16']['gradient']:>10.0f} {r['int8']['gradient']:>10.0f}"
+              f" {r['int4']['gradient']:>10.0f}")
+    print("(the run flag --wire-format fp32 | fp16 | int8 | int4 selects these for activations and gradients;"
           " weights always travel fp32; docs/protocol.md, \"Messages\")")
     if result.get("runs"):
         print("\n## trial vs simulate (digits, 3 clients, 2 rounds, width 0.25, --max-batches 2, --threads 1)")
@@ -435,6 +582,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-runs", action="store_true", help="Skip the trial vs simulate runs (minutes).")
     ap.add_argument("--skip-accuracy", action="store_true", help="Skip the accuracy per --wire-format runs (minutes).")
     ap.add_argument("--accuracy-only", action="store_true", help="Only the accuracy per --wire-format runs.")
+    ap.add_argument("--tensors-only", action="store_true",
+                    help="Only the formats on real tensors (bytes, error, error feedback; about a minute).")
+    ap.add_argument("--tensor-batches", type=int, default=8, help="Consecutive batches per split for the real tensors.")
     ap.add_argument("--accuracy-strategies", default="static,fedsga",
                     help=f"Comma-separated strategies for the accuracy part: {', '.join(ACCURACY_STRATEGIES)}.")
     args = ap.parse_args(argv)
@@ -444,6 +594,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--accuracy-strategies: unknown {unknown}; use {', '.join(ACCURACY_STRATEGIES)}")
     if args.skip_accuracy and args.accuracy_only:
         ap.error("--skip-accuracy and --accuracy-only contradict each other")
+    if args.tensors_only and args.accuracy_only:
+        ap.error("--tensors-only and --accuracy-only contradict each other")
     brokers = [b.strip() for b in args.brokers.split(",") if b.strip()]
     bad = sorted(set(brokers) - {"embedded", "mosquitto"})
     if bad:
@@ -458,12 +610,14 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fedsga-wire-") as tmp:
         work = Path(tmp)
-        if not args.accuracy_only:
+        if not args.accuracy_only and not args.tensors_only:
             result["codec"] = bench_codec(args.reps)
             result["mqtt"] = [bench_mqtt(b, args.mib * MiB, args.reps, work) for b in brokers]
             result["sizes"] = bench_sizes()
             result["runs"] = [] if args.skip_runs else bench_runs(brokers, work)
-        result["accuracy"] = [] if args.skip_accuracy else bench_accuracy(strategies, work)
+        if not args.accuracy_only:
+            result["tensors"] = bench_tensors(args.tensor_batches)
+        result["accuracy"] = [] if args.skip_accuracy or args.tensors_only else bench_accuracy(strategies, work)
     result["seconds"] = time.perf_counter() - t0
     _print(result)
     print(f"\n({result['seconds']:.0f} s)")
