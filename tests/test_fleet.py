@@ -144,11 +144,15 @@ def test_fast_device_is_served_first(tmp_path: Path) -> None:
     assert [d for d, kind, _ in seen if kind == "activation"] == [a, b] * 3
 
 
-def test_round_time_is_the_hand_computed_sum(tmp_path: Path) -> None:
+@pytest.mark.parametrize("server_gflops", [None, 0.5])
+def test_round_time_is_the_hand_computed_sum(tmp_path: Path, server_gflops: float | None) -> None:
     """One device: the round lasts its round start's download, then per request its compute, upload and half
-    round trip, and per reply (but the last, the update's ack) its download and half round trip."""
+    round trip, and per reply (but the last, the update's ack) its download and half round trip; with
+    ``[server] gflops`` also the server's three forwards of the suffix per activation."""
     cls = {"count": 1, "gflops": 2.0, "uplink_mbps": 3.0, "downlink_mbps": 12.0, "rtt_ms": 40.0}
-    sim = Simulation(tiny_config(clients=1, rounds=1, max_batches=2, fleet=_fleet(tmp_path, {"only": cls})))
+    extra = f"[server]\ngflops = {server_gflops}\n" if server_gflops else ""
+    sim = Simulation(tiny_config(clients=1, rounds=1, max_batches=2,
+                                 fleet=_fleet(tmp_path, {"only": cls}, extra=extra)))
     msgs: list[tuple[str, str, int, int]] = []
     inner = sim.transport
     request, send = inner.request, inner.send
@@ -174,6 +178,8 @@ def test_round_time_is_the_hand_computed_sum(tmp_path: Path) -> None:
     compute = flops / (cls["gflops"] * 1e9)
     expected = rs[2] * 8 / 12e6 + half + compute + sum(m[2] * 8 / 3e6 + half for m in reqs) \
         + sum(m[3] * 8 / 12e6 + half for m in reqs[:-1])
+    if server_gflops:
+        expected += 2 * 3 * 32 * sim.costs.suffix_fwd(k) / (server_gflops * 1e9)
     assert rec["round_s"] == pytest.approx(expected, rel=1e-9)
     assert rec["fleet_s"] == pytest.approx(expected, rel=1e-9)
     tm = rec["timing"]["client-000"]
