@@ -166,6 +166,7 @@ class _Lane:
         self.up = self.down = 0
         self.state = "idle"  # idle -> computing -> gated -> delivered -> stepped | dropped
         self.more = True
+        self.error: BaseException | None = None  # anything but a device's failure (_step takes those): re-raised
         self._drop = False
         self.thread = threading.Thread(target=self._run, name=f"fleet-{client.cid}", daemon=True)
         self.thread.start()
@@ -181,6 +182,10 @@ class _Lane:
                 self.state = "dropped"
                 self._back.release()
                 return
+            except BaseException as exc:  # never leave the scheduler waiting on a dead thread
+                self.error, self.more, self.state = exc, False, "stepped"
+                self._back.release()
+                return
             self.state = "stepped"
             self._back.release()
             if not self.more:
@@ -191,11 +196,17 @@ class _Lane:
         self.kind, self.body, self.up, self.down, self.state = None, None, 0, 0, "computing"
         self._go.release()
         self._back.acquire()
+        self._raise()
 
     def deliver(self) -> None:
         """Let the gated request through; back once the reply is in."""
         self._go.release()
         self._back.acquire()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
 
     def drop(self) -> None:
         """End the thread (the round closed): a gated request raises ``_Dropped`` inside the device."""
