@@ -49,6 +49,7 @@ from fedsga_edge.wire import Message
 from .checkpoint import RESUMABLE, CheckpointWriter, load_resume
 from .clock import MonotonicClock
 from .driver import RoundDriver
+from .fieldtiming import FieldTiming, timed_scheduler
 from .scheduling import MessageScheduler
 from .server import Coordinator
 
@@ -114,6 +115,13 @@ class CoordinatorService:
         self.resumed_from = 0  # the round the checkpoint held when resuming (0: a fresh run)
         self.files = RunFiles(self.run_dir)
         scheduler = MessageScheduler(self._cond, self._stop, ready=self._ready, devices=self._devices, poll_s=poll_s)
+        self.timing: FieldTiming | None = None
+        if cfg.fleet:  # trial --fleet: per-device timing from the devices' updates and this clock (docs/fleet.md)
+            from fedsga_edge.fleet import load_fleet
+
+            self.timing = FieldTiming(load_fleet(cfg.fleet).assign(list(coordinator.clients)), peer.transport.stats,
+                                      peer.me)
+            scheduler = timed_scheduler(scheduler, self.timing)
         checkpoints = CheckpointWriter(self.run_dir / "checkpoint.pt", cfg, resumable=True,
                                        extra=lambda: {"registered": self.registered})
         self.driver = RoundDriver(coordinator, peer, MonotonicClock(), scheduler, test=test, log=self.log,
@@ -139,9 +147,12 @@ class CoordinatorService:
             return self.peer.reply(msg, "description", dict(self.description))
         if msg.kind == "bye":
             return self._on_bye(msg)
+        t_in = time.time()
         try:
             with self._cond:
                 reply = self.driver.receive(msg)
+                if self.timing is not None:
+                    self.timing.heard(msg, t_in, time.time())
                 if msg.kind in ("update", "error"):
                     self._cond.notify_all()
         except Exception as exc:  # our bug, not the device's: record it where the operator looks, then fail loudly
@@ -152,7 +163,7 @@ class CoordinatorService:
                           train_loss=msg.body.get("train_loss"))
         elif msg.kind == "error":
             self._warn("device_gave_up", msg.sender, round=msg.round, reason=str(msg.body.get("reason"))[:300])
-        elif reply is not None and reply.kind == "error":
+        elif isinstance(reply, Message) and reply.kind == "error":  # (a Deferred: held, answered later)
             self._warn("request_refused", msg.sender, round=msg.round, kind=msg.kind,
                        reason=str(reply.body.get("reason"))[:300])
         return reply
@@ -202,6 +213,7 @@ class CoordinatorService:
                 return self.peer.reply(msg, "error", {"reason": f"{msg.sender!r:.140} is not registered"})
             del self.registered[msg.sender]
             self.co.fail(msg.sender, "device left (bye)")
+            self.driver.flush()  # a merged step no longer waits for it
             self._save_devices()
             self._cond.notify_all()
         self.log.info("bye", device=msg.sender, reason=str(msg.body.get("reason", ""))[:200])
@@ -272,7 +284,10 @@ class CoordinatorService:
             return []
         with self._cond:
             self._round = t
-            return [c for c in self.co.clients if c in self.registered]
+            devices = [c for c in self.co.clients if c in self.registered]
+            if self.timing is not None:
+                self.timing.begin(devices)
+            return devices
 
     def counters(self) -> dict[str, Any]:
         """What was refused or dropped over this process's life: requests the coordinator refused

@@ -344,8 +344,12 @@ def start_embedded(
     max_connections: int = 1000,
     timeout: float = 10.0,
     logins: RunLogins | None = None,
+    host: str = "127.0.0.1",
 ) -> RunningBroker:
     """Start the embedded broker on 127.0.0.1 (``port`` or a free one); its log is ``log_dir/broker.out``.
+
+    ``host``: another local address to bind instead (``trial --fleet`` binds the bridge its device
+    namespaces reach, fedsga_edge/fleetlimits.py; never 0.0.0.0).
 
     With ``logins`` it refuses every client without one of them (``trial`` always gives them); without,
     any local user may connect (tests and benchmarks).
@@ -364,7 +368,6 @@ def start_embedded(
         raise BrokerError("segments must be >= 2, inflight and max_connections >= 1")
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    host = "127.0.0.1"
     tries = 1 if port is not None else 3  # a free port may be taken before the broker binds it
     why = ""
     for _ in range(tries):

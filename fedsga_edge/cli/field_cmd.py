@@ -309,6 +309,11 @@ def device(
         "npz (x_train, y_train, classes). The run's classes and input size come from the coordinator (started with "
         "--classes); bad data is an error here, before the device registers. Without it the device rebuilds its "
         "share of --dataset."),
+    fleet_link: str = typer.Option(
+        "off", help="With --fleet (trial --fleet sets it): off | delay (add the class's round-trip delay in the "
+        "transport; rate and CPU are limited outside, by a namespace and a cgroup) | emulated (also sleep for the "
+        "bytes over the class's link rates and for the compute a CPU at its speed would add). Either reports the "
+        "round's timing in the update (docs/fleet.md)."),
     **flags: Any,
 ) -> None:
     """Run one device agent until the coordinator ends the run (or SIGTERM)."""
@@ -322,11 +327,20 @@ def device(
     from fedsga_edge.data.local import LocalDataError
     from fedsga_edge.runbuild import client_id, default_run_id, device_agent
 
+    if fleet_link not in ("off", "delay", "emulated"):
+        raise typer.BadParameter(f"--fleet-link must be off, delay or emulated (got {fleet_link!r})")
     transport = _transport(broker, default_run_id(cfg), client_id(index), max_packet, request_timeout)
+    link = None
+    if fleet_link != "off" and cfg.fleet:
+        transport = link = _fleet_link(cfg, index, transport, emulate=fleet_link == "emulated")
     try:
         try:
             agent = device_agent(cfg, index, transport, state_dir, backend=backend, artifacts=artifacts,
                                  threads=threads or None, data=data)
+            if link is not None:
+                from fedsga_edge.transport.link import TimingPeer
+
+                agent.client.peer = TimingPeer(agent.client.peer, link)
         except TimeoutError as exc:  # --data: the coordinator never described the run
             typer.secho(f"error: {client_id(index)} is not registered: {exc}", fg="red", err=True)
             raise typer.Exit(1) from None
@@ -365,6 +379,24 @@ def device(
         transport.close()
 
 
+def _fleet_link(cfg: Any, index: int, transport: Any, *, emulate: bool) -> Any:
+    """Device ``index``'s transport under its fleet class's link (fedsga_edge/transport/link.py)."""
+    from fedsga_edge.fleet import FleetError, load_fleet
+    from fedsga_edge.fleetlimits import class_speed
+    from fedsga_edge.runbuild import client_id
+    from fedsga_edge.transport.link import FleetLink
+
+    try:
+        fleet = load_fleet(cfg.fleet)
+        cls = fleet.assign([client_id(i) for i in range(cfg.clients)])[client_id(index)]
+        speed = class_speed(fleet, cls) if emulate else 1.0
+    except FleetError as exc:
+        transport.close()
+        raise typer.BadParameter(str(exc)) from None
+    return FleetLink(transport, rtt_ms=cls.rtt_ms, up_mbps=cls.uplink_mbps, down_mbps=cls.downlink_mbps, speed=speed,
+                     emulate=emulate)
+
+
 @with_run_options
 def trial(
     out: Path = typer.Option(Path("runs/trial"), help="Run folder: simulate's files, one log per process, device state."),
@@ -384,10 +416,32 @@ def trial(
         "coordinator with no training data (--classes: DIR/dataset.json unless given)."),
     classes: Optional[Path] = typer.Option(None, help="--device-data: the run's classes (see coordinator --classes)."),
     test_data: Optional[Path] = typer.Option(None, help="--device-data: the coordinator's own test set (optional)."),
+    fleet_mode: str = typer.Option(
+        "auto", help="With --fleet: cgroup+netns (each device under its class's CPU quota and in its own network "
+        "namespace with rate-limited links: needs root, cgroup v1 cpu, ip and tc, and the embedded broker), emulated "
+        "(the devices sleep for their slower CPU and links instead), or auto (the first where the machine can). "
+        "Either adds the class's round-trip delay in the device's transport (docs/fleet.md)."),
     **flags: Any,
 ) -> None:
     """A field trial on this machine: a broker, the coordinator and N device agents as separate processes."""
     cfg = _with_deadline(run_config(**_run_flags_of(flags)))
+    fleet = None
+    if cfg.fleet:
+        from fedsga_edge.fleet import FleetError, load_fleet
+        from fedsga_edge.fleetlimits import class_speed
+
+        cfg.fleet = str(Path(cfg.fleet).resolve())  # the processes read it too
+        try:
+            fleet = load_fleet(cfg.fleet)
+            fleet.assign([f"client-{i:03d}" for i in range(cfg.clients)])
+            for cls in fleet.classes:
+                class_speed(fleet, cls)
+        except FleetError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        fleet_mode = _fleet_mode(fleet_mode, broker, backend)
+        threads = 1  # a CPU quota of one core: each device's torch on one thread
+    elif fleet_mode != "auto":
+        raise typer.BadParameter("--fleet-mode goes with --fleet")
     device_paths: list[Path] = []
     coordinator_args: list[str] = []
     if device_data is not None:
@@ -420,7 +474,27 @@ def trial(
         device_args = ["--backend", "onnx", "--artifacts", str(artifacts)]
     from fedsga_edge.runbuild import client_id, default_run_id
 
-    local = _start_broker(broker, out / "logs", [client_id(i) for i in range(cfg.clients)], default_run_id(cfg))
+    sandbox = None
+    if fleet is not None and fleet_mode == "cgroup+netns":
+        from fedsga_edge.fleetlimits import FleetSandbox
+
+        try:
+            sandbox = FleetSandbox(fleet, [client_id(i) for i in range(cfg.clients)]).open()
+        except OSError as exc:
+            typer.secho(f"error: cannot build the fleet's namespaces and cgroups: {exc} (--fleet-mode emulated "
+                        "needs neither)", fg="red", err=True)
+            raise typer.Exit(2) from None
+    if fleet is not None:
+        device_args += ["--fleet-link", "delay" if sandbox is not None else "emulated"]
+        typer.echo(f"fleet: {fleet_mode}" + (f" (devices in namespaces {sandbox.prefix}d*, broker on {sandbox.host})"
+                                             if sandbox is not None else ""), err=True)
+    try:
+        local = _start_broker(broker, out / "logs", [client_id(i) for i in range(cfg.clients)], default_run_id(cfg),
+                              host=sandbox.host if sandbox is not None else "127.0.0.1")
+    except BaseException:
+        if sandbox is not None:
+            sandbox.close()
+        raise
 
     def login_env(login: str) -> dict[str, str]:
         """The broker URL (with this process's password) in the environment, not on a command line."""
@@ -429,6 +503,18 @@ def trial(
     base = [sys.executable, "-m", "fedsga_edge.cli.main"]
     signal.signal(signal.SIGTERM, _raise_interrupt)  # run the cleanup below when the trial is stopped
     common = ["--config", str(cfg_path), "--threads", str(threads)]
+
+    def device_start(i: int) -> tuple[list[str], Callable[[], None]]:
+        argv = (base + ["device", "--index", str(i), "--state-dir", str(out / "devices" / f"client-{i:03d}")] + common
+                + device_args + (["--data", str(device_paths[i])] if device_paths else []))
+        if sandbox is None:
+            return argv, die_with_parent
+        enter = sandbox.join(client_id(i))
+
+        def prepare() -> None:
+            die_with_parent()
+            enter()
+        return sandbox.command(i, argv), prepare
     procs: dict[str, subprocess.Popen] = {}
     logs = []
     try:
@@ -441,21 +527,64 @@ def trial(
         for i in range(cfg.clients):
             log = open(out / "logs" / f"device-{i:03d}.out", "w")
             logs.append(log)
+            argv, prepare = device_start(i)
             procs[f"device-{i:03d}"] = subprocess.Popen(
-                base + ["device", "--index", str(i), "--state-dir", str(out / "devices" / f"client-{i:03d}")] + common
-                + device_args + (["--data", str(device_paths[i])] if device_paths else []),
-                stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent, env=login_env(client_id(i)))
+                argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=prepare, env=login_env(client_id(i)))
         _follow(out / "metrics.jsonl", procs["coordinator"], cfg.rounds, quiet)
         rc = procs["coordinator"].wait()
+        quotas = {c.name: sandbox.quota(next(d for d, k in sandbox.classes.items() if k is c))
+                  for c in fleet.classes} if sandbox is not None else None
     finally:
-        _stop_all(procs, logs, local)
+        try:
+            _stop_all(procs, logs, local)
+        finally:
+            if sandbox is not None:
+                sandbox.close()
     if rc != 0:
         typer.secho(f"error: the coordinator exited with {rc}; see {out / 'logs' / 'coordinator.out'}", fg="red", err=True)
         raise typer.Exit(1)
     summary = json.loads((out / "summary.json").read_text())
+    if fleet is not None:
+        _fleet_report(out, summary, fleet, fleet_mode, quotas)
     fed = f" final_fed_acc={summary['final_fed_acc']}" if "final_fed_acc" in summary else ""
+    flt = f" fleet={summary['fleet_s']:.1f}s" if "fleet_s" in summary else ""
     typer.echo(f"final_acc={summary.get('final_acc')}{fed} rounds={summary.get('rounds')} "
-               f"failures={summary.get('failures')} -> {out}")
+               f"failures={summary.get('failures')}{flt} -> {out}")
+
+
+def _fleet_mode(asked: str, broker: Optional[str], backend: str) -> str:
+    """``--fleet-mode``: the one asked for, or (auto) real limits where this machine can, else emulated."""
+    from fedsga_edge.fleetlimits import MODES, real_limits_problem
+
+    if asked not in ("auto", *MODES):
+        raise typer.BadParameter(f"--fleet-mode must be auto, {' or '.join(MODES)} (got {asked!r})")
+    if asked == "emulated":
+        return asked
+    problem = real_limits_problem()
+    if problem is None and broker not in (None, "embedded"):
+        problem = "the device namespaces reach only the embedded broker this trial starts (omit --broker)"
+    if problem is None and backend != "torch":
+        problem = "--backend onnx sets its own threads"
+    if problem is None:
+        return "cgroup+netns"
+    if asked == "cgroup+netns":
+        raise typer.BadParameter(f"--fleet-mode cgroup+netns cannot run here: {problem}")
+    typer.echo(f"fleet: real limits unavailable ({problem}): emulated instead", err=True)
+    return "emulated"
+
+
+def _fleet_report(out: Path, summary: dict[str, Any], fleet: Any, mode: str, quotas: Optional[dict[str, float]]) -> None:
+    """Per class: measured compute per step against the CPU share, wire seconds against the link model;
+    printed, and in summary.json (``fleet_mode``, ``fleet_classes``)."""
+    from fedsga_edge.fleetlimits import class_speed, class_table, format_class_table
+    from fedsga_edge.runfiles import atomic_write
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    shares = quotas if quotas is not None else {c.name: class_speed(fleet, c) for c in fleet.classes}
+    rows = class_table(records, fleet, shares)
+    typer.echo(format_class_table(rows, mode))
+    summary["fleet_mode"], summary["fleet_classes"] = mode, rows
+    atomic_write(out / "summary.json", json.dumps(summary, indent=2))
 
 
 def _run_data(classes: Path, cfg: Any) -> Any:
@@ -556,7 +685,7 @@ def _follow(metrics: Path, coordinator: subprocess.Popen, rounds: int, quiet: bo
 BROKER_ENV = "FEDSGA_EDGE_BROKER"  # what `coordinator` and `device` read when --broker is not given
 
 
-def _start_broker(broker: Optional[str], log_dir: Path, devices: list[str], run: str) -> Any:
+def _start_broker(broker: Optional[str], log_dir: Path, devices: list[str], run: str, host: str = "127.0.0.1") -> Any:
     """The trial's broker: start the embedded one (None) or Mosquitto ('mosquitto') on a free 127.0.0.1
     port with its log in ``log_dir``, or check that a given URL answers. Returns the RunningBroker to stop
     at the end, or None for an external broker. The launchers live in ``fedsga_edge.broker.launch``.
@@ -574,7 +703,7 @@ def _start_broker(broker: Optional[str], log_dir: Path, devices: list[str], run:
 
     try:
         if broker is None or broker == "embedded":
-            local = start_embedded(log_dir, logins=RunLogins.generate(devices))
+            local = start_embedded(log_dir, logins=RunLogins.generate(devices), host=host)
         elif broker == "mosquitto":
             local = start_secured_mosquitto(log_dir, RunLogins.generate(devices), run=run)
         else:

@@ -1,0 +1,57 @@
+"""`fedsga-edge trial --fleet` (issue 20 item 2): four device processes of two classes, the slow one under a
+quarter of a CPU (a cgroup quota) and behind a 2 Mbit/s link (its own network namespace, tbf both ways), and
+the per-device timing they report against the class's figures (docs/fleet.md, "A real fleet on one machine")."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedsga_edge.broker.launch import embedded_available
+from fedsga_edge.fleetlimits import CGROUP_CPU, real_limits_problem
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBLEM = real_limits_problem() or (None if embedded_available() else 'no iotcore (pip install "fedsga-edge[train]")')
+
+
+def _leftovers(prefix: str) -> list[str]:
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    groups = [p.name for p in CGROUP_CPU.iterdir() if p.name.startswith(prefix)]
+    return [line for line in ns.splitlines() if line.startswith(prefix)] + groups
+
+
+@pytest.mark.skipif(PROBLEM is not None, reason=f"trial --fleet under real limits cannot run here: {PROBLEM}")
+def test_slow_class_steps_follow_its_quota_and_its_transfers_its_link(tmp_path: Path) -> None:
+    out = tmp_path / "trial"
+    res = subprocess.run(
+        [sys.executable, "-m", "fedsga_edge.cli.main", "trial", "--fleet", str(ROOT / "fleets" / "trial-4.toml"),
+         "--clients", "4", "--rounds", "1", "--dataset", "digits", "--model", "resnet18_cifar", "--width", "0.125",
+         "--seed", "0", "--local-epochs", "1", "--max-batches", "2", "--batch-size", "32", "--round-timeout", "300",
+         "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=600, env=os.environ | {"COLUMNS": "200"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "fleet: cgroup+netns" in res.stderr and "fleet (cgroup+netns): per class" in res.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["fleet_mode"] == "cgroup+netns" and summary["failures"] == 0
+    rows = {r["class"]: r for r in summary["fleet_classes"]}
+    fast, slow = rows["fast"], rows["slow"]
+    assert fast["quota"] == pytest.approx(1.0) and slow["quota"] == pytest.approx(0.25)
+    # a quarter of a CPU: its steps take about 4x the fast class's (generous: the host's cores are shared)
+    assert 2.0 <= slow["compute_per_step_s"] / fast["compute_per_step_s"] <= 8.0, rows
+    # its transfers follow its 2 Mbit/s link: the measured wire seconds against bytes over rate plus delays
+    assert slow["link_model_s"] > 2.0  # the link, not the delays, is most of it
+    assert 0.7 <= slow["wire_over_model"] <= 2.0, rows
+    rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert rec["fleet_s"] > 0 and set(rec["timing"]) == {f"client-{i:03d}" for i in range(4)}
+    for cid, tm in rec["timing"].items():
+        assert tm["class"] == ("fast" if cid in ("client-000", "client-001") else "slow")
+        assert tm["steps"] == 2 and tm["compute_s"] > 0 and tm["done_s"] is not None
+        assert tm["compute_s"] + tm["wire_s"] <= rec["fleet_s"] + 1.0
+    prefix = res.stderr.split("namespaces ", 1)[1].split("d*", 1)[0]  # this trial's own (fsg<pid>)
+    assert not _leftovers(prefix + "d") and not _leftovers(prefix + "-"), "the trial left namespaces or cgroups behind"
