@@ -10,6 +10,12 @@ does one round around it the same way whatever the devices are:
 3. ``end_round`` (aggregation), the wire bytes each way, evaluation when
    ``t % eval_every == 0 or t == rounds``, the round's wall time.
 
+A request the coordinator holds (MergeSFL's merged step: ``Coordinator.holds``) is answered
+"later": ``receive`` returns a ``Deferred`` token, and ``flush`` sends every reply the coordinator
+released (``take_replies``) through ``Peer.answer``, after each message, each ``tick`` and ``fail``
+the scheduler makes (it sees the coordinator through ``_Releasing``) and after the round closes, so
+a held request always gets its gradient or, once the round is over, its refusal.
+
 ``run`` adds the run around the rounds: ``metrics.jsonl`` line by line, the checkpoint (after
 every round when it is resumable, else once at the end) and ``summary.json``.
 
@@ -26,7 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from fedsga_edge.runfiles import JsonLog, RunFiles
-from fedsga_edge.transport import Peer
+from fedsga_edge.transport import Deferred, Peer
 
 from .checkpoint import CheckpointWriter
 from .clock import Clock
@@ -76,8 +82,28 @@ class RoundDriver:
 
     def receive(self, msg: Any) -> Any:
         """A device's message into the Coordinator at this clock's time (the Peer's handler, or the
-        service's for round messages): the deadline is applied on the same clock as it was set."""
-        return self.co.receive(msg, self.clock.now())
+        service's for round messages): the deadline is applied on the same clock as it was set. A
+        request the coordinator holds gets a ``Deferred`` (its reply goes out with ``flush``)."""
+        reply = self.co.receive(msg, self.clock.now())
+        if reply is None and msg.kind != "error" and getattr(self.co, "holds", _never)(msg.sender):
+            reply = Deferred(msg.sender, msg.seq)
+        self.flush()
+        return reply
+
+    def flush(self) -> None:
+        """Send the replies the coordinator released for requests it held (call under the scheduler's lock).
+
+        A reply that cannot be delivered is logged: the device's own request times out, as for any
+        reply lost on the way."""
+        take = getattr(self.co, "take_replies", None)
+        if take is None:
+            return
+        for device, reply in take():
+            try:
+                self.peer.answer(device, reply)
+            except Exception as exc:
+                self.log.warning("reply_not_delivered", device=device, round=reply.round, kind=reply.kind,
+                                 error=f"{type(exc).__name__}: {exc}"[:300])
 
     # -- one round ----------------------------------------------------------------------------------
     def run_round(self, t: int, devices: list[str] | None = None) -> dict[str, Any]:
@@ -94,8 +120,9 @@ class RoundDriver:
         self.log.info("round_begin", round=t, devices=devices, calibrate=calibrate, round_timeout=cfg.round_timeout)
         self._start_devices(t, bodies)
         with lock:
-            self.scheduler.advance(co, self.clock)
+            self.scheduler.advance(_Releasing(co, self.flush), self.clock)
             rec = co.end_round(self.clock.now())
+            self.flush()  # what the closed round still held: refused, not left waiting
             fields = getattr(self.scheduler, "round_fields", None)  # a fleet's fleet_s and per-device timing
             if fields is not None:
                 rec.update(fields())
@@ -122,6 +149,7 @@ class RoundDriver:
                 reason = f"round_start not delivered: {type(exc).__name__}: {exc}"
                 with self.scheduler.lock:
                     self.co.fail(cid, reason)
+                    self.flush()
                 self.log.warning("round_start_failed", round=t, device=cid, reason=reason[:300])
 
     # -- the run ------------------------------------------------------------------------------------
@@ -171,3 +199,27 @@ class RoundDriver:
         with self.scheduler.lock:
             self.checkpoints.write(self.co, t, self.records, self.elapsed())
         self.log.info("checkpoint", round=t, path=str(self.checkpoints.path))
+
+
+def _never(device: str) -> bool:
+    return False
+
+
+class _Releasing:
+    """The coordinator as a scheduler sees it: each ``tick`` or ``fail`` may release held requests (a
+    deadline, a device that left a merged step), whose replies go out at once."""
+
+    def __init__(self, co: Any, flush: Callable[[], None]) -> None:
+        self._co, self._flush = co, flush
+
+    def tick(self, now: float | None = None) -> bool:
+        done = self._co.tick(now)
+        self._flush()
+        return done
+
+    def fail(self, device: str, reason: str) -> None:
+        self._co.fail(device, reason)
+        self._flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._co, name)

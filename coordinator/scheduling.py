@@ -5,10 +5,12 @@ over to its scheduler:
 
 - ``InProcessScheduler`` (``simulate``): the devices live in this process; each turn advances one
   device by one request (one local batch) in ``round_robin``, ``random`` or ``sequential`` order,
-  so the coordinator answers activations interleaved as it would from real devices. The devices
-  take their turns in a permutation drawn per round from the run's seed (``--device-order
-  shuffled``), or in partition order every round (``fixed``): with a fixed order client-000 always
-  steps the shared server copy first and the last device always last (docs/method.md, "Rounds").
+  so the coordinator answers activations interleaved as it would from real devices. A device whose
+  request the coordinator holds (``waiting``: MergeSFL's merged step) takes no turn until its reply
+  is released. The devices take their turns in a permutation drawn per round from the run's seed
+  (``--device-order shuffled``), or in partition order every round (``fixed``): with a fixed order
+  client-000 always steps the shared server copy first and the last device always last
+  (docs/method.md, "Rounds").
 - ``MessageScheduler`` (the coordinator service): the devices are elsewhere and their messages
   arrive on transport threads; it waits on the service's Condition, which updates and errors
   notify, so a round ends as soon as its last device is done, or at the deadline.
@@ -29,6 +31,7 @@ from typing import Any, ContextManager, Protocol
 import numpy as np
 
 from fedsga_edge.runfiles import device_timing
+from fedsga_edge.transport import PendingReply
 
 from .clock import Clock
 
@@ -92,12 +95,19 @@ class InProcessScheduler:
     def advance(self, co: Any, clock: Clock) -> None:
         active = [c for c in self.turn_order(co.round.t) if c.busy]
         while active and not co.tick(clock.now()):
+            # a device whose request the coordinator holds (MergeSFL's merged step) waits for its reply:
+            # it takes no turn until the step's last device has sent
+            ready = [c for c in active if not getattr(c, "waiting", False)]
+            if not ready:  # the coordinator releases a step once every training device holds one
+                raise RuntimeError("every running device waits for a reply the coordinator holds: "
+                                   f"{[c.cid for c in active]}")
             if self.schedule == "sequential":
-                client = active[0]
+                client = ready[0]
             elif self.schedule == "random":
-                client = active[int(self.rng.integers(len(active)))]
+                client = ready[int(self.rng.integers(len(ready)))]
             else:  # round-robin: one request per device in turn
-                client = active.pop(0)
+                client = ready[0]
+                active.remove(client)
                 active.append(client)
             started = time.perf_counter()
             more = self._step(co, client)
@@ -166,6 +176,7 @@ class _Lane:
         self.up = self.down = 0
         self.state = "idle"  # idle -> computing -> gated -> delivered -> stepped | dropped
         self.more = True
+        self.held: PendingReply | None = None  # its request's reply, when the coordinator holds it (MergeSFL)
         self.error: BaseException | None = None  # anything but a device's failure (_step takes those): re-raised
         self._drop = False
         self.thread = threading.Thread(target=self._run, name=f"fleet-{client.cid}", daemon=True)
@@ -194,6 +205,7 @@ class _Lane:
     def compute(self) -> None:
         """Run the device until its next request is at the gate (or its round ended without one)."""
         self.kind, self.body, self.up, self.down, self.state = None, None, 0, 0, "computing"
+        self.held = None
         self._go.release()
         self._back.acquire()
         self._raise()
@@ -261,7 +273,10 @@ class _GatedTransport:
             lane.gate(len(payload))
         reply = self._inner.request(src, dst, payload, timeout=timeout)
         if lane is not None:
-            lane.down = len(reply)
+            if isinstance(reply, PendingReply):  # held by the coordinator: its bytes come when it is released
+                lane.held = reply
+            else:
+                lane.down = len(reply)
         return reply
 
     def send(self, src: str, dst: str, payload: bytes) -> None:
@@ -314,7 +329,9 @@ class FleetScheduler:
     time on the clock (so ``--round-timeout`` and dropouts act on the fleet's time, not the host's).
     Ties go to the round's device order (``round_order``), so a run is a function of its seed. The
     coordinator's own compute is free unless the fleet has ``[server] gflops`` (then it serves one
-    request at a time, FIFO). ``round_fields`` gives the round's ``fleet_s`` and per-device ``timing``
+    request at a time, FIFO). A request the coordinator holds (MergeSFL) parks its device until the
+    step's last device has sent: its reply then leaves when that request's service ends.
+    ``round_fields`` gives the round's ``fleet_s`` and per-device ``timing``
     (docs/fleet.md, "Per-device timing").
     """
 
@@ -385,12 +402,14 @@ class FleetScheduler:
             heapq.heappush(events, (t0 + wire, 1, rank[cid], cid))
         server_free = t0
         pending: dict[str, tuple[float, float, float, int]] = {}  # device -> its request in flight
+        held: set[str] = set()  # devices whose request the coordinator holds (MergeSFL's merged step)
         try:
             while events and not co.tick(clock.now()):
                 when, kind, _, cid = heapq.heappop(events)
                 lane, cls, tm = self._lanes[cid], self.classes[cid], timing[cid]
                 if kind == 1:  # the device computes its next request from ``when`` on
                     lane.compute()
+                    self._wake(held, when, events, timing, rank)  # a device that failed releases a step
                     if lane.state != "gated":  # its round ended without another message
                         tm["done_s"] = when - t0
                         continue
@@ -418,6 +437,12 @@ class FleetScheduler:
                     server_free = max(server_free, when) + serve
                     serve = server_free - when  # queueing behind earlier requests, then its own compute
                 lane.deliver()
+                if lane.held is not None and lane.held.ready:  # answered at once after all
+                    lane.down, lane.held = lane.held.nbytes, None
+                self._wake(held, when + serve, events, timing, rank)  # the step this request completed
+                if lane.held is not None:  # held: its reply comes when the step's last device has sent
+                    held.add(cid)
+                    continue
                 if lane.kind == "error" or lane.state == "stepped" and not lane.more and lane.down == 0:
                     tm["done_s"] = when - t0
                     continue
@@ -458,6 +483,22 @@ class FleetScheduler:
 
     def turn_order(self, t: int) -> list[Any]:
         return [self.clients[i] for i in round_order(len(self.clients), t, self.seed, self.order)]
+
+    def _wake(self, held: set[str], at: float, events: list[tuple[float, int, int, str]],
+              timing: dict[str, dict[str, Any]], rank: dict[str, int]) -> None:
+        """Held devices whose reply was released: it leaves the coordinator at ``at`` and crosses their link."""
+        for cid in sorted(held, key=rank.__getitem__):
+            lane, cls, tm = self._lanes[cid], self.classes[cid], timing[cid]
+            if lane.held is not None and not lane.held.ready:
+                continue
+            held.discard(cid)
+            nbytes = lane.held.nbytes if lane.held is not None else 0
+            lane.held = None
+            down = cls.down_s(nbytes) + cls.rtt_ms / 2e3
+            tm["wire_s"] += down
+            tm["bytes_down"] += nbytes
+            self._down_seen[cid] += nbytes
+            heapq.heappush(events, (at + down, 1, rank[cid], cid))
 
     def _round_start_bytes(self, client: Any) -> int:
         """What the round start to ``client`` weighed: the coordinator's bytes to it not yet accounted."""

@@ -158,6 +158,11 @@ class Coordinator:
         self.round.fail(device, reason)
         self._release()  # a merged step no longer waits for it
 
+    def holds(self, device: str) -> bool:
+        """Whether ``device``'s last activation is held for a merged step (its reply comes from
+        ``take_replies``): the driver tells the transport to answer it later."""
+        return device in self._held
+
     def take_replies(self) -> list[tuple[str, Message]]:
         """Replies to held requests released since the last call, (device, reply) in release order: the
         driver sends them (a merged step answers every device of the step at once)."""

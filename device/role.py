@@ -26,6 +26,7 @@ from fedsga_edge.method.adaptation import descriptor, descriptor_weights, prompt
 from fedsga_edge.method.heads import HeadError, estimate, shallow_head
 from fedsga_edge.method.observation import Observation, alignment, drift, prompt_variation
 from fedsga_edge.method.policy import reference_index, split_index
+from fedsga_edge.transport import PendingMessage
 from fedsga_edge.wire import Message, RemoteProtocolError
 
 from .evaluate import eval_batches, held_out_evaluation
@@ -35,9 +36,13 @@ __all__ = ["Backend", "BackendError", "Caller", "ClientData", "PrivateState", "S
 
 
 class Caller(Protocol):
-    """What the device needs of its Peer: requests with replies, and one-way notices."""
+    """What the device needs of its Peer: requests with replies, and one-way notices.
 
-    def call(self, dst: str, kind: str, round: int, body: dict[str, Any]) -> Message: ...
+    A reply the coordinator answers later (MergeSFL's merged step) may come back as a ``PendingMessage``
+    on a transport that cannot wait for it (loopback): the device then keeps it, ``waiting`` says so,
+    and the next ``step`` takes the reply once it is there (waiting for it if need be)."""
+
+    def call(self, dst: str, kind: str, round: int, body: dict[str, Any]) -> Message | PendingMessage: ...
 
     def send(self, dst: str, kind: str, round: int, body: dict[str, Any]) -> None: ...
 
@@ -161,7 +166,7 @@ _Steps = Generator[tuple[str, dict[str, Any]], Message | None, _R]
 class _Task:
     t: int
     gen: _Steps[dict[str, Any]]
-    reply: Message | None = None
+    reply: Message | PendingMessage | None = None
 
 
 @dataclass
@@ -187,6 +192,11 @@ class _Trained:
     loss_sum: float = 0.0
     steps: int = 0
     new_prompts: np.ndarray | None = None
+
+
+def _now(reply: Message | PendingMessage) -> Message:
+    """The reply itself: a pending one waited for."""
+    return reply.result() if isinstance(reply, PendingMessage) else reply
 
 
 def _expect(reply: Message | None, kind: str) -> Message:
@@ -249,6 +259,12 @@ class SplitClient:
     def busy(self) -> bool:
         return self._task is not None
 
+    @property
+    def waiting(self) -> bool:
+        """Its last request's reply is still held by the coordinator (a merged step): ``step`` would wait."""
+        task = self._task
+        return task is not None and isinstance(task.reply, PendingMessage) and not task.reply.ready
+
     def step(self) -> bool:
         """Compute up to the next request, send it and keep the reply; False once the round is done.
 
@@ -259,11 +275,15 @@ class SplitClient:
         task = self._task
         if task is None:
             return False
+        if isinstance(task.reply, PendingMessage):  # a reply the coordinator held: here, or waited for now
+            task.reply = task.reply.result()
+            if task.reply.kind != "error":
+                self._confirm(task.t)
         try:
             kind, body = task.gen.send(task.reply)
         except StopIteration as done:
             self._task = None
-            reply = self.peer.call(self.server, "update", task.t, done.value)
+            reply = _now(self.peer.call(self.server, "update", task.t, done.value))
             if reply.kind == "error":
                 self.last_error = f"update refused: {reply.body.get('reason')}"
             elif reply.kind != "ack":  # only an ack completes the round (and lets the agent save it)
@@ -275,7 +295,7 @@ class SplitClient:
             self._give_up(task, str(exc))
             return False
         task.reply = self.peer.call(self.server, kind, task.t, body)
-        if task.reply.kind != "error":
+        if isinstance(task.reply, Message) and task.reply.kind != "error":
             self._confirm(task.t)
         return True
 

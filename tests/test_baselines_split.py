@@ -273,3 +273,131 @@ def test_mergesfl_releases_the_step_with_whoever_still_trains(digits) -> None:
     assert co2.receive(_activation_msg("client-000", 1, *a, k), now=1.0) is None
     assert co2.tick(11.0)
     assert [(d, m.kind) for d, m in co2.take_replies()] == [("client-000", "error")]
+
+
+# -- MergeSFL in simulate: held activations answered later over the loopback -----------------------------
+
+CLIENTS3 = ["client-000", "client-001", "client-002"]
+
+
+def _count_merged(sim: Simulation) -> tuple[dict[str, int], list[list[str]]]:
+    """Count the server's optimizer steps, and the devices whose activations each merged step concatenated."""
+    side = sim.coordinator.server
+    count = _count_steps(side.shared.opt)
+    merged: list[list[str]] = []
+    step_merged = side.step_merged
+
+    def spy(batches, k, strategy):
+        merged.append(sorted(d for d, _, _ in batches))
+        return step_merged(batches, k, strategy)
+
+    side.step_merged = spy
+    return count, merged
+
+
+@pytest.mark.parametrize("schedule", ["round_robin", "random", "sequential"])
+def test_mergesfl_simulate_steps_the_server_once_per_merged_batch(digits, schedule) -> None:
+    """Three devices, two batches each: the server steps twice, once per merged batch of all three devices'
+    activations (six device batches), whatever the schedule; each device got each gradient (the held ones
+    through the loopback's pending reply, counted as any reply) and sent its update."""
+    sim = Simulation(tiny_config("mergesfl", clients=3, rounds=1, max_batches=2, schedule=schedule), digits)
+    count, merged = _count_merged(sim)
+    updates = _capture_updates(sim)
+    rec = sim.run_round(1)
+    assert rec["failures"] == {} and sorted(rec["splits"]) == CLIENTS3
+    assert sum(u["steps"] for u in updates.values()) == 6 and all(u["steps"] == 2 for u in updates.values())
+    assert count["steps"] == 2 and merged == [CLIENTS3, CLIENTS3]
+    stats = sim.transport.stats
+    for c in CLIENTS3:  # round_start, two gradients, the update's ack
+        assert stats.messages_sent(src="coordinator", dst=c) == 4
+    assert rec["bytes_down"] == stats.bytes_sent(src="coordinator")
+    assert all(not c.busy for c in sim.clients)
+
+
+def test_mergesfl_simulate_command_end_to_end(tmp_path) -> None:
+    """``fedsga-edge simulate --strategy mergesfl`` on the digits: two rounds, every device in each, the
+    test accuracy counted over the whole test set."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from _runs import assert_test_accuracy
+    from fedsga_edge.cli.main import app
+
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, ["simulate", "--strategy", "mergesfl", "--dataset", "digits", "--model",
+                                   "resnet18_cifar", "--width", "0.25", "--clients", "2", "--rounds", "2",
+                                   "--local-epochs", "1", "--max-batches", "2", "--batch-size", "32", "--seed", "0",
+                                   "--out", str(out), "--quiet", "--threads", "1"], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["failures"] == {} and sorted(r["splits"]) == ["client-000", "client-001"]
+        assert len(set(r["splits"].values())) == 1  # every device at --split
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == 2 and summary["failures"] == 0 and summary["final_acc"] == rows[-1]["test_acc"]
+    from fedsga_edge.data import load_dataset
+
+    assert_test_accuracy(rows[-1], len(load_dataset("digits").test))
+    assert json.loads((out / "config.json").read_text())["method"]["name"] == "mergesfl"
+
+
+def test_mergesfl_held_request_replayed_is_not_stepped_twice_and_a_closed_round_refuses_it(digits) -> None:
+    """Over the simulation's loopback and the coordinator's Peer: a held activation returns a pending reply;
+    its repeat meanwhile is not handled; once the step is released (by the other device's activation) the
+    pending reply holds the gradient and a replay is refused, the server having stepped once. A held
+    request whose round closes at its deadline gets its refusal: nothing waits forever."""
+    from fedsga_edge.transport import PendingReply, TransportError
+    from fedsga_edge.wire import Message, decode, encode
+
+    sim = Simulation(tiny_config("mergesfl", clients=2, rounds=1, round_timeout=10.0), digits)
+    co, t = sim.coordinator, sim.transport
+    count = _count_steps(co.server.shared.opt)
+    co.begin_round(1, now=0.0)
+    k = sim.cfg.split
+    a, b = (_batch(co.model, k, [0, 1, 2, 3], s) for s in range(2))
+    run = sim.peer.run
+
+    def act(device, seq, zy):
+        z, y = zy
+        return encode(Message("activation", run, 1, seq, device, {"z": z.numpy(), "y": y.numpy(), "split": k}))
+
+    first = act("client-000", 1, a)
+    pending = t.request("client-000", "coordinator", first)
+    assert isinstance(pending, PendingReply) and not pending.ready
+    with pytest.raises(TransportError, match="no reply"):  # its repeat while held: not handled again
+        t.request("client-000", "coordinator", first)
+    reply = decode(t.request("client-001", "coordinator", act("client-001", 1, b)))
+    assert reply.kind == "gradient" and count["steps"] == 1
+    assert pending.ready and decode(pending.wait()).kind == "gradient"
+    again = decode(t.request("client-000", "coordinator", first))  # a replay after the answer: refused
+    assert again.kind == "error" and "replay" in again.body["reason"] and count["steps"] == 1
+    # the deadline closes the round with client-000's next activation held: it gets its refusal
+    held = t.request("client-000", "coordinator", act("client-000", 2, a))
+    assert isinstance(held, PendingReply) and not held.ready
+    assert co.tick(11.0)
+    sim.driver.flush()
+    assert held.ready and decode(held.wait()).kind == "error" and count["steps"] == 1
+
+
+def test_mergesfl_round_on_onnx_devices_matches_torch_devices(digits) -> None:
+    """The merged step's device side is the same prefix forward/backward: ONNX devices train it as torch
+    devices do (float32 rounding differs between the two backends)."""
+    from _export_artifacts import device_artifacts
+
+    def run(**kw) -> tuple[Simulation, dict]:
+        sim = Simulation(tiny_config("mergesfl", clients=2, rounds=1, max_batches=2), digits, **kw)
+        count, merged = _count_merged(sim)
+        rec = sim.run_round(1)
+        assert count["steps"] == 2 and merged == [["client-000", "client-001"]] * 2
+        return sim, rec
+
+    ref, rt = run()
+    sim, ro = run(backend="onnx", artifacts=device_artifacts())
+    assert all(c.backend.name == "onnx" for c in sim.clients)
+    assert not ro["failures"] and ro["splits"] == rt["splits"]
+    assert ro["train_loss"] == pytest.approx(rt["train_loss"], rel=1e-3)
+    va = torch.cat([v.flatten().double() for v in ref.model.state_dict().values() if v.is_floating_point()])
+    vb = torch.cat([v.flatten().double() for v in sim.model.state_dict().values() if v.is_floating_point()])
+    assert float((va - vb).norm() / va.norm()) < 1e-2

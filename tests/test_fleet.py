@@ -205,6 +205,44 @@ def test_deadline_acts_on_virtual_time(tmp_path: Path) -> None:
     assert slow["done_s"] is None and slow["compute_s"] + slow["wire_s"] <= deadline + 1e-6
 
 
+def test_mergesfl_parks_a_held_device_until_its_merged_step_on_virtual_time(tmp_path: Path) -> None:
+    """MergeSFL on a fast and a slow device: the fast device's activation is held until the slow one's
+    arrives, so their activations alternate and the fast device's next one leaves only after the merged
+    step's reply crossed its link; one server step per merged batch. With a deadline before the slow
+    device's first activation, the held request gets its refusal when the round closes (nothing hangs)."""
+    path = _fleet(tmp_path, {"fast": FAST, "slow": SLOW})
+    sim = Simulation(tiny_config("mergesfl", clients=2, rounds=1, max_batches=2, fleet=path))
+    steps = {"n": 0}
+    opt = sim.coordinator.server.shared.opt
+    opt_step = opt.step
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        steps["n"] += 1
+        return opt_step(*a, **kw)
+
+    opt.step = counted  # type: ignore[method-assign]
+    seen = _served(sim)
+    rec = sim.run_round(1)
+    a, b = "client-000", "client-001"
+    assert rec["failures"] == {} and steps["n"] == 2
+    acts = [(d, now) for d, kind, now in seen if kind == "activation"]
+    assert [d for d, _ in acts] == [a, b, a, b]
+    fast = rec["timing"][a]
+    # the fast device's next activation: after the slow one's arrival released the step, one fast
+    # link round trip and batch later (seconds earlier without the merge)
+    assert acts[1][1] + FAST["rtt_ms"] / 1e3 < acts[2][1] < acts[1][1] + 1.0
+    assert fast["wait_s"] > 10 * fast["compute_s"] and fast["bytes_down"] == rec["timing"][b]["bytes_down"]
+    assert rec["bytes_down"] == sum(t["bytes_down"] for t in rec["timing"].values())
+    first_slow = acts[1][1]
+    sim = Simulation(tiny_config("mergesfl", clients=2, rounds=1, max_batches=2, fleet=path,
+                                 round_timeout=first_slow / 2))
+    seen = _served(sim)
+    rec = sim.run_round(1)
+    assert [(d, kind) for d, kind, _ in seen] == [(a, "activation")]
+    assert rec["round_s"] == pytest.approx(first_slow / 2) and set(rec["failures"]) == {a, b}
+    assert all(not c.busy for c in sim.clients)
+
+
 def test_dropouts_on_virtual_time(tmp_path: Path) -> None:
     """Devices that miss a round (availability): without a deadline the coordinator is told at once; with one,
     they stay silent and the round lasts until the deadline. Which devices miss is the seed's."""

@@ -210,3 +210,45 @@ def test_peer_numbers_its_messages():
     assert [p.message("hello", 0).seq for _ in range(3)] == [10, 11, 12]
     with pytest.raises(LocalProtocolError):
         Peer(t, "client-1", RUN, tensor_format="bf16")
+
+
+# -- answering later (a Deferred: MergeSFL's merged step) ---------------------------------------------------
+
+def test_a_deferred_request_returns_a_pending_reply_that_answer_fills_once():
+    """The handler answers "later": the loopback request returns at once with a pending reply, which the
+    server's ``answer`` fills (its bytes counted as any reply's); a repeat of the held request is not
+    handled again meanwhile; once answered, the same bytes are handled afresh (the role's own guard)."""
+    from fedsga_edge.transport import Deferred, PendingMessage, PendingReply
+
+    t = LoopbackTransport()
+    server, dev = Peer(t, "coordinator", RUN), Peer(t, "client-1", RUN)
+    runs: list[int] = []
+
+    def handler(msg: Message) -> Message | Deferred:
+        runs.append(msg.seq)
+        return Deferred(msg.sender, msg.seq)
+
+    server.register(handler)
+    pending = dev.call("coordinator", "activation", 1, {"z": np.ones((2, 3), np.float32), "y": np.arange(2),
+                                                        "split": 1})
+    assert isinstance(pending, PendingMessage) and not pending.ready and runs == [1]
+    up = t.stats.bytes_sent(src="client-1", dst="coordinator")
+    assert t.stats.bytes_sent(src="coordinator") == 0  # nothing answered yet
+    replay = encode(Message("activation", RUN, 1, 1, "client-1", {"z": np.ones((2, 3), np.float32),
+                                                                   "y": np.arange(2), "split": 1}))
+    with pytest.raises(TransportError, match="no reply"):  # the held request's repeat: not handled twice
+        t.request("client-1", "coordinator", replay)
+    assert runs == [1] and server.duplicates == 1
+    reply = Message("gradient", RUN, 1, 1, "coordinator", {"dz": np.full((2, 3), 2, np.float32), "loss": 0.5})
+    server.answer("client-1", reply)
+    assert pending.ready
+    got = pending.result()
+    assert got.kind == "gradient" and got.seq == 1 and got.body["loss"] == 0.5
+    assert t.stats.bytes_sent(src="coordinator", dst="client-1") == len(encode(reply))
+    assert t.stats.bytes_sent(src="client-1", dst="coordinator") == 2 * up
+    assert isinstance(t.request("client-1", "coordinator", replay), PendingReply) and runs == [1, 1]
+    # a reply that comes before its request's handler returned (another thread released it) is kept
+    t.reply("coordinator", Deferred("client-1", 7), encode(reply))
+    early = t.request("client-1", "coordinator", encode(Message("activation", RUN, 1, 7, "client-1", {
+        "z": np.ones((2, 3), np.float32), "y": np.arange(2), "split": 1})))
+    assert isinstance(early, PendingReply) and early.ready and decode(early.wait()).kind == "gradient"

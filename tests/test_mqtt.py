@@ -166,6 +166,53 @@ def test_nested_request_from_a_handler_does_not_deadlock(
     assert len(seen) == 3 and time.monotonic() - t0 < 5
 
 
+def test_a_request_answered_later_gets_its_reply_on_its_own_correlation_id(
+    broker: Broker, transports: Callable[..., MqttTransport]
+) -> None:
+    """MergeSFL's merged step over MQTT: the coordinator holds client-1's activation (a ``Deferred``) until
+    client-2's arrives, answers client-2 directly and client-1 through ``answer``: client-1's request waits
+    for its reply on its own correlation id; both ends count the deferred reply's bytes once."""
+    from fedsga_edge.transport import Deferred
+
+    ct = transports(broker, client_id="coord")
+    dts = {d: transports(broker, client_id=d) for d in ("client-1", "client-2")}
+    coord = Peer(ct, "coordinator", RUN)
+    held: list[Message] = []
+
+    def on_coord(msg: Message) -> Message | Deferred:
+        reply = coord.reply(msg, "gradient", {"dz": msg.body["z"] * 2, "loss": float(msg.seq)})
+        reply = Message(reply.kind, reply.run, reply.round, msg.seq, reply.sender, reply.body)
+        if not held:
+            held.append(reply)
+            return Deferred(msg.sender, msg.seq)
+        coord.answer("client-1", held[0])  # released by the second device's activation
+        return reply
+
+    coord.register(on_coord)
+    got: dict[str, Message] = {}
+
+    def device(d: str, value: float) -> None:
+        peer = Peer(dts[d], d, RUN)
+        got[d] = peer.call("coordinator", "activation", 1, {"z": np.full((2, 3), value, np.float32),
+                                                           "y": np.arange(2), "split": 1}, timeout=10)
+
+    first = threading.Thread(target=device, args=("client-1", 1.0))
+    first.start()
+    deadline = time.monotonic() + 5
+    while not held and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert held and first.is_alive()  # held: client-1 still waits
+    device("client-2", 3.0)
+    first.join(10)
+    assert not first.is_alive()
+    assert got["client-1"].kind == got["client-2"].kind == "gradient"
+    np.testing.assert_array_equal(got["client-1"].body["dz"], np.full((2, 3), 2, np.float32))
+    np.testing.assert_array_equal(got["client-2"].body["dz"], np.full((2, 3), 6, np.float32))
+    assert ct.stats.bytes_sent(src="coordinator", dst="client-1") == len(encode(held[0]))
+    assert dts["client-1"].stats.bytes_sent(src="coordinator", dst="client-1") == len(encode(held[0]))
+    assert coord.errors == 0 and ct.counters.get("handler_errors", 0) == 0
+
+
 def test_3mb_payload_is_chunked_under_a_broker_packet_limit(
     make_broker: Callable[..., Broker], transports: Callable[..., MqttTransport]
 ) -> None:

@@ -7,11 +7,12 @@ the device prefixes are averaged at the round's end as in SplitFed. The merged s
 ``MergedServer`` (coordinator/server_side.py); the coordinator holds each activation until the step's
 last training device has sent (``Coordinator._release``, ``take_replies``).
 
-Not registered yet: the transports cannot deliver a deferred reply (the in-process device's call and an
-MQTT request both need their reply from the handler that received the request), so this strategy cannot
-run in ``simulate`` or the field service until they can (docs/method.md, "Baselines beyond the paper's
-own", says what is missing). Register it, by adding ``@register_strategy`` and its module to the import
-line in ``__init__.py``, once they do.
+A held activation is answered later: the driver (coordinator/driver.py) turns it into a ``Deferred``
+reply and sends what ``take_replies`` releases through ``Peer.answer``. Over MQTT the device's request
+simply waits on its reply topic; in ``simulate`` the loopback request returns a pending reply, the
+device's scheduler gives it no turn until the reply is there (``--fleet``: its virtual time waits), and
+a round that closes refuses whatever is still held. Every device reports the merged loss
+(docs/method.md, "Baselines beyond the paper's own").
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from typing import Any
 
 from fedsga_edge.config import RunConfig
 
-from ..strategy import Method, Strategy
+from ..strategy import Method, Strategy, register_strategy
 
 __all__ = ["MergeSFL"]
 
 
+@register_strategy
 class MergeSFL(Strategy):
     name = "mergesfl"
     help = "MergeSFL: every device at --split; the server merges each step's activations into one batch"

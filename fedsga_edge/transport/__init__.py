@@ -5,15 +5,18 @@ their own modules and are imported by name when the CLI picks them, so devices
 without a broker client installed can still use this package.
 """
 
-from .base import Handler, Transport, TransportError, TransportStats, check_address
+from .base import Deferred, Handler, PendingReply, Transport, TransportError, TransportStats, check_address
 from .loopback import LoopbackTransport
-from .peer import MessageHandler, Peer
+from .peer import MessageHandler, Peer, PendingMessage
 
 __all__ = [
+    "Deferred",
     "Handler",
     "LoopbackTransport",
     "MessageHandler",
     "Peer",
+    "PendingMessage",
+    "PendingReply",
     "Transport",
     "TransportError",
     "TransportStats",

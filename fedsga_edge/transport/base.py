@@ -12,11 +12,54 @@ import threading
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
-__all__ = ["Handler", "Transport", "TransportError", "TransportStats", "check_address"]
+__all__ = ["Deferred", "Handler", "PendingReply", "Transport", "TransportError", "TransportStats", "check_address"]
 
-Handler = Callable[[bytes], bytes | None]
-"""Request bytes in, reply bytes out; None means "no reply"."""
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """A handler's answer "later" to request ``seq`` of ``sender`` (the coordinator holding an activation
+    for a merged step, MergeSFL): the reply follows through ``Transport.reply`` with this token."""
+
+    sender: str
+    seq: int
+
+
+Handler = Callable[[bytes], "bytes | Deferred | None"]
+"""Request bytes in, reply bytes out; None means "no reply", a ``Deferred`` "the reply comes later"."""
+
+
+class PendingReply:
+    """A request's reply that its handler deferred, on a transport whose ``request`` cannot wait for it
+    (loopback: the handler runs in the caller's thread, which may be the only one). ``ready`` once
+    ``Transport.reply`` filled it; ``wait`` blocks until then and returns the bytes."""
+
+    __slots__ = ("_done", "_data")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._data: bytes | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def nbytes(self) -> int:
+        """The reply's size once it is here (0 before)."""
+        return len(self._data) if self._data is not None else 0
+
+    def fill(self, data: bytes) -> None:
+        self._data = bytes(data)
+        self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bytes:
+        """The reply's bytes; TransportError if it has not come within ``timeout`` (None: wait as long as it takes)."""
+        if not self._done.wait(timeout):
+            raise TransportError(f"no deferred reply within {timeout:g} s")
+        assert self._data is not None
+        return self._data
 
 # Addresses end up in MQTT topics: no '/', '+', '#', spaces or control characters.
 _ADDRESS = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -74,6 +117,11 @@ class Transport(ABC):
     ``request`` blocks until the destination's handler replies; ``send`` is
     one-way (any reply the handler returns is dropped). Implementations count
     every payload they carry in ``stats``, replies included.
+
+    A handler may answer a request "later" by returning a ``Deferred`` token; the reply then goes out
+    when ``reply`` is called with that token (MQTT: on the request's reply topic under its
+    correlation id, the requester's ``request`` still waiting; loopback: ``request`` has returned a
+    ``PendingReply``, which ``reply`` fills).
     """
 
     stats: TransportStats
@@ -93,6 +141,13 @@ class Transport(ABC):
     @abstractmethod
     def send(self, src: str, dst: str, payload: bytes) -> None:
         """Send ``payload`` to ``dst`` without waiting for a reply."""
+
+    def reply(self, src: str, token: Deferred, payload: bytes) -> None:
+        """Deliver ``payload`` from ``src`` as the reply to the request its handler answered with ``token``.
+
+        A reply may come before the transport has seen the token (another thread released it between
+        the handler's return and the transport's bookkeeping): it is kept and delivered then."""
+        raise TransportError(f"{type(self).__name__} cannot deliver a deferred reply")
 
     @abstractmethod
     def close(self) -> None:

@@ -12,15 +12,25 @@ role decides what to do with it. (``Peer.serve`` already turns a peer's garbage
 into an ``error`` reply, so a well-behaved handler rarely raises at all.)
 ``timeout`` is accepted for interface compatibility and ignored: the call
 returns when the handler does.
+
+A handler that answers later (a ``Deferred``: the coordinator holding an activation for a merged
+step) makes ``request`` return a ``PendingReply`` at once, since the caller's thread may be the only
+one (``simulate``'s in-process scheduler); ``reply`` fills it, and the bytes are counted then. The
+device's Peer turns it into a pending message, which its role waits on, or its scheduler skips the
+device until it is ready (coordinator/scheduling.py).
 """
 
 from __future__ import annotations
 
 import threading
 
-from .base import Handler, Transport, TransportError, TransportStats, check_address
+from collections import OrderedDict
+
+from .base import Deferred, Handler, PendingReply, Transport, TransportError, TransportStats, check_address
 
 __all__ = ["LoopbackTransport"]
+
+_EARLY = 1024  # deferred replies kept for a token not seen yet (a reply racing its handler's return)
 
 
 def _nbytes(b: bytes | bytearray | memoryview) -> int:
@@ -35,6 +45,9 @@ class LoopbackTransport(Transport):
         self._handlers: dict[str, Handler] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # (replier, sender, seq) -> the pending reply and the requester's address; replies that came first
+        self._deferred: dict[tuple[str, str, int], tuple[PendingReply, str]] = {}
+        self._early: OrderedDict[tuple[str, str, int], bytes] = OrderedDict()
 
     def register(self, address: str, handler: Handler) -> None:
         check_address(address)
@@ -51,12 +64,16 @@ class LoopbackTransport(Transport):
             if self._handlers.pop(address, None) is None:
                 raise TransportError(f"address {address!r} is not registered")
 
-    def request(self, src: str, dst: str, payload: bytes, *, timeout: float | None = None) -> bytes:
+    def request(  # type: ignore[override]
+        self, src: str, dst: str, payload: bytes, *, timeout: float | None = None
+    ) -> bytes | PendingReply:
         if timeout is not None and timeout <= 0:
             raise TransportError(f"timeout must be positive, got {timeout}")
         handler = self._route(src, dst, payload)
         self.stats.record(src, dst, _nbytes(payload))
         reply = handler(payload)
+        if isinstance(reply, Deferred):
+            return self._defer(src, dst, reply)
         if reply is None:
             raise TransportError(f"{dst!r} sent no reply to a request from {src!r}")
         if not isinstance(reply, (bytes, bytearray, memoryview)):
@@ -64,6 +81,37 @@ class LoopbackTransport(Transport):
         reply = bytes(reply)  # no copy when it already is bytes
         self.stats.record(dst, src, len(reply))
         return reply
+
+    def _defer(self, src: str, dst: str, token: Deferred) -> PendingReply:
+        pending = PendingReply()
+        key = (dst, token.sender, token.seq)
+        with self._lock:
+            early = self._early.pop(key, None)
+            if early is None:
+                if key in self._deferred:
+                    raise TransportError(f"{dst!r} deferred request {token.seq} of {token.sender!r} twice")
+                self._deferred[key] = (pending, src)
+        if early is not None:
+            self.stats.record(dst, src, len(early))
+            pending.fill(early)
+        return pending
+
+    def reply(self, src: str, token: Deferred, payload: bytes) -> None:
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise TransportError(f"payload must be bytes, got {type(payload).__name__}")
+        data = bytes(payload)
+        key = (src, token.sender, token.seq)
+        with self._lock:
+            self._check_open()
+            entry = self._deferred.pop(key, None)
+            if entry is None:  # its request has not returned from the handler yet: deliver it then
+                self._early[key] = data
+                while len(self._early) > _EARLY:
+                    self._early.popitem(last=False)
+                return
+        pending, requester = entry
+        self.stats.record(src, requester, len(data))
+        pending.fill(data)
 
     def send(self, src: str, dst: str, payload: bytes) -> None:
         handler = self._route(src, dst, payload)
@@ -74,6 +122,8 @@ class LoopbackTransport(Transport):
         with self._lock:
             self._closed = True
             self._handlers.clear()
+            self._deferred.clear()
+            self._early.clear()
 
     def _route(self, src: str, dst: str, payload: bytes) -> Handler:
         check_address(src)

@@ -35,6 +35,12 @@ transport wants, and adds the two things every handler needs on MQTT:
   ``observed_sender()``; a message whose ``sender`` differs is answered with an
   ``error`` and never reaches the handler or the reply cache. Loopback has no
   such method, so nothing changes there.
+* answering later -- a handler may return ``Deferred(msg.sender, msg.seq)`` (the coordinator holds
+  an activation until its merged step, MergeSFL): the transport keeps the request open, nothing is
+  cached, and a repeat of the same bytes meanwhile is not handled again; ``answer(sender, reply)``
+  sends the reply when it is released. On loopback the requester's ``call`` then returns a
+  ``PendingMessage`` (``ready``, ``result()``) instead of waiting, since the coordinator may run in
+  the requester's own thread; over MQTT ``call`` simply waits for the reply.
 """
 
 from __future__ import annotations
@@ -52,11 +58,11 @@ import numpy as np
 
 from ..logthrottle import Summary, Throttle, describe
 from ..wire import TENSOR_FORMATS, Admit, Envelope, LocalProtocolError, Message, RemoteProtocolError, decode, encode
-from .base import Handler, Transport, check_address
+from .base import Deferred, Handler, PendingReply, Transport, check_address
 
-__all__ = ["LOSSY_FIELDS", "LOSSY_KINDS", "MessageHandler", "Peer"]
+__all__ = ["LOSSY_FIELDS", "LOSSY_KINDS", "MessageHandler", "Peer", "PendingMessage"]
 
-MessageHandler = Callable[[Message], Message | None]
+MessageHandler = Callable[[Message], "Message | Deferred | None"]
 
 log = logging.getLogger(__name__)
 _MAX_REASON = 1000
@@ -88,6 +94,26 @@ class _SenderCache:
     def __init__(self) -> None:
         self.entries: OrderedDict[int, _Entry] = OrderedDict()
         self.bytes = 0
+
+
+class PendingMessage:
+    """A reply the other side answers later (loopback only; see the module doc): ``ready`` once it came,
+    ``result()`` waits for it and returns the decoded Message (RemoteProtocolError if it is garbage)."""
+
+    __slots__ = ("_pending", "_decode", "_message")
+
+    def __init__(self, pending: PendingReply, decode_reply: Callable[[bytes], Message]) -> None:
+        self._pending, self._decode = pending, decode_reply
+        self._message: Message | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._pending.ready
+
+    def result(self, timeout: float | None = None) -> Message:
+        if self._message is None:
+            self._message = self._decode(self._pending.wait(timeout))
+        return self._message
 
 
 class Peer:
@@ -158,14 +184,20 @@ class Peer:
 
     def call(
         self, dst: str, kind: str, round: int, body: dict[str, Any] | None = None, *, timeout: float | None = None
-    ) -> Message:
-        """Send a request and return the decoded reply (an ``error`` reply is returned, not raised).
+    ) -> Message | PendingMessage:
+        """Send a request and return the decoded reply (an ``error`` reply is returned, not raised), or,
+        when the other side answers later on a transport that cannot wait (loopback), a ``PendingMessage``.
 
         Raises RemoteProtocolError if the reply is garbage or belongs to another
         run, TransportError if it never comes.
         """
         payload = self._encode(self.message(kind, round, body))
         raw = self.transport.request(self.me, dst, payload, timeout=timeout)
+        if isinstance(raw, PendingReply):
+            return PendingMessage(raw, self._decode_reply)
+        return self._decode_reply(raw)
+
+    def _decode_reply(self, raw: bytes) -> Message:
         try:
             rep = decode(raw, admit=self._check_run)
         except RemoteProtocolError:
@@ -178,6 +210,17 @@ class Peer:
         """One-way message; any reply is dropped by the transport."""
         payload = self._encode(self.message(kind, round, body))
         self.transport.send(self.me, dst, payload)
+
+    def answer(self, to: str, reply: Message) -> None:
+        """Send ``reply`` to the request ``reply.seq`` of ``to`` that this peer's handler deferred."""
+        data = self._encode(reply)
+        try:
+            self.transport.reply(self.me, Deferred(to, reply.seq), data)
+        finally:
+            with self._lock:
+                self._busy.pop((to, reply.seq), None)
+        if reply.kind == "error":  # the role refused it (and logs it itself), as serve counts it
+            self._count_rejection(to, "?", str(reply.body.get("reason", "")), notify=False)
 
     # ------------------------------------------------------------- incoming
 
@@ -227,6 +270,7 @@ class Peer:
                                         f"its reply is no longer held: a replay, not handled again")
                 return self._error_reply(e, msg.round, msg.sender, msg.kind)
             reply: bytes | None
+            later = False
             try:
                 refused = False
                 try:
@@ -234,6 +278,11 @@ class Peer:
                 except RemoteProtocolError as e:
                     reply, refused = self._error_reply(e, msg.round, msg.sender, msg.kind), True
                 else:
+                    if isinstance(out, Deferred):
+                        if (out.sender, out.seq) != key:
+                            raise LocalProtocolError(f"handler deferred {out} while handling {key}")
+                        later = True  # answered by ``answer``; a repeat meanwhile is not handled again
+                        return out
                     if out is not None and not isinstance(out, Message):
                         raise LocalProtocolError(f"handler returned {type(out).__name__}, not Message or None")
                     reply = None if out is None else self._encode(out)
@@ -245,8 +294,9 @@ class Peer:
                         self._remember(msg.sender, msg.seq, _Entry(digest, reply))
                 return reply
             finally:
-                with self._lock:
-                    self._busy.pop(key, None)
+                if not later:
+                    with self._lock:
+                        self._busy.pop(key, None)
 
         return on_bytes
 

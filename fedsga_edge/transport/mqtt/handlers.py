@@ -3,6 +3,10 @@
 Handlers never run on paho's network thread, so one may block, train, or itself send a request.
 Requests to one address are handled one at a time, in arrival order. The bytes queued for
 handlers count against ``max_buffer_bytes``; a request that would pass it is refused.
+
+A handler that answers a request later returns a ``Deferred`` token: the pool keeps the request's
+reply topic and correlation id under it (the requester's ``request`` keeps waiting), and ``reply``
+publishes the reply there when the handler's owner releases it (MergeSFL's merged step).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ...logthrottle import ThrottledLog
-from ..base import Handler, TransportError, TransportStats
+from ..base import Deferred, Handler, TransportError, TransportStats
 from .frames import Frame, as_bytes_view
 from .health import Health
 from .outbound import Publisher
@@ -27,6 +31,7 @@ log = logging.getLogger(__name__)
 JOB_COST = 256  # a queued job's bookkeeping, counted with its payload against max_buffer_bytes
 SEEN_PER_TOPIC = 1024  # request cids remembered per topic (QoS 1 redeliveries), so floods stay their own
 SEEN_TOPICS = 4096
+DEFERRED = 4096  # requests answered later, and replies that came before their token was seen, kept at most
 
 
 @dataclass(slots=True)
@@ -87,6 +92,9 @@ class HandlerPool:
         self.workers: dict[str, Worker] = {}
         self.queued_bytes = 0
         self._seen = SeenRequests()
+        # (address, sender, seq) -> (reply topic, cid, observed sender) of a request answered later
+        self._deferred: OrderedDict[tuple[str, str, int], tuple[str, str, str]] = OrderedDict()
+        self._early: OrderedDict[tuple[str, str, int], bytes] = OrderedDict()
         self._thread_state = threading.local()
         # A handler that raises is our bug (roles answer bad input with an error reply), but bad input
         # triggers it: its tracebacks are throttled like lines about hostile input.
@@ -200,15 +208,51 @@ class HandlerPool:
             self._thread_state.sender = None
         if job.op != "req":
             return  # one-way: a reply goes nowhere and is not counted
+        if isinstance(out, Deferred):
+            self._defer(w.address, out, job)
+            return
         if out is None:
             self._out.publish_error(job.reply_topic, job.cid, f"{w.address!r} sent no reply")
             return
         if not isinstance(out, (bytes, bytearray, memoryview)):
             self._out.publish_error(job.reply_topic, job.cid, f"handler of {w.address!r} returned {type(out).__name__}")
             return
+        self._publish_reply(w.address, job.src, job.reply_topic, job.cid, out)
+
+    def _publish_reply(self, address: str, src: str, topic: str, cid: str, out: bytes | bytearray | memoryview) -> None:
         data = as_bytes_view(out)
-        self._stats.record(w.address, job.src, data.nbytes)
+        self._stats.record(address, src, data.nbytes)
         try:
-            self._out.publish(job.reply_topic, "rep", job.cid, w.address, data)
+            self._out.publish(topic, "rep", cid, address, data)
         except TransportError as e:
-            log.error("%s: could not publish the reply of %r: %s", self._client_id, w.address, e)
+            log.error("%s: could not publish the reply of %r: %s", self._client_id, address, e)
+
+    # ------------------------------------------------------------- replies given later
+
+    def _defer(self, address: str, token: Deferred, job: Job) -> None:
+        """Keep where the reply to ``job`` goes until ``reply`` (or publish it now if it came first)."""
+        key = (address, token.sender, token.seq)
+        evicted = None
+        with self._lock:
+            early = self._early.pop(key, None)
+            if early is None:
+                self._deferred[key] = (job.reply_topic, job.cid, job.src)
+                if len(self._deferred) > DEFERRED:
+                    evicted = self._deferred.popitem(last=False)[1]
+        if early is not None:
+            self._publish_reply(address, job.src, job.reply_topic, job.cid, early)
+        if evicted is not None:  # never answered: its requester hears so rather than timing out
+            self._out.publish_error(evicted[0], evicted[1], f"{address!r} holds too many requests")
+
+    def reply(self, address: str, token: Deferred, payload: bytes | bytearray | memoryview) -> None:
+        """The reply to the request ``address``'s handler answered with ``token``."""
+        key = (address, token.sender, token.seq)
+        with self._lock:
+            entry = self._deferred.pop(key, None)
+            if entry is None:  # the handler has not returned its token yet: published when it does
+                self._early[key] = bytes(payload)
+                while len(self._early) > DEFERRED:
+                    self._early.popitem(last=False)
+                return
+        topic, cid, src = entry
+        self._publish_reply(address, src, topic, cid, payload)

@@ -9,7 +9,7 @@ import time
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from ..base import Handler, Transport, TransportError, TransportStats, check_address
+from ..base import Deferred, Handler, Transport, TransportError, TransportStats, check_address
 from .connection import Login, import_paho, new_client
 from .frames import Frame, as_bytes_view
 from .handlers import HandlerPool
@@ -209,6 +209,13 @@ class MqttTransport(Transport):
         self._speak_for(src)
         self.stats.record(src, dst, data.nbytes)
         self._out.publish(topic, "send", self._out.new_cid(), src, data)
+
+    def reply(self, src: str, token: Deferred, payload: bytes) -> None:
+        """Publish the reply to the request ``src``'s handler answered with ``token``, on that request's
+        reply topic under its correlation id: the requester's ``request`` has been waiting for it."""
+        with self._lock:
+            self._session.check_open()
+        self._handlers.reply(src, token, payload)
 
     def observed_sender(self) -> str | None:
         """Inside a handler: the address the payload came from, read off its topic (else None)."""
