@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = ["Method", "Strategy", "register_strategy", "unregister_strategy", "get_strategy", "create_strategy",
-           "list_strategies", "all_methods", "method_of"]
+           "list_strategies", "all_methods", "method_of", "check_split", "head_state"]
 
 _REGISTRY: dict[str, type["Strategy"]] = {}
 
@@ -103,6 +103,18 @@ def method_of(cfg: RunConfig, num_splits: int) -> dict[str, str]:
     name = cls.method_name(cfg, num_splits)
     spec = cls.methods().get(name)
     return {"name": name, "label": spec.label if spec else name, "group": spec.group if spec else "main"}
+
+
+def check_split(cfg: RunConfig, num_splits: int) -> None:
+    """For the strategies that put every device at ``--split`` (SplitFed and the baselines built on it)."""
+    if not 1 <= cfg.split <= num_splits:
+        raise ValueError(f"--split must be in 1..{num_splits} for {cfg.model}")
+
+
+def head_state(model: Any) -> dict[str, "Tensor"]:
+    """A copy of the model's head (its last unit): what FedBABU and FedGH put back after aggregation."""
+    state = model.state_dict()
+    return {n: v.detach().clone() for n, v in state.items() if model.unit_of(n) == model.num_blocks}
 
 
 class Strategy:

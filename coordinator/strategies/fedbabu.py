@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedsga_edge.config import TrainConfig
 
-from ..strategy import register_strategy
+from ..strategy import head_state, register_strategy
 from .fedavg import FedAvg
 
 if TYPE_CHECKING:
@@ -41,13 +41,8 @@ class FedBABU(FedAvg):
     def device_train(self, train: TrainConfig) -> TrainConfig:
         return dataclasses.replace(train, mu=0.0, freeze_head=True)
 
-    def head_names(self) -> list[str]:
-        model = self._model
-        return [n for n in model.state_dict() if model.unit_of(n) == model.num_blocks]
-
     def begin_round(self, t: int, calibrate: bool) -> None:
-        state = self._model.state_dict()
-        self._head = {n: state[n].detach().clone() for n in self.head_names()}
+        self._head = head_state(self._model)
 
     def end_round(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
         """Only the body is aggregated: the head goes back to its value at the round's start."""

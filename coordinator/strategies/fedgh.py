@@ -18,7 +18,7 @@ import numpy as np
 from fedsga_edge.options import Opt
 
 from ..limits import check_values
-from ..strategy import register_strategy
+from ..strategy import head_state, register_strategy
 from .fedavg import FedAvg
 
 if TYPE_CHECKING:
@@ -74,13 +74,8 @@ class FedGH(FedAvg):
     def round_start_fields(self, k: int | None, calibrate: bool) -> dict[str, Any]:
         return {"fedsga": None, "method": {"name": self.name}}
 
-    def head_names(self) -> list[str]:
-        model = self._model
-        return [n for n in model.state_dict() if model.unit_of(n) == model.num_blocks]
-
     def begin_round(self, t: int, calibrate: bool) -> None:
-        state = self._model.state_dict()
-        self._head = {n: state[n].detach().clone() for n in self.head_names()}
+        self._head = head_state(self._model)
 
     def check_update(self, body: dict[str, Any]) -> None:
         """classes (n,) distinct labels, counts (n,) >= 1, means (n, D) finite with D the head's input."""

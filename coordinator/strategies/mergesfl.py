@@ -21,7 +21,7 @@ from typing import Any
 
 from fedsga_edge.config import RunConfig
 
-from ..strategy import Method, Strategy, register_strategy
+from ..strategy import Method, Strategy, check_split, register_strategy
 
 __all__ = ["MergeSFL"]
 
@@ -34,8 +34,7 @@ class MergeSFL(Strategy):
 
     def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
         super().__init__(cfg, num_splits, clients, train_flops)
-        if not 1 <= cfg.split <= num_splits:
-            raise ValueError(f"--split must be in 1..{num_splits} for {cfg.model}")
+        check_split(cfg, num_splits)
         if cfg.server_copies != "shared" or cfg.server_bn_context:
             raise ValueError("MergeSFL merges into the one shared server copy: it needs --server-copies shared "
                              "and no --server-bn-context")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fedsga_edge.config import RunConfig
 from fedsga_edge.options import Opt
 
-from ..strategy import Method, Strategy, register_strategy
+from ..strategy import Method, Strategy, check_split, register_strategy
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -57,8 +57,7 @@ class MultiSFL(Strategy):
 
     def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
         super().__init__(cfg, num_splits, clients, train_flops)
-        if not 1 <= cfg.split <= num_splits:
-            raise ValueError(f"--split must be in 1..{num_splits} for {cfg.model}")
+        check_split(cfg, num_splits)
         self.B = int(self.args["branches"])
         self.branches: list[dict[str, Tensor]] | None = None  # each branch's whole model, between rounds
         self.dealt: dict[str, int] = {}  # device -> its branch this round

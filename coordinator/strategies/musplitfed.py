@@ -12,7 +12,7 @@ from __future__ import annotations
 from fedsga_edge.config import RunConfig
 from fedsga_edge.options import Opt
 
-from ..strategy import Method, Strategy, register_strategy
+from ..strategy import Method, Strategy, check_split, register_strategy
 
 
 @register_strategy
@@ -25,8 +25,7 @@ class MUSplitFed(Strategy):
 
     def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
         super().__init__(cfg, num_splits, clients, train_flops)
-        if not 1 <= cfg.split <= num_splits:
-            raise ValueError(f"--split must be in 1..{num_splits} for {cfg.model}")
+        check_split(cfg, num_splits)
 
     @classmethod
     def methods(cls) -> dict[str, Method]:
