@@ -114,16 +114,17 @@ def _meta(inputs: Sequence[Path], runs: list[Run], profs: Profiles, command: str
 
 
 def build_report(inputs: Sequence[Path], profiles: Sequence[Path] = (), out: Path = Path("report"),
-                 band: str = "minmax", command: str | None = None) -> Report:
+                 band: str = "minmax", command: str | None = None, target_acc: float | None = None) -> Report:
     """Write ``out/report.html`` (self-contained) and one PNG per plot; returns what was written.
 
+    ``target_acc``: the time-to-accuracy table's target (None: the lowest final accuracy among the methods).
     Raises RunError when an input holds no run, or a profile is not a profile report.
     """
     runs, benches, notes, profs = _load(inputs, profiles)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     errors: list[str] = []
-    sections = [_plot_section(p, out, errors) for p in plots(Inputs(runs, profs, band))]
+    sections = [_plot_section(p, out, errors) for p in plots(Inputs(runs, profs, band, target_acc))]
     page = render_page("fedsga-edge report", _meta(inputs, runs, profs, command), sections,
                        _tail_html(runs, benches, notes, errors))
     path = out / "report.html"

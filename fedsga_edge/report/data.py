@@ -22,13 +22,17 @@ __all__ = [
     "bytes_curves",
     "descriptor_entropy",
     "estimator_losses",
+    "fleet_timelines",
     "group_runs",
     "latency_curves",
     "reliability",
     "round_acc",
+    "round_timeline",
+    "seconds_to_target",
     "split_matrix",
     "split_shares",
     "summary_rows",
+    "time_to_accuracy_curves",
     "tradeoff_points",
 ]
 
@@ -475,3 +479,118 @@ def federated_device_rows(runs: list[Run]) -> list[dict[str, Any]]:
                          "acc": _num(d.get("acc")), "loss": _num(d.get("loss")), "count": d.get("count"),
                          "fed_acc": _num(last.get("fed_acc")), "test_acc": test})
     return rows
+
+
+# -- fleets: per-device timing and time to accuracy (issue 20) -------------------------------------------
+def _timed_rounds(run: Run) -> list[dict[str, Any]]:
+    return [row for row in run.rows if isinstance(row.get("timing"), dict) and row["timing"]
+            and _num(row.get("fleet_s")) is not None and isinstance(row.get("round"), int)]
+
+
+def round_timeline(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """One round's devices from its ``timing``: each device's compute, wire and waiting seconds, the waiting cut
+    at its ``done_s`` into waiting before it was done (for the server's replies, for a merged step) and waiting
+    after it (for the round's last device), in the device order of ``timing``.
+
+    Returns [{"device", "class", "split", "compute", "wire", "wait_before", "wait_after", "done", "missed"}];
+    ``done`` None: the device never finished (the deadline took it) or missed the round.
+    """
+    end = _num(row.get("fleet_s")) or 0.0
+    out = []
+    for cid, t in row["timing"].items():
+        if not isinstance(t, dict):
+            continue
+        compute, wire = _num(t.get("compute_s")) or 0.0, _num(t.get("wire_s")) or 0.0
+        wait = _num(t.get("wait_s")) or 0.0
+        done = _num(t.get("done_s"))
+        if done is not None:
+            after = max(0.0, min(wait, end - done))
+            before = max(0.0, wait - after)
+        else:
+            before, after = wait, 0.0
+        split = t.get("split")
+        out.append({"device": str(cid), "class": t.get("class"), "split": split if isinstance(split, int) else None,
+                    "compute": compute, "wire": wire, "wait_before": before, "wait_after": after, "done": done,
+                    "missed": bool(t.get("missed"))})
+    return out
+
+
+def fleet_timelines(runs: list[Run], max_runs: int = 4) -> list[dict[str, Any]]:
+    """Per run with per-device ``timing`` (one run per method and partition: its lowest seed; at most
+    ``max_runs``), its first and last timed rounds, each with its devices (``round_timeline``).
+
+    Returns [{"label", "method", "run", "round", "fleet_s", "last", "devices"}]; ``last``: the device done last
+    (the one the others waited for), None when no device finished.
+    """
+    out = []
+    shown = [g["runs"][0] for g in group_runs([r for r in runs if _timed_rounds(r)])][:max_runs]
+    for r in shown:
+        rows = _timed_rounds(r)
+        for row in ([rows[0], rows[-1]] if len(rows) > 1 else rows):
+            devices = round_timeline(row)
+            done = [d for d in devices if d["done"] is not None]
+            out.append({"label": f"{r.method} · {r.name}" if r.name != r.method else r.method, "method": r.method,
+                        "run": r.name, "round": int(row["round"]), "fleet_s": float(row["fleet_s"]),
+                        "last": max(done, key=lambda d: d["done"])["device"] if done else None,
+                        "devices": devices})
+    return out
+
+
+def time_to_accuracy_curves(runs: list[Run]) -> list[dict[str, Any]]:
+    """Test accuracy against the fleet's cumulative seconds (``fleet_s`` summed over the rounds so far), per
+    group; runs without ``fleet_s`` are left out. Shaped as ``accuracy_curves`` with ``seconds`` beside
+    ``rounds``: per seed the cumulative seconds at each of its rounds with an accuracy, per group the mean over
+    its seeds (at the rounds every seed has, so the mean line's seconds are comparable)."""
+    curves = []
+    for g in group_runs([r for r in runs if _timed_rounds(r)]):
+        seeds, series, times, subset = [], [], [], False
+        for r in g["runs"]:
+            clock, pts, secs = 0.0, {}, {}
+            for row in r.rows:
+                if not isinstance(row.get("round"), int):
+                    continue
+                clock += _num(row.get("fleet_s")) or 0.0
+                acc, sub = round_acc(row)
+                if acc is not None:
+                    pts[row["round"]], secs[row["round"]] = acc, clock
+                    subset |= sub
+            if pts:
+                series.append(pts)
+                times.append(secs)
+                rounds = sorted(pts)
+                seeds.append({"label": _seed_label(r), "rounds": rounds, "acc": [pts[t] for t in rounds],
+                              "seconds": [secs[t] for t in rounds]})
+        if not series:
+            continue
+        common = set.intersection(*(set(s) for s in series))
+        agg = _aggregate([{t: v for t, v in s.items() if t in common} for s in series])
+        agg["seconds"] = [float(np.mean([s[t] for s in times])) for t in agg["rounds"]]
+        curves.append({"label": g["label"], "method": g["method"], "partition": g["partition"], **agg,
+                       "seeds": seeds, "subset": subset})
+    return curves
+
+
+def seconds_to_target(curves: list[dict[str, Any]], target: float | None = None) -> tuple[float | None,
+                                                                                        list[dict[str, Any]]]:
+    """Per time-to-accuracy curve, the fleet seconds (and rounds) until each seed first reached ``target``
+    (default: the lowest final mean accuracy among the curves, which every method reaches).
+
+    Returns (target, [{"label", "method", "seconds", "rounds", "reached", "n", "final_acc", "total_s"}]);
+    ``seconds``/``rounds``: the mean over the seeds that reached it (None when none did).
+    """
+    if not curves:
+        return None, []
+    if target is None:
+        target = min(c["mean"][-1] for c in curves)
+    rows = []
+    for c in curves:
+        hits = []
+        for s in c["seeds"]:
+            i = next((i for i, a in enumerate(s["acc"]) if a >= target - 1e-12), None)
+            if i is not None:
+                hits.append((s["seconds"][i], s["rounds"][i]))
+        rows.append({"label": c["label"], "method": c["method"], "reached": len(hits), "n": len(c["seeds"]),
+                     "seconds": float(np.mean([h[0] for h in hits])) if hits else None,
+                     "rounds": float(np.mean([h[1] for h in hits])) if hits else None,
+                     "final_acc": c["mean"][-1], "total_s": c["seconds"][-1]})
+    return target, rows

@@ -23,6 +23,7 @@ __all__ = [
     "plot_latency",
     "plot_reliability",
     "plot_split_depths",
+    "plot_timeline",
     "plot_tradeoff",
     "save",
 ]
@@ -85,8 +86,12 @@ def save(fig, path, dpi: int = 110) -> None:
 
 
 # -- accuracy --------------------------------------------------------------------------------------
-def plot_accuracy(curves: list[dict[str, Any]], ax=None, band: str = "minmax", by_position: bool = False):
-    """Test accuracy per round: the mean over seeds as a line, the seeds' spread as a band, each seed thin."""
+def plot_accuracy(curves: list[dict[str, Any]], ax=None, band: str = "minmax", by_position: bool = False,
+                  x: str = "rounds"):
+    """Test accuracy per round: the mean over seeds as a line, the seeds' spread as a band, each seed thin.
+
+    ``x="seconds"``: against each curve's (and seed's) ``seconds`` instead, the fleet's cumulative wall-clock
+    (``report.data.time_to_accuracy_curves``)."""
     plt = _plt()
     fig = ax.figure if ax is not None else plt.figure(figsize=(8, 4.2))
     ax = ax if ax is not None else fig.add_subplot(111)
@@ -96,23 +101,24 @@ def plot_accuracy(curves: list[dict[str, Any]], ax=None, band: str = "minmax", b
         many = len(c["seeds"]) > 1
         if many:
             for s in c["seeds"]:
-                ax.plot(s["rounds"], s["acc"], color=color, ls=ls, lw=0.7, alpha=0.35)
+                ax.plot(s[x], s["acc"], color=color, ls=ls, lw=0.7, alpha=0.35)
             if band == "std":
                 lo = np.array(c["mean"]) - np.array(c["std"])
                 hi = np.array(c["mean"]) + np.array(c["std"])
             else:
                 lo, hi = c["min"], c["max"]
-            ax.fill_between(c["rounds"], lo, hi, color=color, alpha=0.15, lw=0)
+            ax.fill_between(c[x], lo, hi, color=color, alpha=0.15, lw=0)
         label = c["label"] + (f" (mean of {max(c['n'])})" if many else "")
-        ax.plot(c["rounds"], c["mean"], color=color, ls=ls, lw=2, marker="o", ms=3.5, label=label)
-    ax.set_xlabel("round")
+        ax.plot(c[x], c["mean"], color=color, ls=ls, lw=2, marker="o", ms=3.5, label=label)
+    ax.set_xlabel("round" if x == "rounds" else "seconds on the fleet (cumulative fleet_s)")
     ax.set_ylabel("test accuracy")
     sub = any(c.get("subset") for c in curves)
-    ax.set_title("test accuracy per round" + (" (intermediate rounds: test subset)" if sub else "")
+    ax.set_title(("test accuracy per round" if x == "rounds" else "time to accuracy") + (" (intermediate rounds: test subset)" if sub else "")
                  + (f"; band: {'±1 std' if band == 'std' else 'min-max'} over seeds"
                     if any(len(c["seeds"]) > 1 for c in curves) else ""), fontsize=9)
     ax.grid(alpha=0.3)
-    _int_xaxis(ax)
+    if x == "rounds":
+        _int_xaxis(ax)
     if curves:
         ax.legend(fontsize=7, loc="best", ncol=2 if len(curves) > 6 else 1)
     fig.tight_layout()
@@ -346,4 +352,47 @@ def plot_federated(curves: list[dict[str, Any]], max_runs: int = 6):
         _int_xaxis(ax)
         ax.legend(fontsize=7)
     fig.tight_layout()
+    return fig
+
+
+# -- fleets (issue 20) ----------------------------------------------------------------------------------
+TIMELINE_PARTS = (("compute", "compute", "C0"), ("wire", "wire", "C1"),
+                  ("wait_before", "waiting for the server", "0.72"), ("wait_after", "waiting for the last device", "0.88"))
+
+
+def plot_timeline(timelines: list[dict[str, Any]]):
+    """Per run and round (``report.data.fleet_timelines``), one bar per device: its compute, wire and waiting
+    seconds end to end (totals over the round, not their order), the waiting cut where the device was done;
+    a tick marks when each device was done, the dashed line the round's end (``fleet_s``)."""
+    plt = _plt()
+    heights = [max(1.5, 0.3 * len(t["devices"]) + 0.9) for t in timelines]
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(8, sum(heights) + 0.5), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for ax, t in zip((a[0] for a in axes), timelines):
+        devs = t["devices"]
+        ys = np.arange(len(devs))
+        left = np.zeros(len(devs))
+        for key, name, color in TIMELINE_PARTS:
+            w = np.array([d[key] for d in devs], dtype=float)
+            ax.barh(ys, w, left=left, height=0.6, color=color, edgecolor="white", lw=0.4, label=name)
+            left += w
+        for y, d in zip(ys, devs):
+            if d["done"] is not None:
+                ax.plot([d["done"]] * 2, [y - 0.38, y + 0.38], color="k", lw=1.2)
+            note = "missed" if d["missed"] else "not done" if d["done"] is None else ""
+            if note:
+                ax.annotate(note, (left[y], y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=6)
+        ax.axvline(t["fleet_s"], color="k", ls="--", lw=0.8)
+        ax.set_yticks(ys)
+        ax.set_yticklabels([f"{d['device']}" + (f" · {d['class']}" if d["class"] else "")
+                            + (f" · k={d['split']}" if d["split"] is not None else "") for d in devs],
+                           fontsize=6 if len(devs) > 12 else 7)
+        ax.invert_yaxis()
+        who = f"; the others waited for {t['last']}" if t["last"] and len(devs) > 1 else ""
+        ax.set_title(f"{t['label']}: round {t['round']}, {t['fleet_s']:.2f} s on the fleet{who}", fontsize=9)
+        ax.set_xlabel("seconds from round start", fontsize=8)
+        ax.grid(alpha=0.3, axis="x")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(TIMELINE_PARTS), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (sum(heights) + 0.5)))
     return fig

@@ -29,6 +29,7 @@ class Inputs:
     runs: list[Run]
     profs: Profiles
     band: str
+    target_acc: float | None = None  # time to accuracy's target (None: the lowest final accuracy compared)
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Plot:
 
 def plots(i: Inputs) -> list[Plot]:
     """Every plot section of the report, in page order."""
-    return [accuracy(i), federated(i), splits(i), reliability(i), estimator_losses(i), tradeoff(i), wire_bytes(i),
+    return [accuracy(i), time_to_accuracy(i), timeline(i), federated(i), splits(i), reliability(i), estimator_losses(i), tradeoff(i), wire_bytes(i),
             latency(i), acc_by_split(i), descriptor_entropy(i)]
 
 
@@ -68,6 +69,49 @@ def _accuracy_data(runs: list[Run]) -> tuple[list[dict[str, Any]], str | None]:
     note = (f"intermediate rounds of {which} are the benchmark's test-subset evaluations "
             "(<code>test_acc_subset</code>); the last round is the full test set.") if sub else None
     return curves, note
+
+
+def time_to_accuracy(i: Inputs) -> Plot:
+    curves = D.time_to_accuracy_curves(i.runs)
+    return Plot(Section("time_to_accuracy", "Time to accuracy on the fleet",
+                        "Runs on a fleet (<code>simulate --fleet</code>: virtual seconds; <code>trial --fleet</code>: "
+                        "measured seconds): test accuracy against the fleet's cumulative seconds "
+                        "(<code>fleet_s</code> summed over the rounds so far), one line per method as in the plot "
+                        "above; the table gives the seconds until each method first reached the target.",
+                        extra_html=_target_table(curves, i.target_acc)),
+                lambda: curves, lambda d: P.plot_accuracy(d, band=i.band, x="seconds"),
+                _if_runs(i, "no run has <code>fleet_s</code> in metrics.jsonl (run with <code>--fleet</code>)."))
+
+
+def _target_table(curves: list[dict[str, Any]], target_acc: float | None) -> str:
+    target, rows = D.seconds_to_target(curves, target_acc)
+    if not rows:
+        return ""
+
+    def num(x: Any, fmt: str) -> str:
+        return "—" if x is None else format(x, fmt)
+
+    how = "given" if target_acc is not None else "the lowest final accuracy among the methods"
+    head = ["method", f"seconds to {100 * target:.2f} %", "rounds to it", "seeds reaching it", "final acc (%)",
+            "seconds in all"]
+    body = [[r["label"], num(r["seconds"], ".2f"), num(r["rounds"], ".1f"), f"{r['reached']}/{r['n']}",
+             num(100 * r["final_acc"], ".2f"), num(r["total_s"], ".2f")] for r in rows]
+    return (f"<p>Target accuracy {100 * target:.2f} % ({how}; <code>--target-acc</code> sets it); seconds and "
+            "rounds: the mean over the seeds that reached it.</p>" + table_html(head, body, ["l"] + [""] * 5))
+
+
+def timeline(i: Inputs) -> Plot:
+    return Plot(Section("timeline", "Round timeline per device",
+                        "Runs on a fleet, from each round's per-device <code>timing</code>: for the first and the "
+                        "last round, one bar per device, its seconds computing, on its link (bytes over rate plus "
+                        "delay) and waiting, end to end (each a total over the round: in the round they "
+                        "interleave). Waiting is cut where the device was done (tick): before it, waiting for the "
+                        "server's replies; after it, for the round's last device, named in the title (the one "
+                        "the others waited for). The dashed line is the round's end (<code>fleet_s</code>). One "
+                        "run per method and partition (its lowest seed)."),
+                lambda: D.fleet_timelines(i.runs), P.plot_timeline,
+                _if_runs(i, "no run has per-device <code>timing</code> in metrics.jsonl (run with "
+                            "<code>--fleet</code>)."))
 
 
 def splits(i: Inputs) -> Plot:
