@@ -662,23 +662,36 @@ def _raise_interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _follow(metrics: Path, coordinator: subprocess.Popen, rounds: int, quiet: bool) -> None:
-    """A progress bar over the rounds the coordinator has written, until it exits."""
+def _follow(metrics: Path, coordinator: Any, rounds: int, quiet: bool, every: float = 10.0,
+            poll: float = 0.5) -> None:
+    """A progress bar over the rounds the coordinator has written, until it exits, and the devices' live table
+    (``fedsga_edge.devicetable``: online, round, split, last step time, link rate) above it: after every round
+    and, while devices register, train or leave, at most every ``every`` seconds."""
     from tqdm import tqdm
 
+    from fedsga_edge.devicetable import DeviceTable, JsonTail
+
     bar = tqdm(total=rounds, desc="trial", unit="round", disable=quiet)
-    seen = 0
-    while coordinator.poll() is None:
-        time.sleep(0.5)
-        if metrics.exists():
-            lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-            for rec in lines[seen:]:
-                post = {"devices": len(rec.get("splits", {})), "failures": len(rec.get("failures", {}))}
-                if "test_acc" in rec:
-                    post["acc"] = f"{rec['test_acc']:.4f}"
-                bar.set_postfix(post)
-                bar.update(1)
-            seen = len(lines)
+    table, events, records = DeviceTable(), JsonTail(metrics.parent / "coordinator.log"), JsonTail(metrics)
+    shown, pending, running = time.monotonic(), False, True
+    while running:
+        running = coordinator.poll() is None
+        if running:
+            time.sleep(poll)
+        changed = [table.event(e) for e in events.read()]  # every event, not up to the first that changed it
+        pending |= any(changed)
+        done = False
+        for rec in records.read():
+            table.record(rec)
+            post = {"devices": len(rec.get("splits", {})), "failures": len(rec.get("failures", {}))}
+            if "test_acc" in rec:
+                post["acc"] = f"{rec['test_acc']:.4f}"
+            bar.set_postfix(post)
+            bar.update(1)
+            done = True
+        if not quiet and table.devices and (done or (pending and time.monotonic() - shown >= every)):
+            bar.write(table.format())
+            shown, pending = time.monotonic(), False
     bar.close()
 
 
