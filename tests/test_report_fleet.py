@@ -99,6 +99,15 @@ def test_timeline_cuts_waiting_at_done_and_marks_the_missed(tmp_path: Path) -> N
     target, (row,) = D.seconds_to_target(rep.section("time_to_accuracy").data, 0.55)
     assert target == 0.55 and (row["seconds"], row["rounds"], row["reached"]) == (20.0, 2, 1)  # round 2, 2 x 10 s
     assert "seconds to 55.00 %" in rep.html.read_text()
+    from typer.testing import CliRunner
+
+    from fedsga_edge.cli.main import app
+
+    res = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "cli"), "--target-acc", "0.55"])
+    assert res.exit_code == 0 and "timeline.png" in res.output, res.output
+    assert "seconds to 55.00 %" in (tmp_path / "cli" / "report.html").read_text()
+    res = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "cli"), "--target-acc", "55"])
+    assert res.exit_code == 2
 
 
 def test_runs_without_timing_show_no_timeline(tmp_path: Path) -> None:
