@@ -42,13 +42,14 @@ class DeviceTable:
 
     HEAD = ("device", "class", "online", "round", "state", "split", "step s", "link Mbit/s")
 
-    def __init__(self) -> None:
+    def __init__(self, classes: dict[str, str] | None = None) -> None:
         self.devices: dict[str, dict[str, Any]] = {}
         self.round: int | None = None
+        self.classes = dict(classes or {})  # each device's fleet class, known before its first round
 
     def _dev(self, cid: Any) -> dict[str, Any]:
-        return self.devices.setdefault(str(cid), {"class": None, "online": None, "round": None, "state": "",
-                                                  "split": None, "step_s": None, "mbps": None})
+        return self.devices.setdefault(str(cid), {"class": self.classes.get(str(cid)), "online": None, "round": None,
+                                                  "state": "", "split": None, "step_s": None, "mbps": None})
 
     def event(self, e: dict[str, Any]) -> bool:
         """One ``coordinator.log`` event; True when it changed the table."""

@@ -26,9 +26,10 @@ RECORD = {"round": 1, "splits": {"client-000": 2}, "failures": {"client-001": "m
 
 
 def test_table_follows_events_and_records() -> None:
-    t = DeviceTable()
+    t = DeviceTable({"client-001": "slow"})
     assert [t.event(e) for e in EVENTS] == [True, True, False, True, True]
     rows = {r[0]: r for r in t.rows()}
+    assert (rows["client-000"][1], rows["client-001"][1]) == ("—", "slow")  # the fleet's, before any timing
     assert rows["client-000"][2:6] == ["yes", "1", "done", "2"]
     assert rows["client-001"][2:6] == ["yes", "1", "training", "—"]
     t.event({"event": "round_end", "round": 1, "failures": RECORD["failures"]})

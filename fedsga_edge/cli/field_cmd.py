@@ -530,7 +530,8 @@ def trial(
             argv, prepare = device_start(i)
             procs[f"device-{i:03d}"] = subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=prepare, env=login_env(client_id(i)))
-        _follow(out / "metrics.jsonl", procs["coordinator"], cfg.rounds, quiet)
+        _follow(out / "metrics.jsonl", procs["coordinator"], cfg.rounds, quiet,
+                classes=_fleet_classes(fleet, [client_id(i) for i in range(cfg.clients)]))
         rc = procs["coordinator"].wait()
         quotas = {c.name: sandbox.quota(next(d for d, k in sandbox.classes.items() if k is c))
                   for c in fleet.classes} if sandbox is not None else None
@@ -662,17 +663,29 @@ def _raise_interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
 
 
+def _fleet_classes(fleet: Any, devices: list[str]) -> dict[str, str] | None:
+    """Each device's class name for the live table; None without a fleet (or one that does not fit the run:
+    the coordinator says so)."""
+    if fleet is None:
+        return None
+    try:
+        return {d: c.name for d, c in fleet.assign(devices).items()}
+    except ValueError:
+        return None
+
+
 def _follow(metrics: Path, coordinator: Any, rounds: int, quiet: bool, every: float = 10.0,
-            poll: float = 0.5) -> None:
+            poll: float = 0.5, classes: dict[str, str] | None = None) -> None:
     """A progress bar over the rounds the coordinator has written, until it exits, and the devices' live table
     (``fedsga_edge.devicetable``: online, round, split, last step time, link rate) above it: after every round
-    and, while devices register, train or leave, at most every ``every`` seconds."""
+    and, while devices register, train or leave, at most every ``every`` seconds; ``classes``: each device's
+    fleet class (``--fleet``), shown from the start."""
     from tqdm import tqdm
 
     from fedsga_edge.devicetable import DeviceTable, JsonTail
 
     bar = tqdm(total=rounds, desc="trial", unit="round", disable=quiet)
-    table, events, records = DeviceTable(), JsonTail(metrics.parent / "coordinator.log"), JsonTail(metrics)
+    table, events, records = DeviceTable(classes), JsonTail(metrics.parent / "coordinator.log"), JsonTail(metrics)
     shown, pending, running = time.monotonic(), False, True
     while running:
         running = coordinator.poll() is None
