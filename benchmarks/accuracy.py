@@ -12,6 +12,8 @@ against probing all K depths every round (the O(|T_cal|) vs O(KT) claim), as mar
     python benchmarks/accuracy.py --preset gpu          # one GPU, ~8 min: FedSGA vs static, Dir(0.1), width 1.0
     python benchmarks/accuracy.py --preset cifar --methods fedsga,static --partitions dir0.1   # the headline regime
     python benchmarks/accuracy.py --preset office --methods fedsga,static                     # ... under domain skew
+    python benchmarks/accuracy.py --preset cifar --methods static --partitions dir0.1 --seeds 10 \
+        --wire-formats fp32,fp16,int8,int4      # the wire formats side by side, paired by seed (issue 20)
 
 The ``domain`` preset is the paper's motivating case, domain skew: real Office-31 (amazon, dslr,
 webcam at 32 px, an npz with domain ids), 9 clients, 3 per domain (``--partition domain``),
@@ -23,6 +25,9 @@ static splits at p_1, p_ref and p_K, random splits, FedAvg and FedSGA without it
 
 Every run writes ``OUT/<method>/<partition>/seed<s>/{config,metrics.jsonl,summary}.json``; a
 run whose ``summary.json`` exists is skipped, so a killed benchmark continues where it stopped.
+``--wire-formats`` runs every (method, partition, seed) once per format into ``.../seed<s>/<format>``
+(same seed: same partition and initial weights, so the formats are paired) and adds a table of
+each format's accuracy and bytes against fp32's; ``--wire-format`` alone keeps the plain layout.
 ``OUT/results.json`` holds every run's summary and diagnostics, ``OUT/tables.md`` the tables.
 
 Evaluation: the final round is evaluated on the full test set (that is the reported accuracy);
@@ -90,6 +95,8 @@ class Preset:
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     partitions: list[str] = field(default_factory=lambda: ["iid", "dir0.1"])
     threads: int = 1
+    # --wire-formats: each run once per format, in its own folder; None: one format (the run's wire_format)
+    wire_formats: list[str] | None = None
 
     def settings(self) -> dict[str, Any]:
         """Every run option the plan does not set: declared default < BENCH_RUN < the preset's."""
@@ -252,9 +259,11 @@ def plan(p: Preset, spec: str, data_root: str | None, **flags: Any) -> list[dict
     for seed in p.seeds:  # seed-major: a run stopped half-way still has whole seeds
         for part in p.partitions:
             for method in p.methods:
-                cfg = make_config(p, method, part, seed, method_split(method, split, K), spec, data_root, **flags)
-                runs.append({"method": method, "partition": part, "seed": seed,
-                             "dir": f"{method}/{part}/seed{seed}", "config": cfg})
+                for fmt in p.wire_formats or [None]:  # None: the plain layout (finished runs elsewhere still resume)
+                    more = flags if fmt is None else flags | {"wire_format": fmt}
+                    cfg = make_config(p, method, part, seed, method_split(method, split, K), spec, data_root, **more)
+                    runs.append({"method": method, "partition": part, "seed": seed, "wire_format": cfg.wire_format,
+                                 "dir": f"{method}/{part}/seed{seed}" + (f"/{fmt}" if fmt else ""), "config": cfg})
     return runs
 
 
@@ -298,10 +307,13 @@ def run_one(cfg: Any, out: Path, bundle: Any, p: Preset, eval_set: Any, bar: Any
     } | sim.assignment_info
     (out / "config.json").write_text(json.dumps(config, indent=2))
     records = []
+    sent = act_grad_bytes(sim)
     with (out / "metrics.jsonl").open("w") as metrics:
         window = headline_rounds(cfg.rounds, p)
         for rec in sim.rounds():
             t = rec["round"]
+            now = act_grad_bytes(sim)
+            rec["bytes_act_grad"], sent = now - sent, now
             if t < cfg.rounds and t in window:  # the headline's earlier rounds: the full test set
                 rec.update(full_eval(sim, bundle))
             elif t < cfg.rounds and p.eval_every > 0 and t % p.eval_every == 0:
@@ -320,8 +332,18 @@ def run_one(cfg: Any, out: Path, bundle: Any, p: Preset, eval_set: Any, bar: Any
     summary["calibration_all_k_flops"] = all_k_probe_flops(sim, records)
     summary["train_client_flops_total"] = train_client_flops(sim, records)
     summary["diagnostics"] = diagnostics(records)
+    summary["bytes_act_grad_per_round"] = float(np.mean([r["bytes_act_grad"] for r in records]))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def act_grad_bytes(sim: Any) -> int:
+    """Bytes of every message --wire-format encodes (activation, gradient, probe), all of the run's peers
+    together: the share of the wire a format changes (bytes_up/bytes_down also carry the fp32 weights)."""
+    from fedsga_edge.transport.peer import LOSSY_KINDS
+
+    peers = [sim.peer] + [c.peer for c in sim.clients]
+    return sum(peer.encoded_bytes[k] for peer in peers for k in LOSSY_KINDS)
 
 
 def headline_rounds(rounds: int, p: Preset) -> list[int]:
@@ -601,9 +623,14 @@ def _method_flops(ss: list[dict[str, Any]]) -> str:
 
 def _flops_ratio(ss: list[dict[str, Any]], ref: list[dict[str, Any]]) -> str:
     """Client FLOPs per sample over the reference's, seed by seed, mean ± std over seeds."""
-    theirs = {s["_seed"]: s["client_flops_per_sample"] for s in ref}
-    ratios = [s["client_flops_per_sample"] / theirs[s["_seed"]] for s in ss if theirs.get(s["_seed"])]
-    return _ms(ratios, scale=1.0) if ratios else "—"
+    return _ratio(ss, ref, lambda s: s["client_flops_per_sample"])
+
+
+def _ratio(ss: list[dict[str, Any]], ref: list[dict[str, Any]], key: Any, digits: int = 2) -> str:
+    """``key`` of each run over the reference's on the same seed, mean ± std over seeds ("—" where either lacks it)."""
+    theirs = {s["_seed"]: key(s) for s in ref}
+    ratios = [key(s) / theirs[s["_seed"]] for s in ss if theirs.get(s["_seed"]) and key(s) is not None]
+    return _ms(ratios, scale=1.0, digits=digits) if ratios else "—"
 
 
 def _fedsga_vs_static(g: dict, parts: list[str], methods: list[str]) -> list[str]:
@@ -629,14 +656,67 @@ def _fedsga_vs_static(g: dict, parts: list[str], methods: list[str]) -> list[str
     return out
 
 
+def _wire_formats_table(by_format: dict[str, dict], parts: list[str], methods: list[str]) -> list[str]:
+    """Each wire format beside fp32 (or the first format given), paired by seed: accuracy and bytes."""
+    ref_format = "fp32" if "fp32" in by_format else next(iter(by_format))
+    title = (f"**Wire formats side by side** — headline accuracy (%), mean ± std over seeds; Δ: paired difference to "
+             f"{ref_format} on the same seeds (same partition and initial weights), mean ± standard error (wins k/n); "
+             "act+grad: the activation, gradient and probe messages (what --wire-format encodes); wire: every byte "
+             f"sent, fp32 weights included; ratios to {ref_format}'s on the same seed, mean ± std over seeds")
+    head = ("| Method | Partition | wire format | headline accuracy (%) | Δ accuracy, paired (wins) | act+grad MB / round "
+            f"| act+grad / {ref_format}'s | wire MB / round | wire / {ref_format}'s | CPU s / run | seeds |")
+    out = [title, "", head, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def act(s: dict[str, Any]) -> float | None:  # None for runs summarised before it was recorded
+        return s.get("bytes_act_grad_per_round")
+
+    def wire(s: dict[str, Any]) -> float:
+        return s["bytes_total"] / s["rounds"]
+
+    for m in methods:
+        for p in parts:
+            ref = by_format[ref_format].get((m, p), [])
+            for f, g in by_format.items():
+                ss = g.get((m, p))
+                if not ss:
+                    continue
+                acts = [a for a in map(act, ss) if a is not None]
+                cpu = [s.get("cpu_s") for s in ss]
+                out.append(f"| {LABELS.get(m, m)} | {partition_label(p)} | {f} | {_ms([acc_of(s) for s in ss])} "
+                           f"| {'0 (reference)' if f == ref_format else _paired_cell(paired(ss, ref))} "
+                           f"| {f'{np.mean(acts) / 1e6:.1f}' if acts else '—'} | {_ratio(ss, ref, act, 4)} "
+                           f"| {np.mean([wire(s) for s in ss]) / 1e6:.1f} | {_ratio(ss, ref, wire, 4)} "
+                           f"| {'—' if None in cpu else f'{np.mean(cpu):.0f}'} | {len(ss)} |")
+    out.append("")
+    return out
+
+
+def run_format(run: dict[str, Any]) -> str:
+    """A result's wire format (results written before formats were recorded: fp32, the default)."""
+    return run.get("wire_format") or "fp32"
+
+
 def tables(runs: list[dict[str, Any]], partitions: list[str], methods: list[str]) -> str:
-    g = _group(runs)
+    """The tables for one wire format; with several, the formats side by side, then each format's tables."""
+    formats = list(dict.fromkeys(run_format(r) for r in runs))
+    if len(formats) < 2:
+        return "\n".join(_tables(_group(runs), partitions, methods))
+    by_format = {f: _group([r for r in runs if run_format(r) == f]) for f in formats}
+    parts = [p for p in partitions if any((m, p) in g for g in by_format.values() for m in methods)]
+    out = _wire_formats_table(by_format, parts, methods)
+    for f, g in by_format.items():
+        out += [f"### Wire format {f}", ""] + _tables(g, partitions, methods)
+    return "\n".join(out)
+
+
+def _tables(g: dict, partitions: list[str], methods: list[str]) -> list[str]:
+    """One wire format's tables: accuracy, ablations, cost and the method's own sections."""
     parts = [p for p in partitions if any((m, p) in g for m in methods)]
     out = _acc_table(g, parts, methods, "Table 2 (shape of the paper's): accuracy", MAIN_METHODS)
     out += _acc_table(g, parts, methods, "Table 4 (shape of the paper's): ablations", ABLATIONS)
     for section in (_cost_table, _calibration_table, _diagnostics_table, _split_table, _fedsga_vs_static):
         out += section(g, parts, methods)
-    return "\n".join(out)
+    return out
 
 
 # -- entry point -----------------------------------------------------------------------------------
@@ -659,6 +739,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tables-only", action="store_true",
                     help="Run nothing: write results.json and tables.md from the plan's runs that exist under --out "
                          "(e.g. after several invocations with different --methods / --seeds into one folder).")
+    ap.add_argument("--wire-formats", default=None,
+                    help="Comma-separated wire formats (e.g. fp32,fp16,int8,int4): every run once per format, each in "
+                         ".../seed<s>/<format>, and a table of the formats side by side paired by seed "
+                         "(instead of --wire-format).")
     ap.add_argument("--no-progress", action="store_true")
     add_run_options(ap)
     return ap
@@ -702,6 +786,15 @@ def resolve(args: argparse.Namespace) -> Preset:
         parse_partition(part)
     if args.threads is not None:
         p.threads = args.threads
+    if args.wire_formats is not None:
+        from fedsga_edge.config import WIRE_FORMATS
+
+        p.wire_formats = list(dict.fromkeys(f.strip() for f in args.wire_formats.split(",") if f.strip()))
+        bad = [f for f in p.wire_formats if f not in WIRE_FORMATS]
+        if bad or not p.wire_formats:
+            raise SystemExit(f"--wire-formats: unknown {bad}; valid: {', '.join(WIRE_FORMATS)}")
+        if args.wire_format is not None:
+            raise SystemExit("--wire-formats and --wire-format: give one (--wire-formats runs each format)")
     p.run |= {o.param: getattr(args, o.param) for o in bench_options() if getattr(args, o.param) is not None}
     if not p.seeds or not p.methods or not p.partitions:
         raise SystemExit("need at least one seed, one method and one partition")
@@ -772,7 +865,8 @@ def _run_all(args: argparse.Namespace, p: Preset, out: Path, spec: str, runs: li
             tqdm.write(f"{r['dir']}: final_acc {summary['final_acc']:.4f}  headline {acc_of(summary):.4f}  client MFLOPs/sample "
                        f"{summary['client_flops_per_sample'] / 1e6:.2f}  splits {summary['split_histogram']}  {summary['wall_s']:.0f} s",
                        file=sys.stderr)
-        results.append({"method": r["method"], "partition": r["partition"], "seed": r["seed"], "dir": r["dir"], "summary": summary})
+        results.append({"method": r["method"], "partition": r["partition"], "seed": r["seed"], "dir": r["dir"],
+                        "wire_format": r["wire_format"], "summary": summary})
         write_results(out, args.preset, command, scale, results, p)
     bar.close()
     md = write_results(out, args.preset, command, scale, results, p)

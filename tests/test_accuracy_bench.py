@@ -60,6 +60,43 @@ def test_smoke_preset_writes_tables_and_resumes(bench, tmp_path, capsys, digits)
     assert again["tables"] == first["tables"]
 
 
+@pytest.mark.slow
+def test_wire_formats_run_side_by_side_paired_by_seed(bench, tmp_path, capsys):
+    """--wire-formats: one folder per format, and a table whose bytes ratio is each format's act+grad bytes
+    (as metrics.jsonl records them) over fp32's on the same seed (issue 20 item 5)."""
+    argv = ["--preset", "smoke", "--methods", "static", "--seeds", "0", "--out", str(tmp_path), "--no-progress"]
+    first = bench.main([*argv, "--wire-formats", "fp32,int4"])
+    assert first["skipped"] == 0
+    assert sorted(r["dir"] for r in first["runs"]) == ["static/iid/seed0/fp32", "static/iid/seed0/int4"]
+    sent = {}
+    for r in first["runs"]:
+        rows = [json.loads(line) for line in (tmp_path / r["dir"] / "metrics.jsonl").read_text().splitlines()]
+        assert all(0 < row["bytes_act_grad"] < row["bytes_up"] + row["bytes_down"] for row in rows)  # weights are the rest
+        sent[r["wire_format"]] = sum(row["bytes_act_grad"] for row in rows)
+        assert r["summary"]["bytes_act_grad_per_round"] == pytest.approx(sent[r["wire_format"]] / len(rows))
+    ratio = sent["int4"] / sent["fp32"]
+    assert 0.125 < ratio <= 0.13  # two levels a byte, a float32 scale per 256 values, the envelope
+
+    table = capsys.readouterr().out.split("**Wire formats side by side**")[1].split("###")[0]
+    rows = {line.split("|")[3].strip(): [c.strip() for c in line.split("|")[1:-1]]
+            for line in table.splitlines() if line.startswith("| Static")}
+    assert list(rows) == ["fp32", "int4"]
+    assert rows["fp32"][4] == "0 (reference)" and rows["fp32"][6] == "1.0000 (n=1)"
+    assert rows["int4"][6] == f"{ratio:.4f} (n=1)"
+    assert rows["int4"][4].endswith("(0/1)") or rows["int4"][4].endswith("(1/1)")
+    assert (tmp_path / "tables.md").read_text().count("### Wire format") == 2  # then each format's own tables
+
+    again = bench.main([*argv, "--wire-formats", "int4,fp32"])  # finished formats resume
+    assert again["skipped"] == 2
+    # one format keeps the plain layout, so runs finished before --wire-formats existed still resume
+    plain = bench.main([*argv, "--wire-format", "int4", "--dry-run"])
+    assert [r["dir"] for r in plain["plan"]] == ["static/iid/seed0"]
+    with pytest.raises(SystemExit):
+        bench.main([*argv, "--wire-formats", "fp32,int4", "--wire-format", "int4", "--dry-run"])
+    with pytest.raises(SystemExit):
+        bench.main([*argv, "--wire-formats", "fp32,int3", "--dry-run"])
+
+
 def test_paper_preset_dry_run_plans_every_run(bench, tmp_path, capsys):
     plan = bench.main(["--preset", "paper", "--dry-run", "--out", str(tmp_path)])
     scale = plan["scale"]

@@ -156,6 +156,9 @@ class Peer:
         self.duplicates = 0  # redeliveries answered from the cache
         self.replays = 0  # repeats whose reply was dropped from the cache: refused, not handled twice
         self.rejections: Counter[str] = Counter()  # error replies sent, by (observed) sender
+        # bytes this peer encoded to send, by message kind: what each kind costs on the wire (a cached reply
+        # sent again is not encoded again, so redeliveries are not counted here; the transport's stats count them)
+        self.encoded_bytes: Counter[str] = Counter()
         self.on_reject = on_reject
         self.admit = admit
         self.log_throttle = Throttle()  # rejections written to the log and on_reject: per sender, per minute
@@ -317,7 +320,10 @@ class Peer:
         return fmt
 
     def _encode(self, msg: Message) -> bytes:
-        return encode(msg, tensor_format=self.format_for(msg))
+        data = encode(msg, tensor_format=self.format_for(msg))
+        with self._lock:
+            self.encoded_bytes[msg.kind] += len(data)
+        return data
 
     def _check_run(self, env: Envelope) -> None:
         if env.run != self.run:
