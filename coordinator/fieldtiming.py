@@ -75,7 +75,7 @@ class FieldTiming:
             cls = self.classes.get(cid)
             up, down = (a - b for a, b in zip(self._bytes(cid), self._bytes0[cid]))
             compute = wire = 0.0
-            done = split = steps = requests = None
+            done = split = steps = requests = cpu = None
             if cid in self._updates:
                 arrived, tm, split = self._updates[cid]
                 split = 0 if split is None else split
@@ -90,9 +90,11 @@ class FieldTiming:
                 done = arrived - self.t0
                 steps = int(tm["steps"]) if _num(tm.get("steps")) is not None else None
                 requests = int(tm["requests"]) if _num(tm.get("requests")) is not None else None
+                cpu = max(0.0, _num(tm.get("cpu_s"))) if _num(tm.get("cpu_s")) is not None else None
             out[cid] = device_timing(split=split if isinstance(split, int) else None, compute_s=compute, wire_s=wire,
                                      wait_s=max(0.0, round_s - compute - wire), bytes_up=up, bytes_down=down,
-                                     done_s=done, cls=getattr(cls, "name", None), steps=steps, requests=requests)
+                                     done_s=done, cls=getattr(cls, "name", None), steps=steps, requests=requests,
+                                     cpu_s=cpu)
         self._fields = {"fleet_s": round_s, "timing": out}
 
     def fields(self) -> dict[str, Any]:

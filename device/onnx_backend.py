@@ -87,7 +87,10 @@ class OnnxBackend:
         self.rng = rng
         self.threads = threads
         self.splits = sorted(p["split"] for p in self.manifest["prefixes"])
-        self.num_splits = len(self.splits)
+        # K is the model's number of candidate splits, not how many were exported: an export of some splits
+        # (`export --splits 1,2`) must not move p_ref (the middle candidate) or the policy's choices; a split
+        # asked for but not exported is refused where it is used (depth_of, runner).
+        self.num_splits = len(model.get("splits") or self.splits)
         self.num_blocks = int(self.manifest["model"]["num_blocks"])
         self._depths = {p["split"]: int(p["depth"]) for p in self.manifest["prefixes"]}
         deepest = self.splits[-1]

@@ -3,9 +3,12 @@
 Two modes with the same interface (``Limits``): what a device process is started under, and where it
 reaches the broker.
 
-* ``cgroup+netns`` (root, a cgroup v1 ``cpu`` controller, ``ip`` and ``tc``): each class gets a cgroup
-  ``/sys/fs/cgroup/cpu/<prefix>-<class>`` whose ``cpu.cfs_quota_us`` is its speed factor times the
-  period (one CPU at factor 1; the devices run torch on one thread); each device gets its own network
+* ``cgroup+netns`` (root, a cgroup v1 ``cpu`` controller, ``ip`` and ``tc``): each device gets a cgroup
+  ``/sys/fs/cgroup/cpu/<prefix>-<class>-<i>`` whose ``cpu.cfs_quota_us`` is its class's speed factor
+  times the period (one CPU at factor 1; the devices run torch on one thread). One group per device,
+  not per class: a device is its own machine, so two devices of a class must not share one quota.
+  The quota is a ceiling: on a busy host a device gets less (its update reports the CPU seconds it
+  got, ``cpu_s``, next to its wall-clock compute). Each device also gets its own network
   namespace, joined by a veth pair to a bridge on the host that holds the broker's address (a private
   ``10.x.0.0/24``), with a ``tbf`` rate limiter on both ends: the namespace's end shapes its uplink, the
   bridge's end its downlink. The round trip's delay is added in the device's transport
@@ -70,7 +73,7 @@ class FleetSandbox:
     devices: list[str]
     prefix: str = field(default_factory=lambda: f"fsg{os.getpid() % 100000}")
     subnet: str = ""  # "10.A.B": the bridge is .1, device i is .(i + 2)
-    groups: dict[str, Path] = field(default_factory=dict)  # class -> its cgroup folder
+    groups: dict[str, Path] = field(default_factory=dict)  # device -> its cgroup folder
     namespaces: list[str] = field(default_factory=list)
     links: list[str] = field(default_factory=list)  # host-side links to delete (the bridge, veths)
     classes: dict[str, DeviceClass] = field(default_factory=dict)
@@ -100,11 +103,11 @@ class FleetSandbox:
         return self
 
     def _open(self) -> None:
-        for name in dict.fromkeys(c.name for c in self.classes.values()):
-            cls = next(c for c in self.classes.values() if c.name == name)
-            group = CGROUP_CPU / f"{self.prefix}-{name}"
+        for i, cid in enumerate(self.devices):
+            cls = self.classes[cid]
+            group = CGROUP_CPU / f"{self.prefix}-{cls.name}-{i}"
             group.mkdir()
-            self.groups[name] = group
+            self.groups[cid] = group
             (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
             quota = max(1000, int(round(class_speed(self.fleet, cls) * PERIOD_US)))
             (group / "cpu.cfs_quota_us").write_text(str(quota))
@@ -134,8 +137,8 @@ class FleetSandbox:
         return ["ip", "netns", "exec", self.namespace(i), *argv]
 
     def join(self, cid: str) -> Any:
-        """A ``preexec_fn`` part: move the starting process into ``cid``'s class cgroup."""
-        procs = self.groups[self.classes[cid].name] / "cgroup.procs"
+        """A ``preexec_fn`` part: move the starting process into ``cid``'s cgroup."""
+        procs = self.groups[cid] / "cgroup.procs"
 
         def enter() -> None:
             procs.write_text(str(os.getpid()))
@@ -143,7 +146,7 @@ class FleetSandbox:
 
     def quota(self, cid: str) -> float:
         """The CPU share device ``cid`` runs under (quota over period)."""
-        group = self.groups[self.classes[cid].name]
+        group = self.groups[cid]
         return int((group / "cpu.cfs_quota_us").read_text()) / int((group / "cpu.cfs_period_us").read_text())
 
     def close(self) -> None:
@@ -188,7 +191,12 @@ def _remove_group(group: Path) -> None:
 def class_table(records: list[dict[str, Any]], fleet: Fleet, quotas: dict[str, float]) -> list[dict[str, Any]]:
     """Per class, over a trial's rounds (their ``timing``): the measured compute per step against the class's
     CPU share, and the measured wire seconds against the link's model (bytes over rates, plus one round trip
-    per request and one for the round_start and update together). ``quotas``: class -> CPU share."""
+    per request and one for the round_start and update together). ``quotas``: class -> CPU share.
+
+    ``cpu_got``: the CPU seconds the class's devices got over their compute seconds. A quota is a ceiling,
+    so under it ``cpu_got`` is at most the quota; below the quota on a class with a full CPU's quota, the
+    host was busy (other processes, or more devices than cores) and the steps' ratio between classes
+    understates the quotas' ratio."""
     by_name = {c.name: c for c in fleet.classes}
     rows: dict[str, dict[str, Any]] = {}
     for rec in records:
@@ -198,19 +206,25 @@ def class_table(records: list[dict[str, Any]], fleet: Fleet, quotas: dict[str, f
                 continue
             row = rows.setdefault(cls.name, {"class": cls.name, "quota": quotas.get(cls.name), "device_rounds": 0,
                                              "steps": 0, "compute_s": 0.0, "wire_s": 0.0, "wait_s": 0.0,
-                                             "bytes_up": 0, "bytes_down": 0, "link_model_s": 0.0})
+                                             "bytes_up": 0, "bytes_down": 0, "link_model_s": 0.0,
+                                             "cpu_s": 0.0, "_cpu_compute_s": 0.0})
             row["device_rounds"] += 1
             row["steps"] += int(tm.get("steps") or 0)
             for key in ("compute_s", "wire_s", "wait_s"):
                 row[key] += float(tm[key])
             row["bytes_up"] += int(tm["bytes_up"])
             row["bytes_down"] += int(tm["bytes_down"])
+            if tm.get("cpu_s") is not None:  # a device that reports its CPU seconds (trial --fleet)
+                row["cpu_s"] += float(tm["cpu_s"])
+                row["_cpu_compute_s"] += float(tm["compute_s"])
             row["link_model_s"] += (tm["bytes_up"] * 8 / (cls.uplink_mbps * 1e6) + tm["bytes_down"] * 8
                                     / (cls.downlink_mbps * 1e6) + (int(tm.get("requests") or 0) + 1) * cls.rtt_ms / 1e3)
     out = [rows[c.name] for c in fleet.classes if c.name in rows]
     for row in out:
         row["compute_per_step_s"] = row["compute_s"] / row["steps"] if row["steps"] else None
         row["wire_over_model"] = row["wire_s"] / row["link_model_s"] if row["link_model_s"] > 0 else None
+        cpu_compute = row.pop("_cpu_compute_s")
+        row["cpu_got"] = row["cpu_s"] / cpu_compute if cpu_compute > 0 else None
     fastest = min((r["compute_per_step_s"] for r in out if r["compute_per_step_s"]), default=None)
     for row in out:
         row["step_ratio"] = row["compute_per_step_s"] / fastest if fastest and row["compute_per_step_s"] else None
@@ -220,13 +234,15 @@ def class_table(records: list[dict[str, Any]], fleet: Fleet, quotas: dict[str, f
 def format_class_table(rows: list[dict[str, Any]], mode: str) -> str:
     """The table ``trial --fleet`` prints at the end."""
     lines = [f"fleet ({mode}): per class, over all rounds",
-             f"{'class':<14}{'cpu':>6}{'dev-rds':>8}{'steps':>7}{'s/step':>9}{'x fastest':>10}{'wire s':>9}"
+             f"{'class':<14}{'cpu':>6}{'got':>6}{'dev-rds':>8}{'steps':>7}{'s/step':>9}{'x fastest':>10}{'wire s':>9}"
              f"{'link model s':>13}{'wire/model':>11}{'wait s':>9}{'MB up':>8}{'MB down':>8}"]
     for r in rows:
         def f(v: Any, spec: str) -> str:
             return "-" if v is None else format(v, spec)
-        lines.append(f"{r['class']:<14}{f(r['quota'], '.2f'):>6}{r['device_rounds']:>8}{r['steps']:>7}"
+        lines.append(f"{r['class']:<14}{f(r['quota'], '.2f'):>6}{f(r.get('cpu_got'), '.2f'):>6}{r['device_rounds']:>8}{r['steps']:>7}"
                      f"{f(r['compute_per_step_s'], '.4f'):>9}{f(r['step_ratio'], '.2f'):>10}{r['wire_s']:>9.2f}"
                      f"{r['link_model_s']:>13.2f}{f(r['wire_over_model'], '.2f'):>11}{r['wait_s']:>9.2f}"
                      f"{r['bytes_up'] / 1e6:>8.2f}{r['bytes_down'] / 1e6:>8.2f}")
+    lines.append("(cpu: each device's CPU quota; got: the CPU seconds its devices got over their compute seconds, "
+                 "below the quota when the host was busy)")
     return "\n".join(lines)

@@ -119,19 +119,21 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
 
 # A round record's "timing" map: device -> these fields (docs/method.md, "Time per device"). The one shape for
 # simulate --fleet (its virtual clock fills them) and the field service (real timestamps, when it fills them).
-# trial --fleet adds what the device counted: "steps" (its activations) and "requests" (before its update).
+# trial --fleet adds what the device counted: "steps" (its activations), "requests" (before its update) and
+# "cpu_s" (the CPU seconds its process got in the round).
 TIMING_FIELDS = ("class", "split", "compute_s", "wire_s", "wait_s", "bytes_up", "bytes_down", "done_s", "missed",
-                 "steps", "requests")
+                 "steps", "requests", "cpu_s")
 
 
 def device_timing(*, split: int | None, compute_s: float, wire_s: float, wait_s: float, bytes_up: int,
                   bytes_down: int, done_s: float | None = None, cls: str | None = None,
-                  missed: bool = False, steps: int | None = None, requests: int | None = None) -> dict[str, Any]:
+                  missed: bool = False, steps: int | None = None, requests: int | None = None,
+                  cpu_s: float | None = None) -> dict[str, Any]:
     """One device's round in ``timing``: seconds computing, on its link (bytes over rate plus delay) and
     waiting (for the server's replies and for the round's last device), its bytes each way, its split
     (0: the whole model; None: it sent none), when it was done (None: never, e.g. the deadline took it),
-    its fleet class (None outside a fleet) and whether it missed the round; ``steps`` and ``requests``:
-    what a real device counted (trial --fleet), absent when not given."""
+    its fleet class (None outside a fleet) and whether it missed the round; ``steps``, ``requests`` and
+    ``cpu_s``: what a real device counted (trial --fleet), absent when not given."""
     rec: dict[str, Any] = {"class": cls, "split": split, "compute_s": round(float(compute_s), 6),
                            "wire_s": round(float(wire_s), 6), "wait_s": round(float(wait_s), 6),
                            "bytes_up": int(bytes_up), "bytes_down": int(bytes_down),
@@ -142,6 +144,8 @@ def device_timing(*, split: int | None, compute_s: float, wire_s: float, wait_s:
         rec["steps"] = int(steps)
     if requests is not None:
         rec["requests"] = int(requests)
+    if cpu_s is not None:
+        rec["cpu_s"] = round(float(cpu_s), 6)
     return rec
 
 

@@ -12,6 +12,11 @@ import torch
 # Tests run tiny models; one intra-op thread avoids oversubscription when other work shares the
 # two cores (torch's spinning thread pool slowed small steps ~5x under load) and keeps runs exact.
 torch.set_num_threads(1)
+# The same for the processes the tests start (coordinators, devices, trials, the README's commands): torch
+# reads OMP_NUM_THREADS when it starts. Three workers each running processes with torch's default two
+# threads on two cores oversubscribed the machine (the README's simulate took 262 s in the suite, 171 s
+# alone on one thread). A test that sets its own value keeps it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _SHARED = pytest.StashKey[str]()
 

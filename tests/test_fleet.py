@@ -307,3 +307,25 @@ def test_resource_takes_speeds_from_the_fleet(tmp_path: Path) -> None:
         assert st.splits == {"client-000": 1, "client-001": 2, "client-002": 3}
     drawn = Resource(tiny_config("resource", speed_sigma=0.5), 3, clients, flops)
     assert drawn.speed != strategies[0].speed
+
+
+def test_class_table_sets_cpu_got_against_the_quota(tmp_path: Path) -> None:
+    """trial --fleet's per-class table: the CPU seconds a class's devices got over their compute seconds (what
+    tells a busy host from a quota), next to the steps and the link model; devices without cpu_s leave it out."""
+    from fedsga_edge.fleetlimits import class_table, format_class_table
+
+    fleet = load_fleet(_fleet(tmp_path, {"fast": FAST, "slow": SLOW}))
+    def tm(cls: str, compute: float, cpu: float | None) -> dict[str, Any]:
+        t = {"class": cls, "compute_s": compute, "wire_s": 1.0, "wait_s": 0.0, "bytes_up": 250_000,
+             "bytes_down": 1_000_000, "done_s": 5.0, "steps": 4, "requests": 4}
+        return t | ({"cpu_s": cpu} if cpu is not None else {})
+    records = [{"timing": {"a": tm("fast", 2.0, 1.8), "b": tm("slow", 8.0, 2.0)}},
+               {"timing": {"a": tm("fast", 2.0, 1.6), "b": tm("slow", 8.0, None)}}]
+    rows = {r["class"]: r for r in class_table(records, fleet, {"fast": 1.0, "slow": 0.25})}
+    assert rows["fast"]["cpu_got"] == pytest.approx(3.4 / 4.0)
+    assert rows["slow"]["cpu_got"] == pytest.approx(2.0 / 8.0)  # the round without cpu_s is not counted in it
+    assert rows["slow"]["compute_per_step_s"] == pytest.approx(2.0) and rows["slow"]["step_ratio"] == pytest.approx(4.0)
+    # 2 Mbit/s up, 8 down, 80 ms per request and one more: the link model per device-round
+    assert rows["slow"]["link_model_s"] == pytest.approx(2 * (250_000 * 8 / 2e6 + 1_000_000 * 8 / 8e6 + 5 * 0.08))
+    text = format_class_table(list(rows.values()), "cgroup+netns")
+    assert "got" in text.splitlines()[1] and "0.85" in text.splitlines()[2] and "0.25" in text.splitlines()[3]

@@ -81,6 +81,21 @@ def test_full_model_rounds_are_refused_with_a_reason(digits) -> None:
     assert "client-000" in rec["failures"] and "--backend torch" in rec["failures"]["client-000"]
 
 
+def test_an_export_of_some_splits_keeps_the_models_candidates(digits) -> None:
+    """K is the model's candidate count (p_ref the middle one), however many splits were exported; a split
+    asked for but not exported is refused by name."""
+    from fedsga_edge.device.onnx_backend import BackendError
+
+    art = device_artifacts()
+    exported = sorted(p["split"] for p in json.loads((art / "manifest.json").read_text())["prefixes"])
+    be = Simulation(tiny_config("fedsga", clients=1, max_batches=1), digits, backend="onnx",
+                    artifacts=art).clients[0].backend
+    assert be.splits == exported and be.num_splits == 3
+    if 3 not in exported:
+        with pytest.raises(BackendError, match="split 3 not in the artifacts"):
+            be.depth_of(3)
+
+
 def test_artifacts_of_another_model_are_refused_at_start(digits) -> None:
     with pytest.raises(ArtifactError, match="width 0.25 != 0.5"):
         Simulation(tiny_config("static", clients=1, width=0.5), digits, backend="onnx", artifacts=device_artifacts())

@@ -12,7 +12,8 @@
 * **timing**: from the last message to the device's handler (its ``round_start``) on, the seconds
   spent inside the transport (``net_s``: the requests' round trips, delay and emulation included)
   and the requests made; ``TimingPeer`` puts them in the ``update``'s body as ``timing``
-  (``compute_s``: the round's time outside the transport, ``net_s``, ``requests``, ``steps`` (the
+  (``compute_s``: the round's time outside the transport, ``cpu_s``: the CPU seconds the process got
+  in the round (under a quota, or on a busy host, a fraction of ``compute_s``), ``net_s``, ``requests``, ``steps`` (the
   activations), ``round_start_at`` and ``sent_at``: wall-clock times, comparable on one machine).
   The coordinator turns them into the round's per-device ``timing`` (coordinator/scheduling.py
   ``FieldTiming``). Extra body fields are always allowed (fedsga_edge/wire/messages.py).
@@ -38,6 +39,7 @@ class FleetLink:
         self.speed, self.emulate = speed, emulate
         self._lock = threading.Lock()
         self.round_start_at = time.time()
+        self._cpu0 = time.process_time()
         self.net_s = 0.0
         self.requests = self.steps = 0
         self._last = time.perf_counter()  # when the device last left the transport (its compute since: ours)
@@ -64,6 +66,7 @@ class FleetLink:
             self._in(len(data))
             with self._lock:  # a round_start (or a bye): the round's accounting starts afresh
                 self.round_start_at, self.net_s, self.requests, self.steps = time.time(), 0.0, 0, 0
+                self._cpu0 = time.process_time()
                 self._last = time.perf_counter()
             return handler(data)
 
@@ -78,7 +81,8 @@ class FleetLink:
         with self._lock:
             now = time.time()
             compute = max(0.0, now - self.round_start_at - self.net_s)
-            return {"compute_s": round(compute, 6), "net_s": round(self.net_s, 6), "requests": self.requests,
+            return {"compute_s": round(compute, 6), "cpu_s": round(time.process_time() - self._cpu0, 6),
+                    "net_s": round(self.net_s, 6), "requests": self.requests,
                     "steps": self.steps, "round_start_at": self.round_start_at, "sent_at": now}
 
     # -- internals --------------------------------------------------------------------------------------
