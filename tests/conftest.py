@@ -70,7 +70,17 @@ RUN_FIRST = ("test_backward_graph.py", "test_simulation.py", "test_backbones.py"
 # new command function each time, so it needs no place in this order.)
 
 
+FULL = bool(os.environ.get("FEDSGA_EDGE_FULL_TESTS"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``full`` are skipped, with their reason, unless FEDSGA_EDGE_FULL_TESTS=1 (the README's
+    "Tests" section lists them); under pytest-xdist, the longest files first."""
+    for item in items:
+        mark = item.get_closest_marker("full")
+        if mark is not None and not FULL:
+            why = mark.args[0] if mark.args else "minutes"
+            item.add_marker(pytest.mark.skip(reason=f"{why} (FEDSGA_EDGE_FULL_TESTS=1 runs it)"))
     if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process: pytest's own order
         return
     rank = {name: i for i, name in enumerate(RUN_FIRST)}
