@@ -239,6 +239,7 @@ class Coordinator:
                                                                    {n: self._snapshot[n] for n in names})),
         }
         body.update(self.strategy.round_start_fields(k, calibrate))
+        body.update(self.strategy.device_fields(cid, k, calibrate))
         body.update(self.fed_eval.round_start_fields())
         return body
 

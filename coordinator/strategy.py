@@ -179,6 +179,11 @@ class Strategy:
         settings from "fedsga" (None: a plain split or whole-model round)."""
         return {"fedsga": None}
 
+    def device_fields(self, cid: str, k: int | None, calibrate: bool) -> dict[str, Any]:
+        """Fields of one device's ``round_start`` that differ between devices (after ``round_start_fields``):
+        FedSGA's deadline-aware variant sends each device its own predicted seconds per split. None by default."""
+        return {}
+
     # -- the server side ----------------------------------------------------------------------------
     def attach(self, coordinator: Any) -> None:
         """Build what the method keeps on the server, once the model is on its device."""

@@ -25,7 +25,7 @@ from fedsga_edge.config import FedSGAConfig, TrainConfig, from_wire
 from fedsga_edge.method.adaptation import descriptor, descriptor_weights, prompt_contributions, weight_entropy
 from fedsga_edge.method.heads import HeadError, estimate, shallow_head
 from fedsga_edge.method.observation import Observation, alignment, drift, prompt_variation
-from fedsga_edge.method.policy import reference_index, split_index
+from fedsga_edge.method.policy import deadline_split, reference_index, split_index
 from fedsga_edge.transport import PendingMessage
 from fedsga_edge.wire import Message, RemoteProtocolError
 
@@ -350,6 +350,8 @@ class SplitClient:
         prompts = self.state.prompts if use_prompts else None
         calibrate = bool(body.get("calibrate"))
         k, report = self._split(body, fed, full, calibrate, prompts)
+        if calibrate and k < reference_index(be.num_splits):  # the deadline kept it shallower than p_ref: no probe
+            calibrate = False
         depth = be.num_blocks if full else be.depth_of(k)
         return _Plan(train, fed, full, calibrate, prompts, k, depth, have, report)
 
@@ -366,8 +368,13 @@ class SplitClient:
             return k, {}
         assert fed is not None  # check_round_start guarantees it
         k, report = self._choose_split(body, fed, prompts)  # observe, estimate r, pick (docs/method.md)
-        if calibrate:  # the probe compares the device's own trained blocks up to p_ref
-            k = max(k, reference_index(K))
+        floor = reference_index(K) if calibrate else 1
+        k = max(k, floor)  # a calibration round's probe compares the device's own trained blocks up to p_ref
+        deadline = body.get("deadline")
+        if deadline is not None:  # --deadline-aware (docs/fleet.md): never a split predicted to miss the deadline
+            if len(deadline["split_s"]) != K:
+                raise _Refused(f"the deadline's predictions cover {len(deadline['split_s'])} splits, not {K}")
+            k = deadline_split(k, list(deadline["split_s"]), deadline["s"], floor)
         return k, report
 
     def _fetch(self, plan: _Plan) -> _Steps[None]:
@@ -525,6 +532,11 @@ def check_round_start(body: dict[str, Any]) -> None:
         if split is None and body.get("fedsga") and not body.get("full"):
             for key in ("estimator", "phi_s", "prototypes", "proto_dim"):
                 body[key]
+        deadline = body.get("deadline")
+        if deadline is not None:  # the deadline-aware policy's predictions: checked before anything trains
+            if not isinstance(deadline, dict) or not isinstance(deadline.get("split_s"), (list, tuple)):
+                raise TypeError("deadline must be a map with a split_s list")
+            deadline_split(1, list(deadline["split_s"]), deadline.get("s"))
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise RemoteProtocolError(f"malformed round_start: {type(exc).__name__}: {exc}") from None
 

@@ -88,6 +88,12 @@ class FedSGAConfig:
         0.3, "SGD learning rate of the shallow head phi_s on the server (docs/method.md, \"Observation\": its "
         "loss fell fastest at 0.3-1 and the alignment a swung at 1).",
         gt=0, le=100, finite=True)
+    # Beyond the paper (issue 20): off by default; the coordinator's alone (it never travels to a device).
+    deadline_aware: bool = opt(
+        False, "Deadline-aware split policy, beyond the paper: a device never trains at a split whose predicted round "
+        "seconds on its fleet class (its FLOPs over its speed, its bytes over its link, a round trip per request) miss "
+        "--round-timeout; it takes the fitting split nearest the estimator's choice (docs/fleet.md, \"Deadline-aware "
+        "splits\"). Needs --fleet and --round-timeout.", flag="--deadline-aware")
 
     def problems(self) -> list[str]:
         """What is out of range, each naming its flag (see ``TrainConfig.problems``)."""

@@ -72,6 +72,13 @@ class DeviceClass:
     def down_s(self, nbytes: int) -> float:
         return nbytes * 8 / (self.downlink_mbps * 1e6)
 
+    def round_s(self, flops: float, bytes_up: float, bytes_down: float, round_trips: float) -> float:
+        """Predicted seconds of one device's round on this class, as the virtual clock charges them
+        (docs/fleet.md, "The time model"): its compute, its bytes each way and a round trip per request,
+        with no waiting for the server or other devices (what a deadline-aware split choice compares)."""
+        return (self.compute_s(flops) + self.up_s(bytes_up) + self.down_s(bytes_down)
+                + round_trips * self.rtt_ms / 1e3)
+
 
 @dataclass(frozen=True)
 class Fleet:

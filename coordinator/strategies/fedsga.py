@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from fedsga_edge.wire import Message
 
-__all__ = ["FedSGA"]
+__all__ = ["FedSGA", "predicted_split_s"]
 
 _ABLATIONS = ("adapt", "estimator", "harmonizer")
 # A probe's delta and q are clipped to this many times the stored pairs' median (once there are
@@ -30,6 +30,63 @@ _ABLATIONS = ("adapt", "estimator", "harmonizer")
 _OBS_CLIP, _OBS_MIN = 10.0, 4
 # The per-device numbers an update reports that metrics.jsonl keeps for FedSGA (docs/method.md)
 _RECORD_KEYS = ("a", "delta", "q", "r", "r_prev", "k_policy", "L1", "Lref", "s", "descriptor_entropy")
+# Bytes one activation or gradient value takes on the wire per --wire-format (docs/protocol.md, "Messages"): int4
+# packs two values a byte plus a float32 scale per 256 values. Weights, labels and probes are counted as fp32/int64.
+_VALUE_BYTES = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 256}
+# A message's envelope, keys and small fields, each way (an allowance: the figure should err long, not short).
+_MESSAGE_BYTES = 256
+
+
+def _batches(n: int, batch_size: int, max_batches: int) -> int:
+    """Batches a device with ``n`` samples cuts per local epoch (a last batch under 2 samples joins the one before:
+    coordinator/server.py ``samples_per_epoch``), capped at ``max_batches``."""
+    count = max(1, -(-n // batch_size))
+    if count > 1 and n - batch_size * (count - 1) < 2:
+        count -= 1
+    return min(count, max_batches) if max_batches else count
+
+
+def _probe_slice(n: int, fraction: float) -> int:
+    """Samples a device holds out for its probe (device/role.py ``hold_out_probe``; all of them without a slice)."""
+    if fraction <= 0 or n < 4:
+        return n
+    return min(max(2, int(round(fraction * n))), n - 2)
+
+
+def predicted_split_s(cls: Any, costs: Any, num_samples: int, cfg: RunConfig, calibrate: bool, h1_dim: int = 0,
+                      weight_bytes: dict[int, float] | None = None, extra_down: float = 0.0) -> list[float]:
+    """Predicted seconds of one FedSGA device's round at each split k = 1..K on its fleet class ``cls``
+    (fedsga_edge/fleet.py ``DeviceClass.round_s``): the time model of docs/fleet.md applied to what the round
+    would carry, counted from the cost table rather than measured, so the choice is made before the round.
+
+    Compute: the samples trained (|D_i| x local epochs, batches as the device cuts them) x the prefix's training
+    FLOPs at k, plus the probe's forward to p_ref on a calibration round (a batch of the held-out probe slice).
+    Up: per sample its activation at k in --wire-format, its label and its pooled p_1 features (``h1_dim``
+    floats), then the update's weights up to p_k (``weight_bytes[k]``, default 4 bytes a parameter). Down: the
+    gradients, the weights up to p_k (round start plus fetch) and ``extra_down`` (the round start's method state).
+    Each message ``_MESSAGE_BYTES`` more each way (envelope, keys); a round trip per request. Not counted (as on
+    the virtual clock): the observation forward, waiting for the server, held-out evaluations. The training
+    samples are |D_i| before the probe's held-out slice, so the figure errs long."""
+    from fedsga_edge.coordinator.server import samples_per_epoch
+
+    tc = cfg.train
+    seen = tc.local_epochs * samples_per_epoch(num_samples, tc.batch_size, tc.max_batches)
+    requests = tc.local_epochs * _batches(num_samples, tc.batch_size, tc.max_batches)
+    value = _VALUE_BYTES[cfg.wire_format]
+    K = len(costs.prefix)
+    ref = reference_index(K)
+    probe = min(tc.batch_size, _probe_slice(num_samples, cfg.fedsga.probe_holdout)) if calibrate else 0
+    out = []
+    for k in range(1, K + 1):
+        elems = costs.prefix[k].activation_elems
+        weights = float(weight_bytes[k]) if weight_bytes is not None else 4.0 * costs.params[k]
+        flops = seen * costs.train(k) + probe * costs.prefix_fwd(ref)
+        messages = requests + 1 + (1 if k > 1 else 0) + (1 if probe else 0)  # batches, update, fetch, probe
+        up = seen * (elems * value + 8 + 4 * h1_dim) + weights + messages * _MESSAGE_BYTES
+        up += probe * (4 * (costs.prefix[1].activation_elems + costs.prefix[ref].activation_elems) + 8)
+        down = seen * elems * value + weights + extra_down + (messages + 1) * _MESSAGE_BYTES  # + the round start
+        out.append(float(cls.round_s(flops, up, down, 0.5 + messages)))  # half a round trip for the round start
+    return out
 
 
 def _server_head(model: Any, num_classes: int, harmonizer: bool, dim: int) -> Any:
@@ -55,6 +112,19 @@ class FedSGA(Strategy):
     adaptive = True
     requests = {"probe": "on_probe"}
 
+    def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
+        super().__init__(cfg, num_splits, clients, train_flops)
+        self.fleet_classes: dict[str, Any] | None = None  # --deadline-aware: each device's fleet class
+        self._predicted: dict[str, list[float]] = {}  # this round's predicted seconds per split, per device
+        self._weight_bytes: dict[int, float] | None = None  # the weights up to each split, bytes (predict)
+        if cfg.fedsga.deadline_aware:
+            if not cfg.fleet or cfg.round_timeout <= 0:
+                raise ValueError("--deadline-aware needs --fleet FILE (each device's speed and link) and "
+                                 "--round-timeout SECONDS (the deadline it keeps to)")
+            from fedsga_edge.fleet import load_fleet  # torch-free
+
+            self.fleet_classes = load_fleet(cfg.fleet).assign(list(clients))
+
     @classmethod
     def methods(cls) -> dict[str, Method]:
         out = {"fedsga": Method(cls.label)}
@@ -62,12 +132,16 @@ class FedSGA(Strategy):
                   "harmonizer": "w/o harmonizer"}
         for flag in _ABLATIONS:
             out[f"fedsga-no-{flag}"] = Method(labels[flag], group="ablation", overrides={f"fedsga.{flag}": False})
+        # beyond the paper, off by default and outside the paper's tables (docs/fleet.md, "Deadline-aware splits")
+        out["fedsga-deadline"] = Method("FedSGA, deadline-aware (beyond the paper)", group="extension",
+                                        overrides={"fedsga.deadline_aware": True}, default=False)
         return out
 
     @classmethod
     def method_name(cls, cfg: RunConfig, num_splits: int) -> str:
         off = [flag for flag in _ABLATIONS if getattr(cfg.fedsga, flag) is False]
-        return "-".join(["fedsga"] + [f"no-{flag}" for flag in off])
+        return "-".join(["fedsga"] + [f"no-{flag}" for flag in off]
+                        + (["deadline"] if getattr(cfg.fedsga, "deadline_aware", False) else []))
 
     @classmethod
     def prompt_tokens(cls, cfg: RunConfig) -> int:
@@ -90,12 +164,37 @@ class FedSGA(Strategy):
     def round_start_fields(self, k: int | None, calibrate: bool) -> dict[str, Any]:
         from fedsga_edge.tensors import to_numpy, to_numpy_state
 
-        body: dict[str, Any] = {"fedsga": vars(self.cfg.fedsga)}
+        # deadline_aware is the coordinator's: a device reads its effect from "deadline" (device_fields), and a
+        # round start without the key is what devices that predate it accept
+        body: dict[str, Any] = {"fedsga": {k: v for k, v in vars(self.cfg.fedsga).items() if k != "deadline_aware"}}
         if k is None:  # the device chooses: it needs Gamma, phi_s and the prototypes to observe
             body.update(calibrate=calibrate, estimator=to_numpy_state(self.estimator.state_dict()),
                         phi_s=to_numpy_state(self.phi_s.state_dict()), prototypes=to_numpy(self.prototypes.protos),
                         proto_dim=self.proto_dim)
         return body
+
+    def device_fields(self, cid: str, k: int | None, calibrate: bool) -> dict[str, Any]:
+        """--deadline-aware: the device's predicted round seconds per split and the deadline, from which it picks
+        (fedsga_edge/method/policy.py ``deadline_split``); nothing for a device the coordinator assigns a split."""
+        cls = self.fleet_classes.get(cid) if self.fleet_classes is not None else None
+        if cls is None or k is not None:
+            return {}
+        split_s = self.predict(cls, cid, calibrate)
+        self._predicted[cid] = split_s
+        return {"deadline": {"s": float(self.cfg.round_timeout), "split_s": split_s}}
+
+    def predict(self, cls: Any, cid: str, calibrate: bool) -> list[float]:
+        """``predicted_split_s`` for device ``cid`` on fleet class ``cls`` with this model's real weight bytes
+        (buffers included) and the round start's method state (estimator, phi_s, prototypes)."""
+        if self._weight_bytes is None:
+            model, state = self.co.model, self.co.model.state_dict()
+            self._weight_bytes = {k: float(sum(v.numel() * v.element_size() for n, v in state.items()
+                                               if model.unit_of(n) < model.depth_of(k))) for k in range(1, self.K + 1)}
+        extra = sum(v.numel() * v.element_size() for module in (self.phi_s, self.prototypes)
+                    for v in module.state_dict().values())
+        extra += sum(v.numel() * v.element_size() for v in self.estimator.state_dict().values() if hasattr(v, "numel"))
+        return predicted_split_s(cls, self.co.costs, self.co.clients[cid], self.cfg, calibrate, h1_dim=self._h1_dim,
+                                 weight_bytes=self._weight_bytes, extra_down=float(extra))
 
     # -- the server side ----------------------------------------------------------------------------
     def attach(self, coordinator: Any) -> None:
@@ -109,7 +208,8 @@ class FedSGA(Strategy):
         self.head = _server_head(model, co.num_classes, fed.harmonizer, fed.proto_dim).to(dev)
         self.proto_dim = fed.proto_dim if fed.harmonizer else model.feature_dim
         self.prototypes = Prototypes(co.num_classes, self.proto_dim, fed.mu_proto).to(dev)
-        self.phi_s = ShallowHead(model.phi_input_dim, self.proto_dim).to(dev)
+        self._h1_dim = model.phi_input_dim  # the pooled p_1 features each activation carries
+        self.phi_s = ShallowHead(self._h1_dim, self.proto_dim).to(dev)
         num_obs = 3 if fed.adapt else 2
         self.estimator = MonotoneEstimator(num_obs=num_obs)
         self.cal_buffer = CalibrationBuffer(num_obs=num_obs)
@@ -227,6 +327,7 @@ class FedSGA(Strategy):
     def begin_round(self, t: int, calibrate: bool) -> None:
         self._calibration, self._new_pairs, self._cal_flops_server = [], 0, 0
         self._phi_loss, self._phi_steps = 0.0, 0
+        self._predicted = {}
 
     def end_round(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
         self.prototypes.commit()
@@ -242,6 +343,8 @@ class FedSGA(Strategy):
         # the round-start observation: obs_samples through the prefix to p_1 (docs/method.md, "Costs")
         client_obs = sum(costs.prefix_fwd(1) * int(u.get("obs_samples", 0)) for u in updates.values())
         record["observation_flops"] = {"client": int(client_obs)}
+        if self._predicted:  # --deadline-aware: what each device was told (docs/fleet.md, "Deadline-aware splits")
+            record["deadline"] = {"s": float(self.cfg.round_timeout), "split_s": dict(self._predicted)}
 
     def _refit(self) -> dict[str, Any]:
         """Score the Gamma that chose this round's splits on this round's new pairs (fitted before they came:

@@ -117,7 +117,7 @@ def method_name(config: dict[str, Any]) -> str:
         return strategy
     fed = config.get("fedsga") or {}
     off = [flag for flag in _FEDSGA_ABLATIONS if fed.get(flag, True) is False]
-    return "-".join(["fedsga"] + [f"no-{flag}" for flag in off])
+    return "-".join(["fedsga"] + [f"no-{flag}" for flag in off] + (["deadline"] if fed.get("deadline_aware") else []))
 
 
 def partition_name(config: dict[str, Any]) -> str:
