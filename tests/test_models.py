@@ -111,3 +111,24 @@ def test_costs_grow_with_depth_and_train_exceeds_forward() -> None:
     # First conv of the CIFAR stem, counted by hand once: 2 * 3*3*3 * 16 * 32*32 FLOPs per sample.
     stem_only = prefix_cost(model, 1).flops_forward
     assert stem_only >= 2 * 27 * 16 * 32 * 32
+
+
+
+def test_a_model_with_4_channel_shortcuts_trains(tmp_path) -> None:
+    """resnet18_cifar at width 0.0625 has 1x1 shortcuts with 4 input channels, whose weight gradient crashed
+    torch's oneDNN kernel: `simulate --width 0.0625` died of a segfault (or an abort) in its first round, for
+    whole-model (fedavg) and split (static, split 3) training alike. In fresh processes (a crash must not take
+    the test worker with it, and the workaround turns oneDNN off for the whole process): both now finish, with
+    the warning that says why convolutions are slower."""
+    import subprocess
+    import sys
+
+    for extra in (["--strategy", "fedavg"], ["--strategy", "static", "--split", "3"]):
+        cmd = [sys.executable, "-m", "fedsga_edge.cli.main", "simulate", "--dataset", "digits", "--clients", "2",
+               "--rounds", "1", "--model", "resnet18_cifar", "--width", "0.0625", "--max-batches", "2", "--seed", "0",
+               "--threads", "1", "--quiet", "--out", str(tmp_path / extra[1]), *extra]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0 and "final_acc=" in res.stdout, (extra, res.returncode, res.stderr[-2000:])
+        assert "oneDNN is off for this process" in res.stderr
+    wide = create_model("resnet18_cifar", width=0.125, num_classes=10)  # 8 channels and up: oneDNN stays on
+    assert torch.backends.mkldnn.enabled and wide is not None

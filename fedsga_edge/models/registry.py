@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,7 +100,21 @@ def create_model(name: str, *, pretrained: str | Path | None = None, **kwargs: A
     model.arch = name
     if pretrained is not None:
         load_weights(model, pretrained)
+    _avoid_onednn_narrow_1x1(model)
     return model
+
+
+def _avoid_onednn_narrow_1x1(model: torch.nn.Module) -> None:
+    """torch 2.14.1's oneDNN kernel for a 1x1 convolution's weight gradient (jit_avx2_1x1_convolution_bwd_weights)
+    segfaults when the convolution has fewer than 8 input channels (resnet18_cifar at width 0.0625: its 4-channel
+    shortcuts), so the first backward step killed the process. Such a model turns oneDNN off for the process
+    (torch's own convolutions then run: slower, correct) and says so once; wider models are untouched."""
+    narrow = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (1, 1)
+              and m.in_channels < 8]
+    if narrow and torch.backends.mkldnn.enabled:
+        torch.backends.mkldnn.enabled = False
+        warnings.warn(f"{len(narrow)} 1x1 convolutions with fewer than 8 input channels: oneDNN is off for this "
+                      "process (its weight-gradient kernel crashes on them); convolutions run slower", stacklevel=3)
 
 
 def load_weights(model: SplitModel, path: str | Path) -> list[str]:
