@@ -30,9 +30,11 @@ def _app() -> typer.Typer:
 
 
 def _help(app: typer.Typer, command: str = "simulate") -> str:
+    """The help text as one line of words: rich wraps a long help (--strategy lists every registered strategy)
+    inside its box at any width, so a phrase may straddle lines."""
     res = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "400", "NO_COLOR": "1", "TERM": "dumb"})
     assert res.exit_code == 0, res.output
-    return res.output
+    return " ".join(res.output.replace("│", " ").split())
 
 
 def _params(app: typer.Typer, command: str, args: list[str]) -> dict:

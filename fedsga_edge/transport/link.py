@@ -13,7 +13,9 @@
   spent inside the transport (``net_s``: the requests' round trips, delay and emulation included)
   and the requests made; ``TimingPeer`` puts them in the ``update``'s body as ``timing``
   (``compute_s``: the round's time outside the transport, ``cpu_s``: the CPU seconds the process got
-  in the round (under a quota, or on a busy host, a fraction of ``compute_s``), ``net_s``, ``requests``, ``steps`` (the
+  outside the transport in the round (under a quota, or on a busy host, a fraction of ``compute_s``; the
+  CPU its MQTT thread spends sending while a request waits is the transport's, so it is left out: on a
+  2 Mbit/s link it exceeded the round's compute), ``net_s``, ``requests``, ``steps`` (the
   activations), ``round_start_at`` and ``sent_at``: wall-clock times, comparable on one machine).
   The coordinator turns them into the round's per-device ``timing`` (coordinator/scheduling.py
   ``FieldTiming``). Extra body fields are always allowed (fedsga_edge/wire/messages.py).
@@ -40,33 +42,33 @@ class FleetLink:
         self._lock = threading.Lock()
         self.round_start_at = time.time()
         self._cpu0 = time.process_time()
-        self.net_s = 0.0
+        self.net_s = self.net_cpu_s = 0.0
         self.requests = self.steps = 0
         self._last = time.perf_counter()  # when the device last left the transport (its compute since: ours)
 
     # -- what the transport's users see ----------------------------------------------------------------
     def request(self, src: str, dst: str, payload: bytes, *, timeout: float | None = None) -> bytes:
-        t = self._out(len(payload))
+        t, c = self._out(len(payload))
         try:
             reply = self._inner.request(src, dst, payload, timeout=timeout)
             self._in(len(reply))
         finally:
-            self._done(t, request=True)
+            self._done(t, c, request=True)
         return reply
 
     def send(self, src: str, dst: str, payload: bytes) -> None:
-        t = self._out(len(payload))
+        t, c = self._out(len(payload))
         try:
             self._inner.send(src, dst, payload)
         finally:
-            self._done(t, request=False)
+            self._done(t, c, request=False)
 
     def register(self, address: str, handler: Any) -> None:
         def delayed(data: bytes) -> Any:
             self._in(len(data))
             with self._lock:  # a round_start (or a bye): the round's accounting starts afresh
                 self.round_start_at, self.net_s, self.requests, self.steps = time.time(), 0.0, 0, 0
-                self._cpu0 = time.process_time()
+                self._cpu0, self.net_cpu_s = time.process_time(), 0.0
                 self._last = time.perf_counter()
             return handler(data)
 
@@ -81,25 +83,27 @@ class FleetLink:
         with self._lock:
             now = time.time()
             compute = max(0.0, now - self.round_start_at - self.net_s)
-            return {"compute_s": round(compute, 6), "cpu_s": round(time.process_time() - self._cpu0, 6),
+            cpu = max(0.0, time.process_time() - self._cpu0 - self.net_cpu_s)
+            return {"compute_s": round(compute, 6), "cpu_s": round(cpu, 6),
                     "net_s": round(self.net_s, 6), "requests": self.requests,
                     "steps": self.steps, "round_start_at": self.round_start_at, "sent_at": now}
 
     # -- internals --------------------------------------------------------------------------------------
-    def _out(self, nbytes: int) -> float:
+    def _out(self, nbytes: int) -> tuple[float, float]:
         if self.emulate and self.speed < 1.0:  # a slower CPU: stretch the compute since the last message
             time.sleep((time.perf_counter() - self._last) * (1.0 / self.speed - 1.0))
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         time.sleep(self.delay_s + (nbytes * 8 / self.up_bps if self.emulate else 0.0))
-        return t
+        return t, c
 
     def _in(self, nbytes: int) -> None:
         time.sleep(self.delay_s + (nbytes * 8 / self.down_bps if self.emulate else 0.0))
 
-    def _done(self, t: float, *, request: bool) -> None:
+    def _done(self, t: float, c: float, *, request: bool) -> None:
         now = time.perf_counter()
         with self._lock:
             self.net_s += now - t
+            self.net_cpu_s += time.process_time() - c
             self.requests += int(request)
             self._last = now
 
