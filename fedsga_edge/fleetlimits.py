@@ -5,8 +5,9 @@ reaches the broker.
 
 * ``cgroup+netns`` (root, a cgroup v1 ``cpu`` controller, ``ip`` and ``tc``): each device gets a cgroup
   ``/sys/fs/cgroup/cpu/<prefix>-<class>-<i>`` whose ``cpu.cfs_quota_us`` is its class's speed factor
-  times the period (one CPU at factor 1; the devices run torch on one thread). One group per device,
-  not per class: a device is its own machine, so two devices of a class must not share one quota.
+  times the period (10 ms, ``PERIOD_US``; one CPU at factor 1; the devices run torch on one thread).
+  One group per device, not per class: a device is its own machine, so two devices of a class must not
+  share one quota.
   The quota is a ceiling: on a busy host a device gets less (its update reports the CPU seconds it
   got, ``cpu_s``, next to its wall-clock compute). Each device also gets its own network
   namespace, joined by a veth pair to a bridge on the host that holds the broker's address (a private
@@ -23,6 +24,7 @@ Torch-free (the trial's parent process imports it).
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -36,7 +38,12 @@ __all__ = ["CGROUP_CPU", "MODES", "FleetSandbox", "class_speed", "real_limits_pr
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 MODES = ("cgroup+netns", "emulated")
-PERIOD_US = 100_000
+PERIOD_US = 10_000
+"""The quota's period: 10 ms, not the kernel's default 100 ms. CFS lets a group run at full speed until its
+quota for the period is spent, so a device whose compute comes in stretches shorter than the period (a few
+steps between waits on its link) ran them at nearly full speed under a 100 ms period: a quarter-core device's
+round-2 compute was 0.2 s where a quarter of the fast devices' speed gives 0.7 s (benchmarks/RESULTS.md)."""
+MIN_QUOTA_US = 1000  # the kernel's smallest quota
 
 
 def real_limits_problem() -> str | None:
@@ -108,8 +115,10 @@ class FleetSandbox:
             group = CGROUP_CPU / f"{self.prefix}-{cls.name}-{i}"
             group.mkdir()
             self.groups[cid] = group
-            (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-            quota = max(1000, int(round(class_speed(self.fleet, cls) * PERIOD_US)))
+            speed = class_speed(self.fleet, cls)
+            period = max(PERIOD_US, math.ceil(MIN_QUOTA_US / speed)) if speed > 0 else PERIOD_US  # quota >= 1 ms
+            (group / "cpu.cfs_period_us").write_text(str(period))
+            quota = max(MIN_QUOTA_US, int(round(speed * period)))
             (group / "cpu.cfs_quota_us").write_text(str(quota))
         bridge = f"{self.prefix}br"
         _run("ip", "link", "add", bridge, "type", "bridge")
