@@ -347,6 +347,7 @@ class FleetScheduler:
         round_order(len(self.clients), 1, seed, order)
         self.lock: ContextManager[Any] = contextlib.nullcontext()
         self._lanes: dict[str, _Lane] = {}
+        self._warm: set[str] = set()  # devices past their first step (a class's warmup_s is paid once)
         self._down_seen: dict[str, int] = {c.cid: 0 for c in self.clients}
         self._fields: dict[str, Any] = {}
         for c in self.clients:  # each device's requests stop at its gate; the coordinator's peer is untouched
@@ -414,6 +415,9 @@ class FleetScheduler:
                         tm["done_s"] = when - t0
                         continue
                     c = cls.compute_s(step_flops(lane.kind, lane.body, self.costs, self.train))
+                    if cid not in self._warm:  # a fresh device process's one-time work, before its first request
+                        self._warm.add(cid)
+                        c += getattr(cls, "warmup_s", 0.0)
                     up = cls.up_s(lane.up) + cls.rtt_ms / 2e3
                     if lane.kind in ("activation", "evaluate", "update") and lane.body:
                         split = lane.body.get("split")

@@ -17,6 +17,7 @@ Core: plain data parsed with the standard library (``tomllib``), no torch, no ro
     downlink_mbps = 40.0
     rtt_ms = 8.0
     availability = 0.95         # the chance to take part in a round (1 - its chance to miss one)
+    warmup_s = 4.0              # optional: a fresh device process's one-time work (s), added to its first step
 
 Devices get their class in file order: the first ``count`` devices (partition order) the first class.
 Every bad value raises ``FleetError`` naming the file and the key.
@@ -39,7 +40,7 @@ else:  # pragma: no cover - the tomli backport (pyproject's dependency before 3.
 __all__ = ["DeviceClass", "Fleet", "FleetError", "load_fleet", "parse_fleet", "profile_gflops"]
 
 _SPEED_KEYS = ("gflops", "speed_factor", "profile")
-_CLASS_KEYS = {"count", *_SPEED_KEYS, "uplink_mbps", "downlink_mbps", "rtt_ms", "availability"}
+_CLASS_KEYS = {"count", *_SPEED_KEYS, "uplink_mbps", "downlink_mbps", "rtt_ms", "availability", "warmup_s"}
 _TOP_KEYS = {"host", "server", "classes"}
 
 
@@ -60,6 +61,10 @@ class DeviceClass:
     downlink_mbps: float
     rtt_ms: float
     availability: float = 1.0
+    # Seconds a freshly started device process of this class spends before its first request (torch's lazy
+    # initialisation, first allocations: 3.0-3.4 CPU-s on a host core, 13 s under a quarter core; benchmarks/
+    # RESULTS.md, "A real fleet on one machine"). FLOPs do not count it; the virtual clock adds it once per run.
+    warmup_s: float = 0.0
 
     def compute_s(self, flops: float) -> float:
         """Seconds this class takes for ``flops`` floating-point operations."""
@@ -188,7 +193,8 @@ def parse_fleet(data: dict[str, Any], path: str = "<fleet>", base: Path | None =
             uplink_mbps=_number(raw["uplink_mbps"], f"{key}.uplink_mbps", bad, gt=0),
             downlink_mbps=_number(raw["downlink_mbps"], f"{key}.downlink_mbps", bad, gt=0),
             rtt_ms=_number(raw["rtt_ms"], f"{key}.rtt_ms", bad, ge=0),
-            availability=_number(raw.get("availability", 1.0), f"{key}.availability", bad, gt=0, le=1)))
+            availability=_number(raw.get("availability", 1.0), f"{key}.availability", bad, gt=0, le=1),
+            warmup_s=_number(raw.get("warmup_s", 0.0), f"{key}.warmup_s", bad, ge=0)))
     return Fleet(path=path, classes=tuple(classes), server_gflops=server_gflops, host_gflops=host_gflops)
 
 

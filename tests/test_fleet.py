@@ -329,3 +329,20 @@ def test_class_table_sets_cpu_got_against_the_quota(tmp_path: Path) -> None:
     assert rows["slow"]["link_model_s"] == pytest.approx(2 * (250_000 * 8 / 2e6 + 1_000_000 * 8 / 8e6 + 5 * 0.08))
     text = format_class_table(list(rows.values()), "cgroup+netns")
     assert "got" in text.splitlines()[1] and "0.85" in text.splitlines()[2] and "0.25" in text.splitlines()[3]
+
+
+def test_a_class_warmup_is_added_once_to_each_devices_first_step(tmp_path: Path) -> None:
+    """``warmup_s``: a fresh process's one-time work, on its first step only (round 1), not in later rounds."""
+    def run(warmup: float) -> list[dict[str, Any]]:
+        cls = dict(SLOW, count=2) | ({"warmup_s": warmup} if warmup else {})
+        sim = Simulation(tiny_config(clients=2, rounds=2, max_batches=1, fleet=_fleet(tmp_path, {"slow": cls},
+                                                                                      name=f"w{warmup}.toml")))
+        return [sim.run_round(r) for r in (1, 2)]
+
+    cold, warm = run(0.0), run(5.0)
+    for cid in ("client-000", "client-001"):
+        assert warm[0]["timing"][cid]["compute_s"] == pytest.approx(cold[0]["timing"][cid]["compute_s"] + 5.0)
+        assert warm[1]["timing"][cid]["compute_s"] == pytest.approx(cold[1]["timing"][cid]["compute_s"])
+    assert warm[0]["fleet_s"] > cold[0]["fleet_s"] + 5.0 - 1e-6 and warm[1]["fleet_s"] == pytest.approx(cold[1]["fleet_s"])
+    with pytest.raises(FleetError, match="warmup_s must be >= 0"):
+        parse_fleet({"classes": {"slow": dict(SLOW, warmup_s=-1.0)}}, "f.toml")
