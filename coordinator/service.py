@@ -5,10 +5,11 @@ run through the one round driver (coordinator/driver.py, which ``simulate`` uses
 monotonic clock, with a scheduler that waits for the devices' messages. This service adds what a
 field run needs around it, over whichever transport the Peer sits on:
 
-1. Devices register with ``hello`` (``backend``, ``num_samples``, ``capabilities``) and get ``ack``
-   or ``error``. ``num_samples`` must equal the size of that device's partition on this side: both
-   sides derive partitions from the same seeded config, so a mismatch means a different config or
-   data set and the device is refused before it can train on the wrong samples.
+1. Devices register with ``hello`` (``backend``, ``num_samples``, ``capabilities``, optionally their
+   measured latency ``profile``) and get ``ack`` or ``error``. ``num_samples`` must equal the size of
+   that device's partition on this side: both sides derive partitions from the same seeded config, so a
+   mismatch means a different config or data set and the device is refused before it can train on the
+   wrong samples. The strategy hears of each registration (``Strategy.device_registered``).
 2. Once ``min_devices`` have registered (or ``register_timeout`` passed with at least one), each
    round starts every registered device at once (``round_start`` by ``peer.send``), then waits,
    applying the deadline with ``tick``, until every device has sent its update or failed.
@@ -41,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedsga_edge.latency import hello_profile_problem
 from fedsga_edge.logthrottle import Summary, Throttle
 from fedsga_edge.runfiles import JsonLog, RunFiles, atomic_write, summarize
 from fedsga_edge.transport import Peer
@@ -185,7 +187,7 @@ class CoordinatorService:
         body = msg.body
         expected = self.co.clients.get(msg.sender)
         problem = (_local_hello_problem(msg.sender, body, expected) if self.local_data
-                   else _hello_problem(msg.sender, body, expected))
+                   else _hello_problem(msg.sender, body, expected)) or self._profile_problem(body.get("profile"))
         if problem is not None:
             self._warn("hello_refused", str(msg.sender)[:140], reason=problem)
             return self.peer.reply(msg, "error", {"reason": problem})
@@ -198,13 +200,31 @@ class CoordinatorService:
                                            "capabilities": dict(body.get("capabilities", {}))}
             if self.local_data:
                 self.registered[msg.sender]["eval_samples"] = body.get("eval_samples", 0)
+            if body.get("profile") is not None:  # its measured latency per split (checked above)
+                self.registered[msg.sender]["profile"] = body["profile"]
+            self.co.strategy.device_registered(msg.sender, self.registered[msg.sender])
             n = len(self.registered)
             self._save_devices()
             self._cond.notify_all()
         self.log.info("hello_ack", device=msg.sender, backend=body["backend"], again=again, registered=n,
-                      capabilities=body.get("capabilities", {}))
+                      capabilities=body.get("capabilities", {}), profile=body.get("profile"))
         return self.peer.reply(msg, "ack", {"rounds": self.cfg.rounds, "round": self._round,
                                             "round_timeout": self.cfg.round_timeout, "registered": n})
+
+    def _profile_problem(self, profile: Any) -> str | None:
+        """Why a hello's ``profile`` is refused (none: fine, a device need not report one)."""
+        if profile is None:
+            return None
+        return hello_profile_problem(profile, self.cfg.model, self.co.model.num_splits)
+
+    def _tell_strategy(self) -> None:
+        """A resumed run's restored devices, as their hellos would have: a profile no longer valid is dropped."""
+        for d, info in self.registered.items():
+            problem = self._profile_problem(info.get("profile"))
+            if problem is not None:
+                self.log.warning("restored_profile_dropped", device=d, reason=problem)
+                del info["profile"]
+            self.co.strategy.device_registered(d, info)
 
     def _on_bye(self, msg: Message) -> Message | None:
         """A device leaving on purpose: out of the running round now (no need to wait for the deadline)."""
@@ -334,6 +354,7 @@ class CoordinatorService:
         if not path.exists():  # died before its first round ended: nothing to keep
             self.registered = _restored_devices(self.run_dir, {}, self.co.clients)
             self._restore_sizes()
+            self._tell_strategy()
             self.files.rewrite_metrics([])
             self.log.warning("resume", from_round=0, reason=f"no checkpoint in {self.run_dir}: starting at round 1",
                              dropped_metrics_lines=old_lines, registered=sorted(self.registered))
@@ -343,6 +364,7 @@ class CoordinatorService:
         self.driver.elapsed0 = back.elapsed_s
         self.registered = _restored_devices(self.run_dir, back.registered, self.co.clients)
         self._restore_sizes()
+        self._tell_strategy()
         self._round = self.resumed_from = back.round
         self.files.rewrite_metrics(back.records)
         self.log.info("resume", from_round=self.resumed_from, next_round=self.resumed_from + 1,

@@ -151,6 +151,13 @@ class Strategy:
         """Prompt tokens m each device trains (its costs, its exported prefix); 0 without prompts."""
         return 0
 
+    # -- the devices ----------------------------------------------------------------------------------
+    def device_registered(self, cid: str, hello: dict[str, Any]) -> None:
+        """A field run's device registered (again, or restored on resume): what the service kept of its
+        checked hello (``backend``, ``capabilities``, ``profile`` when it reported one; docs/protocol.md).
+        Called under the service's lock, before the round the device joins starts; never in ``simulate``.
+        ``resource`` takes the device's speed from its profile. Nothing by default."""
+
     # -- configure the round ------------------------------------------------------------------------
     def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
         """Device -> split index k (1..K), 0 for the whole model on the device, None: the device chooses."""

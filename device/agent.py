@@ -2,8 +2,9 @@
 
 The agent is the driver for a real device, assembled from parts that each hold one concern:
 
-* ``device.hello.Hello``: it registers with ``hello`` (backend, ``num_samples``, capabilities) and
-  retries while the coordinator is unreachable, until acked, refused or out of time;
+* ``device.hello.Hello``: it registers with ``hello`` (backend, ``num_samples``, capabilities, its
+  measured latency ``profile`` when given one) and retries while the coordinator is unreachable, until
+  acked, refused or out of time;
 * ``device.rounds.RoundLoop``: a ``round_start`` is queued by the transport's delivery thread and run on
   the agent's own worker thread (``while client.step(): pass``); a newer one supersedes it;
 * ``device.statefile``: after every round the coordinator acked, the client's private state is saved
@@ -61,15 +62,19 @@ class DeviceAgent:
         *,
         server: str = "coordinator",
         capabilities: dict[str, Any] | None = None,
+        profile: dict[str, Any] | None = None,
         hello_timeout: float = 300.0,
         retry_s: float = 0.5,
     ) -> None:
+        """``profile``: this device's measured latency per split, as its hello reports it
+        (``fedsga_edge.latency.hello_profile``; ``device --latency-profile``); None: none reported."""
         self.client = client
         self.peer = peer
         self.server = server
         self.backend = client.backend.name
         # What a coordinator may want to know when it plans splits (logged; not used by the rounds yet).
         self.capabilities = capabilities if capabilities is not None else client.backend.capabilities()
+        self.profile = profile  # its speed, for a coordinator that plans splits by it (--strategy resource)
         self.hello_timeout = hello_timeout
         self.retry_s = retry_s
         self.state_dir = Path(state_dir)
@@ -214,6 +219,8 @@ class DeviceAgent:
         held = getattr(self.client.data, "eval_indices", None)
         if held is not None and len(held):  # the held-out slice's size: the weight of its federated evaluation
             body["eval_samples"] = len(held)
+        if self.profile is not None:
+            body["profile"] = self.profile
         return body
 
     # -- what the parts hold, under the names callers and tests use ----------------------------------

@@ -1,6 +1,6 @@
 """The device's hellos: registering with the coordinator, and asking its round after a far-ahead round_start.
 
-Registration (``backend``, ``num_samples``, capabilities, rounds done) is retried while the coordinator
+Registration (``backend``, ``num_samples``, capabilities, rounds done, a latency profile) is retried while the coordinator
 is unreachable (a hello sent before it subscribed is lost, not late), until acked, refused or out of
 time. The ack may name the coordinator's round, which the device takes as confirmed (``device.guard``).
 """

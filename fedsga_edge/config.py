@@ -140,7 +140,9 @@ class RunConfig:
         "samples) on which it evaluates the global model it starts a round with (round 1 and every round after an "
         "evaluation round; docs/protocol.md, \"Federated evaluation\"); 0 = off.", ge=0, le=0.5, finite=True)
     speed_sigma: float = opt(0.5, "--strategy resource: log-normal spread of device speeds.")
-    profile: str | None = opt(None, "--strategy resource: a measured `fedsga-edge profile --json`.", path=True)
+    profile: str | None = opt(
+        None, "--strategy resource: a measured `fedsga-edge profile --json` of a median device (its latency per "
+        "split; a device's own is `device --latency-profile`, docs/method.md, \"Strategies\").", path=True)
     fleet: str | None = opt(
         None, "A fleet file (TOML: device classes with a count, a compute speed, a link and an availability; "
         "docs/fleet.md): simulate runs the devices on a virtual clock (their FLOPs over their speed, their bytes "

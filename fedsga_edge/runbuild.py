@@ -26,6 +26,7 @@ import numpy as np
 from fedsga_edge.config import RunConfig
 from fedsga_edge.data import ArrayImageSet, DatasetBundle, load_dataset, partition
 from fedsga_edge.data.local import RunData, read_local_data
+from fedsga_edge.latency import ProfileError, hello_profile, read_profile
 from fedsga_edge.runfiles import summarize  # re-exported: summary.json is made in one place
 from fedsga_edge.transport import Peer, Transport
 
@@ -321,24 +322,37 @@ def device_agent(
     artifacts: str | Path | None = None,
     threads: int | None = None,
     data: str | Path | None = None,
+    latency_profile: str | Path | None = None,
     **agent_kwargs: Any,
 ) -> Any:
     """Device ``i``'s DeviceAgent on ``transport`` (not started); restores its state from ``state_dir``.
 
     ``data``: the device's own data (an image folder or npz, ``--data``), used whole; the run's classes and
     input size come from the coordinator (``describe``), asked before the agent exists, so bad data is an
-    error here, before the device registers (issue 18 item 1)."""
+    error here, before the device registers (issue 18 item 1). ``latency_profile``: this device's
+    `fedsga-edge profile --json`, summarised into its hello; a bad one (unreadable, another model, a split
+    missing) is a ``ProfileError`` (a ValueError) here, before the device registers."""
     from fedsga_edge.device.agent import DeviceAgent
 
+    report = read_profile(latency_profile) if latency_profile is not None else None  # before any data is read
     if data is not None:
-        return _local_device_agent(cfg, i, transport, state_dir, data, run_id=run_id, backend=backend,
-                                   artifacts=artifacts, threads=threads, **agent_kwargs)
-    plan = plan or plan_run(cfg, bundle, seed_globals=False, torch_free=backend != "torch")
-    if not 0 <= i < len(plan.client_ids):
-        raise ValueError(f"device index {i} out of range 0..{len(plan.client_ids) - 1} (--clients {cfg.clients})")
-    peer = Peer(transport, plan.client_ids[i], run_id or default_run_id(cfg), tensor_format=peer_format(plan.cfg))
-    client = build_client(plan, i, peer, backend=backend, artifacts=artifacts, threads=threads)
-    return DeviceAgent(client, peer, state_dir, server=COORDINATOR, **agent_kwargs)
+        agent = _local_device_agent(cfg, i, transport, state_dir, data, run_id=run_id, backend=backend,
+                                    artifacts=artifacts, threads=threads, **agent_kwargs)
+    else:
+        plan = plan or plan_run(cfg, bundle, seed_globals=False, torch_free=backend != "torch")
+        if not 0 <= i < len(plan.client_ids):
+            raise ValueError(f"device index {i} out of range 0..{len(plan.client_ids) - 1} (--clients {cfg.clients})")
+        peer = Peer(transport, plan.client_ids[i], run_id or default_run_id(cfg), tensor_format=peer_format(plan.cfg))
+        client = build_client(plan, i, peer, backend=backend, artifacts=artifacts, threads=threads)
+        agent = DeviceAgent(client, peer, state_dir, server=COORDINATOR, **agent_kwargs)
+    if report is not None:
+        try:
+            agent.profile = hello_profile(report, cfg.model, agent.client.backend.num_splits, width=cfg.width,
+                                          where=f"--latency-profile {latency_profile}")
+        except ProfileError:
+            agent.log.close()
+            raise
+    return agent
 
 
 def _local_device_agent(cfg: RunConfig, i: int, transport: Transport, state_dir: str | Path, data: str | Path, *,

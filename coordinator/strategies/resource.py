@@ -1,31 +1,36 @@
 """MultiSFL-style resource-driven split: the deepest split each device's speed allows.
 
-This borrows only MultiSFL's split assignment (not its branches or replay); the speeds are drawn
-(--speed-sigma), or with --fleet each device's class speed over the fleet's median device (docs/fleet.md);
-latency per split is FLOPs over speed, or a measured latency profile (--profile) over speed.
+This borrows only MultiSFL's split assignment (not its branches or replay). Where each device's speed
+comes from, first that applies (docs/method.md, "Strategies"): the latency profile the device reported in
+its hello (a field run: ``device --latency-profile``), its fleet class over the fleet's median device
+(--fleet, docs/fleet.md), a seeded log-normal draw (--speed-sigma). Latency per split is FLOPs over speed,
+or a measured latency profile (--profile, the median device's) over speed; a device that reported its own
+profile is compared by its own seconds.
 """
 
 from __future__ import annotations
 
-import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedsga_edge.config import RunConfig
+from fedsga_edge.latency import profile_latency, reported_latency
 from fedsga_edge.method.policy import reference_index
 
 from ..strategy import Strategy, register_strategy
 
-__all__ = ["Resource", "resource_splits"]
+__all__ = ["Resource", "deepest_fit", "resource_splits"]
 
 
 @register_strategy
 class Resource(Strategy):
     name = "resource"
-    help = "MultiSFL-style: the deepest split each device's speed allows (--speed-sigma or --fleet; --profile)"
+    help = ("MultiSFL-style: the deepest split each device's speed allows (its hello's profile, else --fleet, "
+            "else --speed-sigma; --profile)")
     label = "Resource-driven (MultiSFL-style)"
     adaptive = True
 
@@ -38,13 +43,43 @@ class Resource(Strategy):
             speed = load_fleet(cfg.fleet).speed_factors(list(clients))
         self.splits, self.speed = resource_splits(clients, train_flops, seed=cfg.seed, sigma=cfg.speed_sigma,
                                                   profile=cfg.profile, speed=speed)
+        self.source = {c: "fleet" if cfg.fleet else "draw" for c in clients}
+        self._base = (dict(self.splits), dict(self.speed), dict(self.source))  # a device that stops reporting
+        self.ref = reference_index(self.K)
+        # a reported profile's budget: the median device's seconds at p_ref, measured (--profile), else
+        # the median of what the devices reported (so it moves as reporting devices register)
+        self.budget_s = profile_latency(cfg.profile, self.K)[self.ref] if cfg.profile else None
+        self.reported: dict[str, dict[int, float]] = {}  # device -> seconds per sample by split (its hello's)
+
+    def device_registered(self, cid: str, hello: dict[str, Any]) -> None:
+        """Keep the latency a device's (checked) hello reported; one without a profile goes back to the
+        fleet's or the drawn speed. Applied at the next round start (``assign``)."""
+        if cid not in self.splits:
+            return
+        if hello.get("profile") is not None:
+            self.reported[cid] = reported_latency(hello["profile"])
+        elif self.reported.pop(cid, None) is not None:
+            for mine, base in zip((self.splits, self.speed, self.source), self._base):
+                mine[cid] = base[cid]
 
     def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
+        if self.reported:
+            budget = self.budget_s if self.budget_s is not None else \
+                statistics.median(lat[self.ref] for lat in self.reported.values())
+            for c, lat in self.reported.items():  # the same rule as resource_splits, on the device's own seconds
+                self.splits[c] = deepest_fit(lat, budget)
+                self.speed[c], self.source[c] = budget / lat[self.ref], "reported"
         return {c: self.splits[c] for c in clients}
 
-    def info(self) -> dict[str, Any]:
-        return {"speed_factors": self.speed, "resource_splits": self.splits}
+    def end_round(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
+        """Once a device reported its profile, where each device's speed came from (reported, fleet, draw)
+        and the speed, in metrics.jsonl; before, config.json's ``speed_source`` says it for the whole run."""
+        if self.reported:
+            record["speed_source"] = {c: self.source[c] for c in updates}
+            record["speed_factors"] = {c: self.speed[c] for c in updates}
 
+    def info(self) -> dict[str, Any]:
+        return {"speed_factors": self.speed, "resource_splits": self.splits, "speed_source": self.source}
 
 
 def resource_splits(
@@ -63,37 +98,18 @@ def resource_splits(
     K = len([k for k in train_flops if k > 0])
     cost = {k: float(train_flops[k]) for k in range(1, K + 1)}
     if profile is not None:
-        cost = _profile_latency(profile, K)
+        cost = profile_latency(profile, K)
     if speed is None:
         rng = np.random.default_rng([seed, 11])
         speed = {c: float(math.exp(sigma * rng.standard_normal())) for c in clients}
     else:
         speed = {c: float(speed[c]) for c in clients}
     budget = cost[reference_index(K)]
-    out: dict[str, int] = {}
-    for c in clients:
-        fits = [k for k in range(1, K + 1) if cost[k] / speed[c] <= budget * (1 + 1e-9)]
-        out[c] = max(fits) if fits else 1
+    out = {c: deepest_fit({k: v / speed[c] for k, v in cost.items()}, budget) for c in clients}
     return out, speed
 
 
-def _profile_latency(path: str | Path, K: int) -> dict[int, float]:
-    """Per-sample p50 latency per split from `fedsga-edge profile --json`: the train step where it
-    was measured (what a training device pays), else the forward; the largest batch profiled."""
-    data = json.loads(Path(path).read_text())
-    rows = data.get("results", []) if isinstance(data, dict) else data
-    best: dict[int, tuple[int, float]] = {}
-    for row in rows:
-        if row.get("variant", "fp32") != "fp32":
-            continue
-        stats = row.get("train_step_ms") or row.get("latency_ms")
-        if not stats:
-            continue
-        k, batch = int(row["split"]), int(row.get("batch", 1))
-        if k not in best or batch > best[k][0]:
-            best[k] = (batch, float(stats["p50"]) / batch)
-    missing = [k for k in range(1, K + 1) if k not in best]
-    if missing:
-        raise ValueError(f"profile {path} has no fp32 latency for split(s) {missing}")
-    return {k: v for k, (_, v) in best.items()}
-
+def deepest_fit(latency: dict[int, float], budget: float) -> int:
+    """The deepest split whose latency fits the budget; 1 when none does (the shallowest is the least a device does)."""
+    fits = [k for k, v in latency.items() if v <= budget * (1 + 1e-9)]
+    return max(fits) if fits else 1

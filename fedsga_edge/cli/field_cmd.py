@@ -314,6 +314,11 @@ def device(
         "transport; rate and CPU are limited outside, by a namespace and a cgroup) | emulated (also sleep for the "
         "bytes over the class's link rates and for the compute a CPU at its speed would add). Either reports the "
         "round's timing in the update (docs/fleet.md)."),
+    latency_profile: Optional[Path] = typer.Option(
+        None, help="This device's measured latency: the JSON `fedsga-edge profile --json` wrote on this device for "
+        "the run's model (every split). Its hello reports the seconds per sample at each split, and --strategy "
+        "resource gives it the deepest split that fits by them instead of a fleet's or a drawn speed "
+        "(docs/fleet.md). A missing or malformed file, or one of another model, is an error before it registers."),
     **flags: Any,
 ) -> None:
     """Run one device agent until the coordinator ends the run (or SIGTERM)."""
@@ -329,6 +334,14 @@ def device(
 
     if fleet_link not in ("off", "delay", "emulated"):
         raise typer.BadParameter(f"--fleet-link must be off, delay or emulated (got {fleet_link!r})")
+    if latency_profile is not None:  # the file and its model before the broker (its splits: once the model is built)
+        from fedsga_edge.latency import ProfileError, check_model, read_profile
+
+        try:
+            check_model(read_profile(latency_profile), cfg.model, width=cfg.width,
+                        where=f"--latency-profile {latency_profile}")
+        except ProfileError as exc:
+            raise typer.BadParameter(str(exc)) from None
     transport = _transport(broker, default_run_id(cfg), client_id(index), max_packet, request_timeout)
     link = None
     if fleet_link != "off" and cfg.fleet:
@@ -336,7 +349,7 @@ def device(
     try:
         try:
             agent = device_agent(cfg, index, transport, state_dir, backend=backend, artifacts=artifacts,
-                                 threads=threads or None, data=data)
+                                 threads=threads or None, data=data, latency_profile=latency_profile)
             if link is not None:
                 from fedsga_edge.transport.link import TimingPeer
 
@@ -416,6 +429,10 @@ def trial(
         "coordinator with no training data (--classes: DIR/dataset.json unless given)."),
     classes: Optional[Path] = typer.Option(None, help="--device-data: the run's classes (see coordinator --classes)."),
     test_data: Optional[Path] = typer.Option(None, help="--device-data: the coordinator's own test set (optional)."),
+    device_profiles: Optional[Path] = typer.Option(
+        None, help="Devices' measured latencies: DIR/client-NNN.json (`fedsga-edge profile --json`) is passed to "
+        "device NNN as its --latency-profile, which its hello reports (--strategy resource: its split); a device "
+        "without a file reports none."),
     fleet_mode: str = typer.Option(
         "auto", help="With --fleet: cgroup+netns (each device under its class's CPU quota and in its own network "
         "namespace with rate-limited links: needs root, cgroup v1 cpu, ip and tc, and the embedded broker), emulated "
@@ -454,6 +471,7 @@ def trial(
             coordinator_args += ["--test-data", str(test_data.resolve())]
     elif classes is not None or test_data is not None:
         raise typer.BadParameter("--classes and --test-data go with --device-data")
+    profiles = _device_profiles(device_profiles, cfg.clients) if device_profiles is not None else {}
     from fedsga_edge.simulation import validate_config
 
     try:
@@ -506,7 +524,8 @@ def trial(
 
     def device_start(i: int) -> tuple[list[str], Callable[[], None]]:
         argv = (base + ["device", "--index", str(i), "--state-dir", str(out / "devices" / f"client-{i:03d}")] + common
-                + device_args + (["--data", str(device_paths[i])] if device_paths else []))
+                + device_args + (["--data", str(device_paths[i])] if device_paths else [])
+                + (["--latency-profile", str(profiles[i])] if i in profiles else []))
         if sandbox is None:
             return argv, die_with_parent
         enter = sandbox.join(client_id(i))
@@ -610,6 +629,18 @@ def _device_folders(device_data: Path, clients: int) -> list[Path]:
                                      "device")
         out.append(folder if folder.exists() else npz)
     return out
+
+
+def _device_profiles(folder: Path, clients: int) -> dict[int, Path]:
+    """``DIR/client-NNN.json`` of the devices that have one, by index; none at all is an error (a wrong folder)."""
+    if not folder.is_dir():
+        raise typer.BadParameter(f"--device-profiles {folder} is not a folder")
+    found = {i: (folder / f"client-{i:03d}.json").resolve() for i in range(clients)
+             if (folder / f"client-{i:03d}.json").is_file()}
+    if not found:
+        raise typer.BadParameter(f"--device-profiles {folder} has no client-NNN.json for any of the --clients {clients} "
+                                 "devices")
+    return found
 
 
 def _stop_all(procs: dict[str, subprocess.Popen], logs: list[Any], local: Any) -> None:
