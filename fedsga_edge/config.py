@@ -146,8 +146,9 @@ class RunConfig:
     fleet: str | None = opt(
         None, "A fleet file (TOML: device classes with a count, a compute speed, a link and an availability; "
         "docs/fleet.md): simulate runs the devices on a virtual clock (their FLOPs over their speed, their bytes "
-        "over their link), --round-timeout and dropouts act on that clock, and --strategy resource takes the "
-        "devices' speeds from it. Simulation only.", path=True)
+        "over their link), --round-timeout and dropouts act on that clock; trial runs each device process under its "
+        "class's CPU quota and link; --strategy resource takes the devices' speeds from it (simulate, coordinator, "
+        "trial).", path=True)
     server_copies: str = opt(
         "shared", "shared: one server copy trained on the clients in turn (SplitFed-v2 style); "
         "per-client: each client trains its own copy, averaged every round (SplitFed-v1 style).",

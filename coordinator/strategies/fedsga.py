@@ -69,7 +69,7 @@ def predicted_split_s(cls: Any, costs: Any, num_samples: int, cfg: RunConfig, ca
     gradients, the weights up to p_k (round start plus fetch) and ``extra_down`` (the round start's method state).
     Each message ``_MESSAGE_BYTES`` more each way (envelope, keys); a round trip per request; then 1 % more
     (``_MARGIN``). Not counted (as on the virtual clock): the observation forward, waiting for the server, held-out
-    evaluations. Against the virtual clock it is long by under 1.5 % (tests/test_fleet_bench.py)."""
+    evaluations; a device's first round adds its class's ``warmup_s`` (``FedSGA.device_fields``). Against the virtual clock it is long by under 1.5 % (tests/test_fleet_bench.py)."""
     from fedsga_edge.coordinator.server import samples_per_epoch
 
     tc = cfg.train
@@ -122,6 +122,9 @@ class FedSGA(Strategy):
         super().__init__(cfg, num_splits, clients, train_flops)
         self.fleet_classes: dict[str, Any] | None = None  # --deadline-aware: each device's fleet class
         self._predicted: dict[str, list[float]] = {}  # this round's predicted seconds per split, per device
+        # devices sent a prediction before, so past their first round's warm-up (a resumed coordinator starts it
+        # afresh: its first round's predictions err long by the warm-up)
+        self._told: set[str] = set()
         self._weight_bytes: dict[int, float] | None = None  # the weights up to each split, bytes (predict)
         if cfg.fedsga.deadline_aware:
             if not cfg.fleet or cfg.round_timeout <= 0:
@@ -186,6 +189,9 @@ class FedSGA(Strategy):
         if cls is None or k is not None:
             return {}
         split_s = self.predict(cls, cid, calibrate)
+        if cid not in self._told:  # its first round: a fresh process's one-time work (the class's warmup_s) too
+            split_s = [s + float(cls.warmup_s) for s in split_s]
+            self._told.add(cid)
         self._predicted[cid] = split_s
         return {"deadline": {"s": float(self.cfg.round_timeout), "split_s": split_s}}
 
