@@ -129,6 +129,9 @@ class Strategy:
     requests: ClassVar[dict[str, str]] = {}
     # The method's own hyperparameters (flags --<name>-<option>, values in cfg.strategy_args; read self.args)
     options: ClassVar[tuple[Opt, ...]] = ()
+    # A RunConfig group of run options only this strategy reads (FedSGA: "fedsga", i.e. --rho, --deadline-aware ...):
+    # set to a non-default value under another --strategy, such an option is refused instead of silently ignored
+    config_group: ClassVar[str | None] = None
 
     def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
         self.cfg = cfg

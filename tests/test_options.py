@@ -121,6 +121,12 @@ def test_a_strategy_declares_its_option_in_its_own_class(windowed, tmp_path) -> 
     assert runflags.run_config(strategy="static").strategy_args == {}  # not another strategy's
     with pytest.raises(typer.BadParameter, match="--test-windowed-window applies to --strategy test-windowed only"):
         runflags.run_config(strategy="static", test_windowed_window=6)
+    # FedSGA's own group of run options likewise: not silently ignored under another strategy
+    for flag, value in (("deadline_aware", True), ("rho", 0.5), ("no_harmonizer", True)):
+        with pytest.raises(typer.BadParameter, match=f"--{flag.replace('_', '-')} applies to --strategy fedsga only"):
+            runflags.run_config(strategy="test-windowed", **{flag: value})
+        assert runflags.run_config(strategy="fedsga", **{flag: value})
+    assert runflags.run_config(strategy="static", rho=0.1).strategy == "static"  # its default value is no choice
     with pytest.raises(ValueError, match="--test-windowed-window must be >= 1"):
         validate_config(dataclasses.replace(cfg, strategy_args={"window": 0}))
     with pytest.raises(ValueError, match="unknown strategy argument 'windw'"):
@@ -138,7 +144,7 @@ def test_every_flag_keeps_its_spelling_and_maps_to_its_field() -> None:
     assert by_param["mu"].key == "prox_mu" and by_param["no_adapt"].key == "fedsga.adapt"
     assert by_param["model_arg"].key == "model_args" and by_param["augment"].flags == "--augment/--no-augment"
     assert "proto_dim" not in by_param and not any(o.key == "train.mu" and o.cli for o in run_options())
-    cfg = runflags.run_config(mu=0.3, no_adapt=True, server_copies="per-client", schedule="round-robin",
+    cfg = runflags.run_config(strategy="fedsga", mu=0.3, no_adapt=True, server_copies="per-client", schedule="round-robin",
                               model_arg=["depth=2", "act=relu"], data_root=None, lr=0.05)
     assert (cfg.prox_mu, cfg.fedsga.adapt, cfg.server_copies, cfg.schedule) == (0.3, False, "per_client", "round_robin")
     assert cfg.model_args == {"depth": 2, "act": "relu"} and cfg.train.lr == 0.05 and cfg.data_root is None
@@ -187,6 +193,7 @@ def test_the_field_commands_build_their_config_from_the_run_flags_when_run(tmp_p
     toml = tmp_path / "device.toml"
     toml.write_text("rounds = 2\n")
     res = CliRunner().invoke(_app(), ["device", "--broker", "mqtt://127.0.0.1:1", "--index", "0", "--state-dir",
-                                      str(tmp_path / "s"), "--config-file", str(toml), "--no-adapt"],
+                                      str(tmp_path / "s"), "--config-file", str(toml), "--strategy", "fedsga",
+                                      "--no-adapt"],
                              env={"COLUMNS": "300"})
     assert res.exit_code == 2 and "cannot use broker" in res.output, res.output

@@ -86,6 +86,16 @@ def config_from_flags(flags: dict[str, Any], strict: bool = True) -> RunConfig:
     for param, (o, users) in own.items():
         if strict and strategy not in users and param in flags and flags[param] != o.command_line_default():
             raise ValueError(f"{o.first_flag} applies to --strategy {' or '.join(users)} only")
+    if strict:  # a config group only some strategies read (FedSGA's --rho ...): the same rule
+        groups: dict[str, list[str]] = {}
+        for name, cls in _strategies().items():
+            if cls.config_group:
+                groups.setdefault(cls.config_group, []).append(name)
+        for o in run_options():
+            users = groups.get(o.key.split(".")[0], []) if "." in o.key else []
+            if users and strategy not in users and o.cli and o.param in flags \
+                    and flags[o.param] != o.command_line_default():
+                raise ValueError(f"{o.first_flag} applies to --strategy {' or '.join(users)} only")
     return RunConfig.from_flags({k: v for k, v in flags.items() if k not in own or own[k][0] in chosen}, chosen)
 
 
