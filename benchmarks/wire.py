@@ -19,10 +19,13 @@
    message's bytes against fp32's, the reconstruction error, and what error feedback (the sender keeps
    the residual it could not send and adds it to its next message) does to the parameter gradient
    summed over those batches, the quantity SGD actually uses.
+7. ``--int4-rounding``: whether int4's nearest-level rounding is biased on a model late in training (IID
+   batches and a two-class device's), against stochastic and Hadamard-rotated rounding of the same bytes.
 
     python benchmarks/wire.py [--json runs/wire.json] [--mib 48] [--reps 3] [--skip-runs]
         [--brokers embedded,mosquitto] [--skip-accuracy | --accuracy-only | --tensors-only]
         [--accuracy-strategies static,fedsga] [--tensor-batches 8]
+    python benchmarks/wire.py --int4-rounding [--late-steps 1500] [--tensor-batches 16]
 
 Brokers are started here on free 127.0.0.1 ports (``fedsga_edge.broker.launch``); a broker
 that is not installed is skipped with a note. Nothing leaves 127.0.0.1.
@@ -497,6 +500,164 @@ def _print_tensors(t: dict[str, Any]) -> None:
           " feedback, each message carrying the residual of the ones before.)")
 
 
+# ------------------------------------------------------------------ 7. int4's rounding late in training
+
+
+def _int4_candidate(a: np.ndarray, rng: np.random.Generator, *, stochastic: bool, rotate: bool) -> np.ndarray:
+    """A rounding the codec could use instead of its own (nearest level, per 256-value block): stochastic
+    rounding (unbiased per value) or a Hadamard rotation of each block before rounding (spreads a block's peak).
+    Same bytes as the codec's int4; decoded back to float32 here, never sent."""
+    from fedsga_edge.wire.codec import INT4_BLOCK
+
+    n, flat = a.size, a.reshape(-1).astype(np.float32)
+    rows = np.zeros(-(-n // INT4_BLOCK) * INT4_BLOCK, np.float32)
+    rows[:n] = flat
+    rows = rows.reshape(-1, INT4_BLOCK)
+    signed = rotate or bool(flat.min() < 0)
+    if rotate:
+        h = np.array([[1.0]], np.float32)
+        while h.shape[0] < INT4_BLOCK:
+            h = np.block([[h, h], [h, -h]])
+        h /= np.sqrt(np.float32(INT4_BLOCK))
+        rows = rows @ h
+    levels = 7.0 if signed else 15.0
+    scale = np.abs(rows).max(axis=1) / levels
+    scale[scale == 0] = 1.0
+    x = rows / scale[:, None]
+    x = np.floor(x + rng.random(x.shape, dtype=np.float32)) if stochastic else np.rint(x)
+    x = np.clip(x, -levels if signed else 0.0, levels) * scale[:, None]
+    if rotate:
+        x = x @ h.T
+    return x.reshape(-1)[:n].reshape(a.shape)
+
+
+def bench_int4_rounding(steps: int = 1500, batches: int = 16, local_steps: int = 100, split: int = 2,
+                        seed: int = 0) -> dict[str, Any]:
+    """Is int4's nearest-level rounding biased on the gradients of a model late in training (issue 20 item 5)?
+
+    resnet18_cifar width 0.25 trained ``steps`` SGD steps (batch 64, lr 0.05, momentum 0.5) on CIFAR-10; then at
+    ``split`` (static's p_ref) for ``batches`` consecutive batches, once IID and once on a two-class device after
+    ``local_steps`` local steps (label skew, as under Dirichlet(0.1)), the model held fixed: per rounding, the
+    error of z and dz, the bias <Q(dz), dz> / |dz|^2, the share of non-zero dz values sent as 0, and the error
+    of the parameter gradient summed over 1, 4 and ``batches`` batches (what SGD integrates; a bias shows as an
+    error that does not shrink with more batches, and as a projection on the exact sum away from 1)."""
+    import torch
+    import torch.nn.functional as F
+
+    from fedsga_edge.models import create_model
+    from fedsga_edge.tensors import image_batch
+    from fedsga_edge.wire import Message, decode, encode
+
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    mean, std = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+    x_all, y_all, source = _load_images(50000, seed)
+    model = create_model("resnet18_cifar", num_classes=10, width=0.25)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+    batch, depth, params = 64, model.depth_of(split), list(model.parameters())
+
+    def train(idx_of: Callable[[int], np.ndarray], n: int) -> float:
+        model.train()
+        loss = torch.zeros(())
+        for i in range(n):
+            idx = idx_of(i)
+            loss = F.cross_entropy(model(image_batch(x_all[idx], mean, std, "cpu")), torch.from_numpy(y_all[idx]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return float(loss)
+
+    def codec_int4(a: np.ndarray, kind: str) -> np.ndarray:
+        body = {"z": a, "y": np.zeros(batch, np.int64), "split": split} if kind == "z" else {"dz": a, "loss": 0.0}
+        return decode(encode(Message("activation" if kind == "z" else "gradient", RUN, 1, 1, "client-000", body),
+                             tensor_format="int4")).body[kind]
+
+    def measure(pool: np.ndarray) -> dict[str, Any]:
+        zs, dzs, graphs, ys = [], [], [], []
+        for t in range(batches):
+            idx = pool[t * batch:(t + 1) * batch]
+            yb = torch.from_numpy(y_all[idx])
+            z = model.prefix(image_batch(x_all[idx], mean, std, "cpu"), depth)
+            zd = z.detach().requires_grad_(True)
+            (dz,) = torch.autograd.grad(F.cross_entropy(model.head(model.suffix(zd, depth)), yb), zd)
+            zs.append(zd.detach().numpy().copy())
+            dzs.append(dz.numpy().copy())
+            graphs.append(z)
+            ys.append(yb)
+
+        def flat(gs: Any) -> torch.Tensor:
+            return torch.cat([g.reshape(-1) for g in gs if g is not None]).double()
+
+        def device_g(t: int, dz: np.ndarray) -> torch.Tensor:
+            return flat(torch.autograd.grad(graphs[t], params, grad_outputs=torch.from_numpy(np.ascontiguousarray(dz)),
+                                            retain_graph=True, allow_unused=True))
+
+        def server_g(t: int, z: np.ndarray) -> torch.Tensor:
+            loss = F.cross_entropy(model.head(model.suffix(torch.from_numpy(np.ascontiguousarray(z)), depth)), ys[t])
+            return flat(torch.autograd.grad(loss, params, allow_unused=True))
+
+        exact_d = [device_g(t, dzs[t]) for t in range(batches)]
+        exact_s = [server_g(t, zs[t]) for t in range(batches)]
+        draws = np.random.default_rng(seed + 1)
+        roundings: dict[str, Callable[[np.ndarray, str], np.ndarray]] = {
+            "nearest (the codec)": codec_int4,
+            "stochastic": lambda a, _k: _int4_candidate(a, draws, stochastic=True, rotate=False),
+            "Hadamard + nearest": lambda a, _k: _int4_candidate(a, draws, stochastic=False, rotate=True),
+        }
+        out: dict[str, Any] = {}
+        for name, fn in roundings.items():
+            qd = [fn(d, "dz").astype(np.float32) for d in dzs]
+            qz = [fn(z, "z").astype(np.float32) for z in zs]
+            gd = [device_g(t, qd[t]) for t in range(batches)]
+            gs = [server_g(t, qz[t]) for t in range(batches)]
+            r: dict[str, Any] = {
+                "dz_rel_err": statistics.mean(float(np.linalg.norm(q - d) / np.linalg.norm(d)) for q, d in zip(qd, dzs)),
+                "dz_bias": statistics.mean(float((q * d).sum() / (d * d).sum()) for q, d in zip(qd, dzs)),
+                "dz_zeroed": statistics.mean(float(((q == 0) & (d != 0)).sum() / max(int((d != 0).sum()), 1))
+                                             for q, d in zip(qd, dzs)),
+                "z_rel_err": statistics.mean(float(np.linalg.norm(q - z) / np.linalg.norm(z)) for q, z in zip(qz, zs)),
+            }
+            for n in sorted({1, 4, batches}):
+                sd, ed, ss, es = sum(gd[:n]), sum(exact_d[:n]), sum(gs[:n]), sum(exact_s[:n])
+                r[f"device_g_err_{n}"] = float((sd - ed).norm() / ed.norm())
+                r[f"server_g_err_{n}"] = float((ss - es).norm() / es.norm())
+                r[f"device_g_proj_{n}"] = float((sd * ed).sum() / (ed * ed).sum())
+            out[name] = r
+        return out
+
+    t0 = time.perf_counter()
+    order = rng.permutation(len(y_all))
+    last = train(lambda i: order[(i * batch) % (len(order) - batch):][:batch], steps)
+    held = order[-batches * batch:]  # consecutive batches for the IID measurement
+    result: dict[str, Any] = {"source": source, "steps": steps, "batches": batches, "split": split,
+                              "shape": None, "train_loss": last, "cases": {}}
+    result["cases"]["IID batches"] = measure(held)
+    two = np.flatnonzero(np.isin(y_all, [3, 5]))
+    local = train(lambda i: rng.choice(two, batch, replace=False), local_steps)
+    result["cases"][f"2-class device, +{local_steps} steps ({local:.2f})"] = measure(rng.permutation(two))
+    result["shape"] = list(model.prefix(image_batch(x_all[:2], mean, std, "cpu"), depth).shape[1:])
+    result["seconds"] = time.perf_counter() - t0
+    return result
+
+
+def _print_int4_rounding(r: dict[str, Any]) -> None:
+    n = r["batches"]
+    print(f"\n## int4 rounding late in training (resnet18_cifar w0.25, {r['source']}, {r['steps']} SGD steps, final"
+          f" batch loss {r['train_loss']:.3f}; split {r['split']}, z {'x'.join(map(str, r['shape']))}, {n} batches of 64)")
+    print(f"{'case':>32} {'rounding':>20} {'dz err':>7} {'dz bias':>7} {'zeroed':>6} {'z err':>6}"
+          f" {'dev g err 1/4/' + str(n):>22} {'srv g err 1/4/' + str(n):>22} {'dev g proj ' + str(n):>12}")
+    for case, rows in r["cases"].items():
+        for name, x in rows.items():
+            dev = "/".join(f"{x[f'device_g_err_{k}']:.3f}" for k in sorted({1, 4, n}))
+            srv = "/".join(f"{x[f'server_g_err_{k}']:.3f}" for k in sorted({1, 4, n}))
+            print(f"{case:>32} {name:>20} {x['dz_rel_err']:>7.4f} {x['dz_bias']:>7.4f} {x['dz_zeroed']:>6.3f}"
+                  f" {x['z_rel_err']:>6.4f} {dev:>22} {srv:>22} {x[f'device_g_proj_{n}']:>12.4f}")
+    print("(case: IID batches, or a device holding classes 3 and 5 after its local steps (its last batch loss);"
+          " dz bias: <Q(dz), dz> / |dz|^2 per message, 1 = unbiased; zeroed: non-zero dz values sent as 0; g err: the"
+          " parameter gradient summed over 1, 4 and all batches from the decoded dz (device) or z (server) against the"
+          " exact sum; proj: that device sum projected on the exact one, 1 = no shrink)")
+
+
 # ------------------------------------------------------------------ report
 
 
@@ -585,6 +746,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tensors-only", action="store_true",
                     help="Only the formats on real tensors (bytes, error, error feedback; about a minute).")
     ap.add_argument("--tensor-batches", type=int, default=8, help="Consecutive batches per split for the real tensors.")
+    ap.add_argument("--int4-rounding", action="store_true",
+                    help="Only: int4's rounding on the gradients of a model late in training, against stochastic and "
+                         "Hadamard-rotated rounding (about 10 CPU-minutes; --late-steps).")
+    ap.add_argument("--late-steps", type=int, default=1500, help="SGD steps before --int4-rounding measures.")
     ap.add_argument("--accuracy-strategies", default="static,fedsga",
                     help=f"Comma-separated strategies for the accuracy part: {', '.join(ACCURACY_STRATEGIES)}.")
     args = ap.parse_args(argv)
@@ -602,6 +767,14 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown broker(s) {bad}; use embedded, mosquitto")
     import psutil
 
+    if args.int4_rounding:
+        rounding = bench_int4_rounding(args.late_steps, args.tensor_batches)
+        _print_int4_rounding(rounding)
+        print(f"\n({rounding['seconds']:.0f} s)")
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(rounding, indent=2))
+        return
     result: dict[str, Any] = {
         "machine": f"{platform.machine()}, {psutil.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, "
                    f"Python {platform.python_version()}",
