@@ -565,7 +565,7 @@ def bench_int4_rounding(steps: int = 1500, batches: int = 16, local_steps: int =
             opt.zero_grad()
             loss.backward()
             opt.step()
-        return float(loss)
+        return float(loss.detach())
 
     def codec_int4(a: np.ndarray, kind: str) -> np.ndarray:
         body = {"z": a, "y": np.zeros(batch, np.int64), "split": split} if kind == "z" else {"dz": a, "loss": 0.0}
