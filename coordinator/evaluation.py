@@ -77,9 +77,15 @@ class FederatedEvaluation:
     head taken at round start, so the devices' training in the same round does not leak into the figure;
     a whole-model device reports ``eval_count``, ``eval_loss`` and ``eval_acc`` in its update. The round's
     record gets the count-weighted ``fed_acc`` and ``fed_loss``, ``fed_count`` and ``fed_by_device``.
+
+    Under a strategy with ``finetuned_eval`` (FedBABU) a whole-model device's figures come with the fine-tuned
+    model's ``eval_loss_finetuned`` and ``eval_acc_finetuned`` (the same slice, so the same count): required
+    there and refused elsewhere; the record gets ``fed_acc_finetuned`` and ``fed_loss_finetuned`` (weighted by
+    the same counts) and each device's ``acc_finetuned`` and ``loss_finetuned`` in ``fed_by_device``.
     """
 
     MAX_COUNT = 10**9
+    FINETUNED = ("eval_loss_finetuned", "eval_acc_finetuned")  # a ``finetuned_eval`` strategy's second figure
 
     def __init__(self, co: Any) -> None:
         self.co = co
@@ -89,6 +95,7 @@ class FederatedEvaluation:
         self._model: Any = None
         self._head_state: dict[str, Any] | None = None
         self.tally: dict[str, list[float]] = {}  # device -> [count, summed loss, correct]
+        self.finetuned = bool(getattr(co.strategy, "finetuned_eval", False))  # FedBABU: a second figure per device
 
     def evaluates(self, t: int) -> bool:
         cfg = self.co.cfg
@@ -149,15 +156,24 @@ class FederatedEvaluation:
 
     def check_update(self, device: str, body: dict[str, Any]) -> None:
         """A whole-model device's own figures, checked before the update is accepted (ValueError)."""
+        tuned = [k for k in self.FINETUNED if k in body]
         if "eval_count" not in body:
+            if tuned:
+                raise ValueError(f"{tuned[0]} without eval_count")
             return
-        n, loss, acc = body.get("eval_count"), body.get("eval_loss"), body.get("eval_acc")
+        n = body.get("eval_count")
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.MAX_COUNT:
             raise ValueError(f"eval_count must be an integer in 1..{self.MAX_COUNT}")
         limit = self.expected.get(device)
         if limit is not None and n != limit:
             raise ValueError(f"eval_count {n} is not the {limit} samples {device} holds out")
-        for name, v, top in (("eval_loss", loss, 1e6), ("eval_acc", acc, 1.0)):
+        if self.finetuned and len(tuned) != len(self.FINETUNED):
+            raise ValueError(f"{self.co.strategy.name} evaluates a fine-tuned model too: the update must carry "
+                             f"{' and '.join(self.FINETUNED)}")
+        if tuned and not self.finetuned:
+            raise ValueError(f"{tuned[0]}: {self.co.strategy.name} fine-tunes nothing for evaluation")
+        for name in ("eval_loss", "eval_acc", *tuned):
+            v, top = body.get(name), 1.0 if name.startswith("eval_acc") else 1e6
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= top:
                 raise ValueError(f"{name} must be a finite number in [0, {top:g}]")
         if not self.active:
@@ -166,10 +182,13 @@ class FederatedEvaluation:
     def end_round(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
         """The round's federated figures into its record: weighted by each device's count."""
         tally = dict(self.tally)
+        tuned: dict[str, list[float]] = {}  # device -> [count, summed loss, correct] of its fine-tuned model
         for cid, u in updates.items():
             if "eval_count" in u and cid not in tally:
                 n = int(u["eval_count"])
                 tally[cid] = [n, float(u["eval_loss"]) * n, float(u["eval_acc"]) * n]
+                if "eval_acc_finetuned" in u:
+                    tuned[cid] = [n, float(u["eval_loss_finetuned"]) * n, float(u["eval_acc_finetuned"]) * n]
         self._model, self._head_state, self.tally = None, None, {}
         if not tally:
             return
@@ -180,3 +199,9 @@ class FederatedEvaluation:
         record["fed_model_round"] = self.t - 1
         record["fed_by_device"] = {cid: {"acc": v[2] / v[0], "loss": v[1] / v[0], "count": int(v[0])}
                                    for cid, v in sorted(tally.items())}
+        if tuned:  # every device that reported a global figure here (check_update requires the pair)
+            n_tuned = sum(v[0] for v in tuned.values())
+            record["fed_acc_finetuned"] = sum(v[2] for v in tuned.values()) / n_tuned
+            record["fed_loss_finetuned"] = sum(v[1] for v in tuned.values()) / n_tuned
+            for cid, v in tuned.items():
+                record["fed_by_device"][cid].update(acc_finetuned=v[2] / v[0], loss_finetuned=v[1] / v[0])

@@ -132,6 +132,10 @@ class Strategy:
     # A RunConfig group of run options only this strategy reads (FedSGA: "fedsga", i.e. --rho, --deadline-aware ...):
     # set to a non-default value under another --strategy, such an option is refused instead of silently ignored
     config_group: ClassVar[str | None] = None
+    # In an evaluation round its whole-model devices also report a fine-tuned figure (``eval_loss_finetuned``,
+    # ``eval_acc_finetuned``: FedBABU's personalised accuracy); the coordinator requires it then, and refuses it
+    # from every other strategy's devices (coordinator/evaluation.py)
+    finetuned_eval: ClassVar[bool] = False
 
     def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
         self.cfg = cfg

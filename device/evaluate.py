@@ -11,7 +11,9 @@ aggregation), before it trains:
   the labels; the coordinator runs them through its copy of the round-start suffix and head and answers
   ``eval_result`` (the batch's summed loss, its correct count and its size), summing them per device;
 * a whole-model device (FedAvg, FedProx) evaluates alone and reports ``eval_count``, ``eval_loss`` and
-  ``eval_acc`` in its update.
+  ``eval_acc`` in its update;
+* under FedBABU a whole-model device also reports ``eval_loss_finetuned`` and ``eval_acc_finetuned``: a
+  copy of the received head fine-tuned on its training data, on the same slice (``finetuned_evaluation``).
 
 docs/protocol.md, "Federated evaluation", says what this reveals. Only numpy is imported here; the torch
 backend's forward is imported where it runs, so the torch-free device never loads torch.
@@ -24,9 +26,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EVAL_SPAWN", "hold_out", "held_out_evaluation", "eval_batches"]
+__all__ = ["EVAL_SPAWN", "FINETUNE_SPAWN", "hold_out", "held_out_evaluation", "eval_batches", "finetuned_evaluation",
+           "finetune_rng"]
 
 EVAL_SPAWN = 0xE7A1  # the held-out slice's own stream: it draws nothing from the batch order's
+FINETUNE_SPAWN = 0xF1E7  # FedBABU's fine-tuning batch order: its own stream per round, none of the training's
 
 
 def hold_out(indices: np.ndarray, fraction: float, seed: int, cid: str) -> tuple[np.ndarray, np.ndarray]:
@@ -84,6 +88,86 @@ def held_out_evaluation(client: Any, plan: Any, expect: Callable[[Any, str], Any
         z = _eval_forward(be, x, plan.depth, plan.prompts)
         expect((yield "evaluate", {"z": z, "y": y, "split": plan.k}), "eval_result")
     return {}
+
+
+def finetune_rng(client: Any, t: int) -> np.random.Generator:
+    """Round ``t``'s fine-tuning batch order: a child of the device's seed (the run's seed and its id), so it
+    is the same in every run with that seed and draws nothing from the training's batch order."""
+    ss = getattr(client.rng.bit_generator, "seed_seq", None)
+    if ss is None:
+        from .role import stable_hash
+
+        ss = np.random.SeedSequence(stable_hash(client.cid))
+    return np.random.default_rng(np.random.SeedSequence(ss.entropy, spawn_key=(*ss.spawn_key, FINETUNE_SPAWN, t)))
+
+
+def finetuned_evaluation(client: Any, plan: Any, epochs: int, t: int) -> dict[str, Any]:
+    """FedBABU's personalised figure of the received model (docs/method.md, "FedBABU"): a copy of its head
+    trained for ``epochs`` epochs on the device's training data (``client.data.indices``, never the held-out
+    slice; each epoch a fresh order from ``finetune_rng``, in batches of ``batch_size``, at most ``max_batches``
+    of them; plain SGD at the round's lr, momentum and weight decay), the body fixed as received (eval mode:
+    the features the head is scored on), then scored on the held-out slice in the batches of the global figure.
+    {} without a slice or outside a whole-model round. The device's model, its optimizer and its random
+    streams are left as they were: the copy is dropped. 0 epochs scores the received head itself."""
+    held = getattr(client.data, "eval_indices", None)
+    if held is None or not len(held) or not plan.full:
+        return {}
+    tc = plan.train
+    train = np.asarray(client.data.indices)
+    rng = finetune_rng(client, t)
+    order = []  # per epoch, its batches as positions in ``train``
+    for _ in range(epochs):
+        batches = eval_batches(rng.permutation(len(train)), tc.batch_size)
+        order.append(batches[: tc.max_batches] if tc.max_batches else batches)
+    loss_sum, correct = _finetuned_eval(client, plan, train, order, eval_batches(np.asarray(held), tc.batch_size))
+    n = len(held)
+    return {"eval_loss_finetuned": loss_sum / n, "eval_acc_finetuned": correct / n}
+
+
+def _finetuned_eval(client: Any, plan: Any, train: np.ndarray, order: list[list[np.ndarray]],
+                    held: list[np.ndarray]) -> tuple[float, int]:
+    """The torch part of ``finetuned_evaluation``: (summed cross-entropy, correct) of the fine-tuned head."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    model, tc = client.backend.model, plan.train
+    was = model.training
+    model.eval()
+    try:
+        def features(idx: np.ndarray) -> tuple[Any, Any]:
+            x, y = client._inputs(idx, augment=False)
+            with torch.no_grad():
+                f = model.pool(model.prefix(x, model.num_blocks))
+            return f, torch.from_numpy(np.asarray(y, dtype=np.int64)).to(f.device)
+
+        head = copy.deepcopy(model.head)
+        if order:
+            used = np.unique(np.concatenate([b for epoch in order for b in epoch]))  # the samples some batch takes
+            row = np.full(len(train), -1, dtype=np.int64)
+            row[used] = np.arange(len(used))
+            parts = [features(train[used[i : i + tc.batch_size]]) for i in range(0, len(used), tc.batch_size)]
+            feats, labels = torch.cat([f for f, _ in parts]), torch.cat([y for _, y in parts])
+            opt = torch.optim.SGD(head.parameters(), lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+            head.train()
+            for epoch in order:
+                for b in epoch:
+                    r = torch.from_numpy(row[b]).to(feats.device)
+                    opt.zero_grad(set_to_none=True)
+                    F.cross_entropy(head(feats[r]), labels[r]).backward()
+                    opt.step()
+        head.eval()
+        loss, correct = 0.0, 0
+        with torch.no_grad():
+            for idx in held:
+                f, y = features(idx)
+                logits = head(f)
+                loss += float(F.cross_entropy(logits, y, reduction="sum"))
+                correct += int((logits.argmax(1) == y).sum())
+    finally:
+        model.train(was)
+    return loss, correct
 
 
 def _eval_forward(be: Any, x: Any, depth: int, prompts: np.ndarray | None) -> np.ndarray:

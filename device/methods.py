@@ -9,6 +9,9 @@ which method runs:
 * ``before_train(client, plan)``: after the round's weights are loaded (round start and fetch), before
   the held-out evaluation and local training: whatever turns the received model into the one this
   device trains (FedGH: the device's own body back; FedAS: the received body aligned, its own head back);
+* ``evaluate(client, plan, t) -> dict``: in an evaluation round, right after the held-out evaluation of the
+  received model (before training); the dict's figures go into the update beside ``eval_*`` (FedBABU's
+  fine-tuned figure, ``eval_loss_finetuned`` and ``eval_acc_finetuned``);
 * ``report(client, plan) -> dict``: after training; the dict goes into the update as ``update["method"]``
   and the coordinator's strategy checks it (``Strategy.check_update``) before it can count.
 
@@ -30,7 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 __all__ = ["DeviceMethod", "register_device_method", "device_method", "check_method", "FedGHDevice",
-           "FedASDevice", "class_means"]
+           "FedASDevice", "FedBABUDevice", "class_means"]
 
 _REGISTRY: dict[str, type["DeviceMethod"]] = {}
 
@@ -49,6 +52,11 @@ class DeviceMethod:
 
     def before_train(self, client: Any, plan: Any) -> None:
         """The round's weights are loaded; make the model this device trains (and evaluates) this round."""
+
+    def evaluate(self, client: Any, plan: Any, t: int) -> dict[str, Any]:
+        """Round ``t`` evaluates: after the received model's held-out figure, before training, further figures
+        for the update (beside ``eval_count``, ``eval_loss``, ``eval_acc``). None by default."""
+        return {}
 
     def report(self, client: Any, plan: Any) -> dict[str, Any]:
         """After local training: what the update carries for the strategy (``update["method"]``)."""
@@ -180,3 +188,21 @@ class FedASDevice(DeviceMethod):
         client.method_state[self.name] = {"classes": classes, "means": means,
                                           "head": _units(be, be.weights(be.num_blocks, True), head=True)}
         return {"fisher": total}
+
+
+@register_device_method
+class FedBABUDevice(DeviceMethod):
+    """FedBABU's personalised figure: in an evaluation round, a copy of the received head fine-tuned for
+    ``finetune_epochs`` epochs on this device's training data, scored on its held-out slice beside the global
+    model's figure (device/evaluate.py ``finetuned_evaluation``). The device's own model is only read."""
+
+    name = "fedbabu"
+
+    @classmethod
+    def check(cls, settings: dict[str, Any]) -> None:
+        _positive(settings, "finetune_epochs", int, 1000)
+
+    def evaluate(self, client: Any, plan: Any, t: int) -> dict[str, Any]:
+        from .evaluate import finetuned_evaluation
+
+        return finetuned_evaluation(client, plan, int(self.settings["finetune_epochs"]), t)

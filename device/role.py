@@ -323,6 +323,8 @@ class SplitClient:
             method.before_train(self, plan)
         if body.get("evaluate"):  # the model this round starts from, on the held-out slice (device/evaluate.py)
             plan.report.update((yield from held_out_evaluation(self, plan, _expect)))
+            if method is not None:  # a method's own figures (FedBABU: after fine-tuning a copy of the head)
+                plan.report.update(method.evaluate(self, plan, t))
         trained = yield from self._train(plan)
         self._learn_prompts(plan, trained)
         yield from self._calibrate(body, plan)

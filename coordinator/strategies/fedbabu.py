@@ -5,7 +5,13 @@ initialisation for the whole federated training.
 The devices get ``freeze_head`` in their training settings (the torch device leaves the head out of
 its optimizer; the torch-free ONNX device refuses whole-model rounds with its reason), and only the
 body is aggregated: after aggregation the head is put back to the round's starting value, whatever a
-device sent. docs/method.md, "Baselines beyond the paper's own".
+device sent.
+
+The paper's personalised figure: in an evaluation round (``--eval-holdout``) each device also fine-tunes
+a copy of the received head for ``--fedbabu-finetune-epochs`` epochs on its own training data and scores
+it on its held-out slice (the round start's ``method`` map carries the epochs; device/methods.py
+``FedBABUDevice``, device/evaluate.py ``finetuned_evaluation``); the record gets ``fed_acc_finetuned``
+beside the global ``fed_acc``. docs/method.md, "Baselines beyond the paper's own".
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from fedsga_edge.config import TrainConfig
+from fedsga_edge.options import Opt
 
 from ..strategy import head_state, register_strategy
 from .fedavg import FedAvg
@@ -29,6 +36,13 @@ class FedBABU(FedAvg):
     name = "fedbabu"
     help = "FedBABU: the whole model on every device, the head frozen at its initialisation, the body averaged"
     label = "FedBABU (body trained, head fixed)"
+    options = (
+        Opt("finetune_epochs", int, 5, "Evaluation rounds (--eval-holdout): epochs of head-only fine-tuning on each "
+            "device's own training data (a copy of the received head, the run's --lr, --batch-size and --max-batches) "
+            "before the fine-tuned figure is scored on its held-out slice (the paper's tau_f = 5); 0 scores the global "
+            "model again.", ge=0, le=1000),
+    )
+    finetuned_eval = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -40,6 +54,17 @@ class FedBABU(FedAvg):
 
     def device_train(self, train: TrainConfig) -> TrainConfig:
         return dataclasses.replace(train, mu=0.0, freeze_head=True)
+
+    def round_start_fields(self, k: int | None, calibrate: bool) -> dict[str, Any]:
+        """The device side's settings (device/methods.py ``FedBABUDevice``): a device that predates them
+        refuses the round, naming the method, instead of evaluating without the fine-tuned figure."""
+        return {"fedsga": None, "method": {"name": self.name, "finetune_epochs": int(self.args["finetune_epochs"])}}
+
+    def check_update(self, body: dict[str, Any]) -> None:
+        """The device side reports nothing of its own (its figures are ``eval_*``, checked by the evaluation)."""
+        m = body.get("method")
+        if m is not None and not (isinstance(m, dict) and not m):
+            raise ValueError("a FedBABU update's method fields must be empty")
 
     def begin_round(self, t: int, calibrate: bool) -> None:
         self._head = head_state(self._model)

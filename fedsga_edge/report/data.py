@@ -477,7 +477,10 @@ def federated_device_rows(runs: list[Run]) -> list[dict[str, Any]]:
         for cid, d in sorted(devs, key=lambda cd: (_num(cd[1].get("acc")), cd[0])):
             rows.append({"run": r.name, "model_round": last.get("fed_model_round"), "device": cid,
                          "acc": _num(d.get("acc")), "loss": _num(d.get("loss")), "count": d.get("count"),
-                         "fed_acc": _num(last.get("fed_acc")), "test_acc": test})
+                         "fed_acc": _num(last.get("fed_acc")), "test_acc": test,
+                         # FedBABU: the same device's figure after fine-tuning a copy of the head, and its mean
+                         "acc_finetuned": _num(d.get("acc_finetuned")),
+                         "fed_acc_finetuned": _num(last.get("fed_acc_finetuned"))})
     return rows
 
 

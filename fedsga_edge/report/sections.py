@@ -222,7 +222,9 @@ def federated(i: Inputs) -> Plot:
                         "Runs with <code>--eval-holdout</code>: each device evaluates the global model on a "
                         "held-out slice of its own data (<code>fed_acc</code>, weighted by each device's count) "
                         "beside the coordinator's test accuracy of the same model, when it has a test set; thin "
-                        "lines are the devices, the table their last figures, worst first.",
+                        "lines are the devices, the table their last figures, worst first (FedBABU runs add each "
+                        "device's figure after fine-tuning a copy of the head on its own data, "
+                        "<code>fed_acc_finetuned</code>).",
                         extra_html=_federated_table(i.runs)),
                 lambda: D.federated_curves(i.runs), P.plot_federated,
                 _if_runs(i, "no run has <code>fed_acc</code> in metrics.jsonl (run with <code>--eval-holdout</code>)."))
@@ -240,4 +242,8 @@ def _federated_table(runs: list[Run]) -> str:
     body = [[r["run"], str(r["model_round"]), r["device"], pct(r["acc"]),
              "—" if r["loss"] is None else f"{r['loss']:.3f}", str(r["count"]), pct(r["fed_acc"]), pct(r["test_acc"])]
             for r in rows]
-    return table_html(head, body, ["l", "", "l"] + [""] * 5)
+    if any(r.get("acc_finetuned") is not None for r in rows):  # FedBABU runs: the fine-tuned heads' figures too
+        head += ["fine-tuned (%)", "federated fine-tuned (%)"]
+        for line, r in zip(body, rows):
+            line += [pct(r.get("acc_finetuned")), pct(r.get("fed_acc_finetuned"))]
+    return table_html(head, body, ["l", "", "l"] + [""] * (len(head) - 3))
