@@ -389,11 +389,6 @@ class CoordinatorService:
     def _make_summary(self, records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         summary = summarize(records, self.cfg, wall_s)
         summary["devices"] = {c: dict(d) for c, d in sorted(self.registered.items())}
-        fed = [r for r in records if "fed_acc" in r]
-        if fed:  # the devices' own figure of the last model they evaluated (docs/protocol.md, "Federated evaluation")
-            summary["final_fed_acc"], summary["fed_model_round"] = fed[-1]["fed_acc"], fed[-1]["fed_model_round"]
-            if "fed_acc_finetuned" in fed[-1]:  # FedBABU: the devices' fine-tuned heads on the same model
-                summary["final_fed_acc_finetuned"] = fed[-1]["fed_acc_finetuned"]
         return summary
 
     def _say_bye(self) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 if TYPE_CHECKING:
     from fedsga_edge.config import RunConfig
 
-__all__ = ["JsonLog", "RunFiles", "TIMING_FIELDS", "atomic_write", "atomic_torch_save", "device_timing", "summarize"]
+__all__ = ["JsonLog", "RunFiles", "TIMING_FIELDS", "atomic_write", "atomic_torch_save", "device_timing", "fed_text", "summarize"]
 
 LEVELS = ("debug", "info", "warning", "error")
 
@@ -226,7 +226,20 @@ def summarize(records: list[dict[str, Any]], cfg: "RunConfig", wall_s: float) ->
     if fleet:  # simulate --fleet: the seconds the fleet would have taken (docs/fleet.md); absent otherwise
         out["fleet_s"] = float(sum(fleet))
         out["fleet_round_s"] = {"median": float(np.median(fleet)), "max": float(max(fleet))}
+    fed = [r for r in records if "fed_acc" in r]
+    if fed:  # the devices' own figure of the last model they evaluated (docs/protocol.md, "Federated evaluation")
+        out["final_fed_acc"], out["fed_model_round"] = fed[-1]["fed_acc"], fed[-1]["fed_model_round"]
+        if "fed_acc_finetuned" in fed[-1]:  # FedBABU: the devices' fine-tuned heads on the same model
+            out["final_fed_acc_finetuned"] = fed[-1]["fed_acc_finetuned"]
     return out
+
+
+def fed_text(summary: dict[str, Any]) -> str:
+    """The federated figures of a summary for a command's last line (empty without --eval-holdout)."""
+    text = f" final_fed_acc={summary['final_fed_acc']:.4f}" if "final_fed_acc" in summary else ""
+    if "final_fed_acc_finetuned" in summary:
+        text += f" final_fed_acc_finetuned={summary['final_fed_acc_finetuned']:.4f}"
+    return text
 
 
 def _mean(values: list[float]) -> float | None:

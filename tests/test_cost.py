@@ -108,3 +108,19 @@ def test_the_summary_keeps_the_parts_and_reads_older_runs() -> None:
     s = summarize(old, cfg, 1.0)
     assert s["client_train_flops_per_sample"] == s["client_flops_per_sample"] == 121.5
     assert s["client_method_flops_per_sample"] is None and s["observation_flops"] == {"client": 0}
+
+
+def test_the_summary_and_the_last_line_carry_the_devices_own_figures_in_every_command() -> None:
+    """simulate and the field commands build their summary here, so --eval-holdout's figures (and FedBABU's
+    fine-tuned one) reach summary.json and the printed line whichever command ran."""
+    from fedsga_edge.runfiles import fed_text
+
+    cfg = small("fedbabu")
+    rec = {"splits": {"c": 0}, "bytes_up": 1, "bytes_down": 1, "client_params": 1.0, "client_flops_per_sample": 1.0}
+    records = [rec | {"round": 1, "fed_acc": 0.25, "fed_model_round": 0, "fed_acc_finetuned": 0.5},
+               rec | {"round": 2}, rec | {"round": 3, "fed_acc": 0.375, "fed_model_round": 2, "fed_acc_finetuned": 0.625}]
+    s = summarize(records, cfg, 1.0)
+    assert (s["final_fed_acc"], s["fed_model_round"], s["final_fed_acc_finetuned"]) == (0.375, 2, 0.625)
+    assert fed_text(s) == " final_fed_acc=0.3750 final_fed_acc_finetuned=0.6250"
+    plain = summarize([rec | {"round": 1}], cfg, 1.0)
+    assert "final_fed_acc" not in plain and fed_text(plain) == ""

@@ -284,7 +284,9 @@ def coordinator(
         raise typer.BadParameter(str(exc)) from None
     finally:
         transport.close()
-    fed = f" final_fed_acc={summary['final_fed_acc']}" if "final_fed_acc" in summary else ""
+    from fedsga_edge.runfiles import fed_text
+
+    fed = fed_text(summary)
     typer.echo(f"final_acc={summary.get('final_acc')}{fed} rounds={summary.get('rounds')} "
                f"failures={summary.get('failures')} -> {run_dir}")
 
@@ -566,7 +568,9 @@ def trial(
     summary = json.loads((out / "summary.json").read_text())
     if fleet is not None:
         _fleet_report(out, summary, fleet, fleet_mode, quotas)
-    fed = f" final_fed_acc={summary['final_fed_acc']}" if "final_fed_acc" in summary else ""
+    from fedsga_edge.runfiles import fed_text
+
+    fed = fed_text(summary)
     flt = f" fleet={summary['fleet_s']:.1f}s" if "fleet_s" in summary else ""
     typer.echo(f"final_acc={summary.get('final_acc')}{fed} rounds={summary.get('rounds')} "
                f"failures={summary.get('failures')}{flt} -> {out}")

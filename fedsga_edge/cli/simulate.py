@@ -59,12 +59,14 @@ def simulate(
         bar.close()
         raise typer.BadParameter(str(exc)) from None
     bar.close()
+    from fedsga_edge.runfiles import fed_text
+
     acc = summary["final_acc"]
     fleet = f" fleet={summary['fleet_s']:.1f}s" if "fleet_s" in summary else ""  # --fleet: its virtual seconds
     typer.echo(
         f"final_acc={acc:.4f} best_acc={summary['best_acc']:.4f} "
         f"client_flops/sample={summary['client_flops_per_sample'] / 1e6:.1f}M "
-        f"bytes={summary['bytes_total'] / 1e6:.1f}MB wall={summary['wall_s']:.1f}s{fleet} -> {out}"
+        f"bytes={summary['bytes_total'] / 1e6:.1f}MB wall={summary['wall_s']:.1f}s{fleet}{fed_text(summary)} -> {out}"
     )
 
 
