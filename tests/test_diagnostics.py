@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
+
 from _runs import tiny_config
 
 from fedsga_edge.simulation import run_simulation
@@ -30,3 +32,32 @@ def test_prefix_mismatch_reproduces_the_run_and_swaps_in_each_devices_prefix(tmp
     assert rows[-1]["global_acc"] == last["test_acc"] == summary["final_acc"]
     assert len(rows[-1]["own_prefix_acc"]) == cfg.clients
     assert any(a != round(rows[-1]["global_acc"], 4) for a in rows[-1]["own_prefix_acc"].values())
+
+
+def test_calibration_signal_ranks_devices_within_a_round_and_pools_relative_to_it(tmp_path, capsys) -> None:
+    """AUC within a calibration round, r's spread in the rounds after it, and the pool over rounds with both
+    labels, each input taken about its round's mean (a round's level is no device signal)."""
+    mod = _load("calibration_signal")
+    s = np.array([1.0, 1.0, 0.0, 0.0])
+    assert mod.auc(np.array([3.0, 4.0, 1.0, 2.0]), s) == 1.0 and mod.auc(np.array([1.0, 1.0, 1.0, 1.0]), s) == 0.5
+    assert mod.auc(np.array([1.0, 2.0]), np.array([1.0, 1.0])) is None
+
+    def dev(**v):
+        return {"a": 0.0, "delta": 1.0, "q": 0.0, "r_prev": 0.5, **v}
+
+    rows = [{"round": 1, "clients": {"c0": dev(s=1, a=1.0), "c1": dev(s=0, a=0.0)}},
+            {"round": 2, "clients": {"c0": dev(r=0.8), "c1": dev(r=0.3)}},
+            # round 3: a is higher for both, the labels rank them the other way round
+            {"round": 3, "clients": {"c0": dev(s=0, a=6.0), "c1": dev(s=1, a=5.0)}},
+            {"round": 4, "clients": {"c0": dev(s=1), "c1": dev(s=1)}}]
+    cal = mod.calibration_rounds(rows)
+    assert [c["round"] for c in cal] == [1, 3, 4] and cal[0]["r_after"] == [(0.3, 0.8)]
+    run = tmp_path / "fedsga" / "iid" / "seed0"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mod.main([str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| fedsga/iid/seed0 | 1 | 2 | 0.50 | 1.00 | 0.50 | 0.50 | 0.50 | 0.50 |" in out  # r spread after: 0.8 - 0.3
+    assert "| fedsga/iid/seed0 | 3 | 2 | 0.50 | 0.00 |" in out and "| fedsga/iid/seed0 | 4 | 2 | 1.00 | - |" in out
+    # pooled: round 1 says a ranks up, round 3 down; about each round's mean they cancel (round 4 has one label)
+    assert "3 calibration rounds, 2 with both labels" in out and "AUC a 0.50" in out

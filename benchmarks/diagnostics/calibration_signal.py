@@ -1,0 +1,88 @@
+"""Do FedSGA's calibration labels say anything about devices, and does the observation predict them?
+
+Gamma (the sufficiency estimator) can only send devices to different splits if, within a calibration round,
+the label s = 1[L1 <= (1 + beta) Lref] differs between devices and the observation o = [a, delta, q] (with
+r_prev) ranks the devices the way the labels do. For each FedSGA run under OUT (``<method>/<partition>/
+seed<s>/metrics.jsonl``, as benchmarks/accuracy.py writes them; per-device ``s``, ``a``, ``delta``, ``q``,
+``r_prev`` and ``r`` are in each record's ``clients``), per calibration round: how many devices were labelled,
+the share labelled 1, each input's AUC for s among that round's devices (the chance that a device labelled 1
+has the larger value; 0.5: no ranking; Gamma is built increasing in a and r_prev, decreasing in delta and q,
+so its assumption is AUC > 0.5 for a and r_prev, < 0.5 for delta and q), and the spread of r over devices in
+the rounds that estimate uses. Then the same pooled over all runs' calibration rounds, each round's labels
+and inputs taken relative to that round (so a round's base rate and the features' drift over rounds do not
+count as device signal).
+
+    python benchmarks/diagnostics/calibration_signal.py benchmarks/runs_office
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+INPUTS = ("a", "delta", "q", "r_prev")
+
+
+def auc(x: np.ndarray, s: np.ndarray) -> float | None:
+    """P(x of a random s=1 device > x of a random s=0 device), ties half; None without both labels."""
+    pos, neg = x[s == 1], x[s == 0]
+    if not len(pos) or not len(neg):
+        return None
+    gt = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    return float(gt / (len(pos) * len(neg)))
+
+
+def calibration_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per calibration round (a record whose devices carry a label ``s``): its labels and inputs, and the
+    r each device got in the rounds up to the next calibration."""
+    out: list[dict[str, Any]] = []
+    for rec in rows:
+        labelled = {c: v for c, v in rec.get("clients", {}).items() if v.get("s") is not None}
+        if labelled:
+            out.append({"round": rec["round"], "s": np.array([float(v["s"]) for v in labelled.values()]),
+                        **{k: np.array([float(v.get(k) or 0.0) for v in labelled.values()]) for k in INPUTS},
+                        "r_after": []})
+        elif out:
+            rs = [v["r"] for v in rec.get("clients", {}).values() if v.get("r") is not None]
+            if rs:
+                out[-1]["r_after"].append((min(rs), max(rs)))
+    return out
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    args = ap.parse_args(argv)
+    print("| run | round | devices | s = 1 share | AUC a | AUC delta | AUC q | AUC r_prev | r spread over devices after (max - min, mean) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    pooled: dict[str, list[float]] = {k: [] for k in ("s", *INPUTS)}
+    rounds = mixed = 0
+    for path in sorted(args.out.glob("*/*/seed*/metrics.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for cal in calibration_rounds(rows):
+            spread = [hi - lo for lo, hi in cal["r_after"]]
+            rounds += 1
+            mixed += bool(0 < cal["s"].mean() < 1)
+            print(f"| {path.parent.relative_to(args.out)} | {cal['round']} | {len(cal['s'])} | {cal['s'].mean():.2f} | "
+                  + " | ".join(_fmt(auc(cal[k], cal["s"])) for k in INPUTS)
+                  + (f" | {np.mean(spread):.2f} |" if spread else " | - |"))
+            if 0 < cal["s"].mean() < 1:  # a round whose labels tell devices apart: its values about its means
+                pooled["s"].extend(cal["s"])
+                for k in INPUTS:
+                    pooled[k].extend(cal[k] - cal[k].mean())
+    s = np.array(pooled["s"])
+    print(f"\n{rounds} calibration rounds, {mixed} with both labels; pooled over those, each input relative to its "
+          f"round's mean ({len(s)} device-rounds, s = 1 share {s.mean() if len(s) else float('nan'):.2f}): "
+          + ", ".join(f"AUC {k} {_fmt(auc(np.array(pooled[k]), s))}" for k in INPUTS))
+
+
+if __name__ == "__main__":
+    main()
