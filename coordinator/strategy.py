@@ -129,9 +129,9 @@ class Strategy:
     requests: ClassVar[dict[str, str]] = {}
     # The method's own hyperparameters (flags --<name>-<option>, values in cfg.strategy_args; read self.args)
     options: ClassVar[tuple[Opt, ...]] = ()
-    # A RunConfig group of run options only this strategy reads (FedSGA: "fedsga", i.e. --rho, --deadline-aware ...):
-    # set to a non-default value under another --strategy, such an option is refused instead of silently ignored
-    config_group: ClassVar[str | None] = None
+    # Run options only this strategy reads: RunConfig keys, or a group of them ("fedsga": --rho, --deadline-aware
+    # ...). Set off its default under another --strategy, such an option is refused instead of silently ignored.
+    owns_options: ClassVar[tuple[str, ...]] = ()
     # In an evaluation round its whole-model devices also report a fine-tuned figure (``eval_loss_finetuned``,
     # ``eval_acc_finetuned``: FedBABU's personalised accuracy); the coordinator requires it then, and refuses it
     # from every other strategy's devices (coordinator/evaluation.py)

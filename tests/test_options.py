@@ -127,6 +127,10 @@ def test_a_strategy_declares_its_option_in_its_own_class(windowed, tmp_path) -> 
             runflags.run_config(strategy="test-windowed", **{flag: value})
         assert runflags.run_config(strategy="fedsga", **{flag: value})
     assert runflags.run_config(strategy="static", rho=0.1).strategy == "static"  # its default value is no choice
+    for strategy, flag, value, owner in (("fedavg", "mu", 0.3, "fedprox"), ("static", "speed_sigma", 1.0, "resource")):
+        with pytest.raises(typer.BadParameter, match=f"--{flag.replace('_', '-')} applies to --strategy {owner} only"):
+            runflags.run_config(strategy=strategy, **{flag: value})
+        assert runflags.run_config(strategy=owner, **{flag: value})
     with pytest.raises(ValueError, match="--test-windowed-window must be >= 1"):
         validate_config(dataclasses.replace(cfg, strategy_args={"window": 0}))
     with pytest.raises(ValueError, match="unknown strategy argument 'windw'"):
@@ -144,9 +148,10 @@ def test_every_flag_keeps_its_spelling_and_maps_to_its_field() -> None:
     assert by_param["mu"].key == "prox_mu" and by_param["no_adapt"].key == "fedsga.adapt"
     assert by_param["model_arg"].key == "model_args" and by_param["augment"].flags == "--augment/--no-augment"
     assert "proto_dim" not in by_param and not any(o.key == "train.mu" and o.cli for o in run_options())
-    cfg = runflags.run_config(strategy="fedsga", mu=0.3, no_adapt=True, server_copies="per-client", schedule="round-robin",
+    cfg = runflags.run_config(strategy="fedsga", no_adapt=True, server_copies="per-client", schedule="round-robin",
                               model_arg=["depth=2", "act=relu"], data_root=None, lr=0.05)
-    assert (cfg.prox_mu, cfg.fedsga.adapt, cfg.server_copies, cfg.schedule) == (0.3, False, "per_client", "round_robin")
+    assert (cfg.fedsga.adapt, cfg.server_copies, cfg.schedule) == (False, "per_client", "round_robin")
+    assert runflags.run_config(strategy="fedprox", mu=0.3).prox_mu == 0.3
     assert cfg.model_args == {"depth": 2, "act": "relu"} and cfg.train.lr == 0.05 and cfg.data_root is None
     with pytest.raises(typer.BadParameter, match="--model-arg 'depth' is not KEY=VALUE"):
         runflags.run_config(model_arg=["depth"])

@@ -15,6 +15,7 @@ class FedProx(FedAvg):
     name = "fedprox"
     help = "FedAvg with a proximal term (--mu)"
     label = "FedProx"
+    owns_options = ("prox_mu",)
 
     def device_train(self, train: TrainConfig) -> TrainConfig:
         return dataclasses.replace(train, mu=self.cfg.prox_mu)

@@ -117,7 +117,7 @@ class FedSGA(Strategy):
     label = "**FedSGA**"
     adaptive = True
     requests = {"probe": "on_probe"}
-    config_group = "fedsga"
+    owns_options = ("fedsga",)
 
     def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
         super().__init__(cfg, num_splits, clients, train_flops)

@@ -33,6 +33,7 @@ class Resource(Strategy):
             "else --speed-sigma; --profile)")
     label = "Resource-driven (MultiSFL-style)"
     adaptive = True
+    owns_options = ("speed_sigma", "profile")
 
     def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
         super().__init__(cfg, num_splits, clients, train_flops)

@@ -86,13 +86,13 @@ def config_from_flags(flags: dict[str, Any], strict: bool = True) -> RunConfig:
     for param, (o, users) in own.items():
         if strict and strategy not in users and param in flags and flags[param] != o.command_line_default():
             raise ValueError(f"{o.first_flag} applies to --strategy {' or '.join(users)} only")
-    if strict:  # a config group only some strategies read (FedSGA's --rho ...): the same rule
-        groups: dict[str, list[str]] = {}
+    if strict:  # run options only some strategies read (FedSGA's --rho ..., FedProx's --mu): the same rule
+        owners: dict[str, list[str]] = {}
         for name, cls in _strategies().items():
-            if cls.config_group:
-                groups.setdefault(cls.config_group, []).append(name)
+            for key in cls.owns_options:
+                owners.setdefault(key, []).append(name)
         for o in run_options():
-            users = groups.get(o.key.split(".")[0], []) if "." in o.key else []
+            users = owners.get(o.key, []) + owners.get(o.key.split(".")[0], []) if "." in o.key else owners.get(o.key, [])
             if users and strategy not in users and o.cli and o.param in flags \
                     and flags[o.param] != o.command_line_default():
                 raise ValueError(f"{o.first_flag} applies to --strategy {' or '.join(users)} only")
