@@ -49,7 +49,9 @@ def test_calibration_signal_ranks_devices_within_a_round_and_pools_relative_to_i
             {"round": 2, "clients": {"c0": dev(r=0.8), "c1": dev(r=0.3)}},
             # round 3: a is higher for both, the labels rank them the other way round
             {"round": 3, "clients": {"c0": dev(s=0, a=6.0), "c1": dev(s=1, a=5.0)}},
-            {"round": 4, "clients": {"c0": dev(s=1), "c1": dev(s=1)}}]
+            {"round": 4, "clients": {"c0": dev(s=1), "c1": dev(s=1)}},
+            # a first observation (delta = r_prev = 0) is no pair of Gamma's: a round of only those is no round
+            {"round": 5, "clients": {"c0": dev(s=1, delta=0.0, r_prev=0.0), "c1": dev(s=0, delta=0.0, r_prev=0.0)}}]
     cal = mod.calibration_rounds(rows)
     assert [c["round"] for c in cal] == [1, 3, 4] and cal[0]["r_after"] == [(0.3, 0.8)]
     run = tmp_path / "fedsga" / "iid" / "seed0"

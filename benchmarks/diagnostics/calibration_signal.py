@@ -2,7 +2,8 @@
 
 Gamma (the sufficiency estimator) can only send devices to different splits if, within a calibration round,
 the label s = 1[L1 <= (1 + beta) Lref] differs between devices and the observation o = [a, delta, q] (with
-r_prev) ranks the devices the way the labels do. For each FedSGA run under OUT (``<method>/<partition>/
+r_prev) ranks the devices the way the labels do. Only the pairs Gamma is fitted on count (a device's first
+observation, the same point for every device, is left out as the method leaves it out). For each FedSGA run under OUT (``<method>/<partition>/
 seed<s>/metrics.jsonl``, as benchmarks/accuracy.py writes them; per-device ``s``, ``a``, ``delta``, ``q``,
 ``r_prev`` and ``r`` are in each record's ``clients``), per calibration round: how many devices were labelled,
 the share labelled 1, each input's AUC for s among that round's devices (the chance that a device labelled 1
@@ -41,7 +42,10 @@ def calibration_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     r each device got in the rounds up to the next calibration."""
     out: list[dict[str, Any]] = []
     for rec in rows:
-        labelled = {c: v for c, v in rec.get("clients", {}).items() if v.get("s") is not None}
+        # the pairs Gamma is fitted on: a device's first observation (delta = 0 and r_prev = 0) is the same
+        # point for every device and is not stored (fedsga_edge/method/estimator.py ``informative``)
+        labelled = {c: v for c, v in rec.get("clients", {}).items() if v.get("s") is not None
+                    and not (float(v.get("delta") or 0.0) == 0.0 and float(v.get("r_prev") or 0.0) == 0.0)}
         if labelled:
             out.append({"round": rec["round"], "s": np.array([float(v["s"]) for v in labelled.values()]),
                         **{k: np.array([float(v.get(k) or 0.0) for v in labelled.values()]) for k in INPUTS},
