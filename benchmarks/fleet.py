@@ -87,10 +87,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                                                            batch_size=16, momentum=0.5),
                                    eval_every=1, eval_subset=0, seeds=[0], partitions=["iid"]),
               "target": 0.9, "deadline": 5.0},
-    # accuracy.py's cifar regime (25,000 CIFAR-10 images, 14 rounds, width 0.25, momentum 0.5, server rate 0.015)
-    # on the same fleet: ~12 CPU-minutes a run there, so about 2-3 CPU-hours for the table. Accuracy between the
+    # accuracy.py's cifar regime (25,000 CIFAR-10 images, 14 rounds, width 0.125, momentum 0.5, server rate 0.015)
+    # on the same fleet: ~12 CPU-minutes a run, so about 2 CPU-hours for the table. Accuracy between the
     # full evaluations (rounds 10, 12, 14) is on its 2,000-image subset every 2 rounds. No deadline by default: a
-    # width-0.25 round's seconds on this fleet have not been measured; give one with --deadline.
+    # width-0.125 round's seconds on this fleet have not been measured; give one with --deadline.
     "cifar": {"preset": acc.PRESETS["cifar"], "target": 0.4, "deadline": 0.0, "seeds": [10], "partitions": ["iid"]},
 }
 
