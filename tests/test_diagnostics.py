@@ -45,7 +45,8 @@ def test_calibration_signal_ranks_devices_within_a_round_and_pools_relative_to_i
     def dev(**v):
         return {"a": 0.0, "delta": 1.0, "q": 0.0, "r_prev": 0.5, **v}
 
-    rows = [{"round": 1, "clients": {"c0": dev(s=1, a=1.0), "c1": dev(s=0, a=0.0)}},
+    # round 1's margins log(Lref / L1): c0 +log 2 (its shallow path did better), c1 -log 2
+    rows = [{"round": 1, "clients": {"c0": dev(s=1, a=1.0, L1=1.0, Lref=2.0), "c1": dev(s=0, a=0.0, L1=2.0, Lref=1.0)}},
             {"round": 2, "clients": {"c0": dev(r=0.8), "c1": dev(r=0.3)}},
             # round 3: a is higher for both, the labels rank them the other way round
             {"round": 3, "clients": {"c0": dev(s=0, a=6.0), "c1": dev(s=1, a=5.0)}},
@@ -59,7 +60,10 @@ def test_calibration_signal_ranks_devices_within_a_round_and_pools_relative_to_i
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     mod.main([str(tmp_path)])
     out = capsys.readouterr().out
-    assert "| fedsga/iid/seed0 | 1 | 2 | 0.50 | 1.00 | 0.50 | 0.50 | 0.50 | 0.50 |" in out  # r spread after: 0.8 - 0.3
+    assert "| fedsga/iid/seed0 | 1 | 2 | 0.50 | 1.00 | 0.50 | 0.50 | 0.50 | 0.50 | 0.50 |" in out  # r spread after: 0.8 - 0.3
+    # round 3's labels go against round 1's margins: m_prev ranks them the wrong way round (no margin before round 1)
+    assert "| fedsga/iid/seed0 | 3 | 2 | 0.50 | 0.00 | 0.50 | 0.50 | 0.50 | 0.00 |" in out
+    assert np.allclose(cal[1]["m_prev"], [np.log(2.0), -np.log(2.0)]) and np.allclose(cal[0]["m_prev"], 0.0)
     assert "| fedsga/iid/seed0 | 3 | 2 | 0.50 | 0.00 |" in out and "| fedsga/iid/seed0 | 4 | 2 | 1.00 | - |" in out
     # pooled: round 1 says a ranks up, round 3 down; about each round's mean they cancel (round 4 has one label)
-    assert "3 calibration rounds, 2 with both labels" in out and "AUC a 0.50" in out
+    assert "3 calibration rounds, 2 with both labels" in out and "AUC a 0.50" in out and "AUC m_prev 0.12" in out
