@@ -82,7 +82,9 @@ def get_strategy(name: str) -> type["Strategy"]:
 
 
 def create_strategy(cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> "Strategy":
-    return get_strategy(cfg.strategy)(cfg, num_splits, clients, train_flops)
+    cls = get_strategy(cfg.strategy)
+    cls.check_config(cfg, num_splits)
+    return cls(cfg, num_splits, clients, train_flops)
 
 
 def all_methods() -> dict[str, tuple[str, Method]]:
@@ -152,6 +154,12 @@ class Strategy:
     def method_name(cls, cfg: RunConfig, num_splits: int) -> str:
         """Which of ``methods()`` this config runs (the benchmark's and report's name)."""
         return cls.name
+
+    @classmethod
+    def check_config(cls, cfg: RunConfig, num_splits: int) -> None:
+        """A ValueError naming what this strategy cannot run with ``cfg`` on a model of ``num_splits`` splits:
+        called once the model is built and before anything slow (its cost table), so that a bad ``--split``
+        is an error in a second. Nothing by default."""
 
     @classmethod
     def prompt_tokens(cls, cfg: RunConfig) -> int:

@@ -223,6 +223,7 @@ def build_coordinator(plan: RunPlan) -> CoordinatorSide:
     cfg = plan.cfg
     model = make_model(cfg, plan.bundle)
     K = model.num_splits
+    get_strategy(cfg.strategy).check_config(cfg, K)  # before the cost table: a bad --split fails in a second
     costs = CostTable(model, get_strategy(cfg.strategy).prompt_tokens(cfg))
     train_flops = {k: costs.train(k) for k in range(0, K + 1)}
     strategy = create_strategy(cfg, K, plan.client_ids, train_flops)

@@ -112,3 +112,22 @@ def test_a_new_strategy_appears_in_help_benchmark_and_report(throwaway, digits, 
     report = build_report([run], out=tmp_path / "report")
     html = (tmp_path / "report" / "report.html").read_text()
     assert report is not None and "shallowest-test" in html
+
+
+@pytest.mark.parametrize("name, bad, message", [
+    ("static", dict(split=7), "--split must be in 1..3"),
+    ("musplitfed", dict(split=0), "--split must be in 1..3"),
+    ("mergesfl", dict(server_copies="per_client"), "MergeSFL merges into the one shared server copy"),
+])
+def test_a_config_the_strategy_cannot_run_is_refused_before_the_cost_table(name, bad, message, digits, tmp_path,
+                                                                           monkeypatch) -> None:
+    """``Strategy.check_config`` runs once the model is built and before its cost table (seconds at width 1.0):
+    a bad --split is an error at once, not after the slow part."""
+    import fedsga_edge.models as models
+
+    def measured(*a, **k):
+        raise AssertionError("the cost table was measured before the config was checked")
+
+    monkeypatch.setattr(models, "CostTable", measured)
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        run_simulation(tiny_config(name, clients=2, rounds=1, **bad), tmp_path, bundle=digits)

@@ -32,8 +32,8 @@ class MergeSFL(Strategy):
     help = "MergeSFL: every device at --split; the server merges each step's activations into one batch"
     label = "MergeSFL (merged server batches)"
 
-    def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
-        super().__init__(cfg, num_splits, clients, train_flops)
+    @classmethod
+    def check_config(cls, cfg: RunConfig, num_splits: int) -> None:
         check_split(cfg, num_splits)
         if cfg.server_copies != "shared" or cfg.server_bn_context:
             raise ValueError("MergeSFL merges into the one shared server copy: it needs --server-copies shared "

@@ -57,13 +57,16 @@ class MultiSFL(Strategy):
 
     def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
         super().__init__(cfg, num_splits, clients, train_flops)
-        check_split(cfg, num_splits)
         self.B = int(self.args["branches"])
         self.branches: list[dict[str, Tensor]] | None = None  # each branch's whole model, between rounds
         self.dealt: dict[str, int] = {}  # device -> its branch this round
         self.trained: dict[int, dict[str, Tensor]] = {}  # W_b' of the last round's branches (before the mix)
         self._co: Any = None
         self._server: Any = None
+
+    @classmethod
+    def check_config(cls, cfg: RunConfig, num_splits: int) -> None:
+        check_split(cfg, num_splits)
 
     @classmethod
     def methods(cls) -> dict[str, Method]:

@@ -23,8 +23,8 @@ class MUSplitFed(Strategy):
     options = (Opt("tau", int, 2, "Server optimizer steps per device activation (MU-SplitFed's unbalanced "
                    "update; 1 = SplitFed).", ge=1, le=64),)
 
-    def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
-        super().__init__(cfg, num_splits, clients, train_flops)
+    @classmethod
+    def check_config(cls, cfg: RunConfig, num_splits: int) -> None:
         check_split(cfg, num_splits)
 
     @classmethod

@@ -14,8 +14,8 @@ class Static(Strategy):
     help = "SplitFed: every device at --split"
     label = "Static at p_ref (SplitFed)"
 
-    def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
-        super().__init__(cfg, num_splits, clients, train_flops)
+    @classmethod
+    def check_config(cls, cfg: RunConfig, num_splits: int) -> None:
         check_split(cfg, num_splits)
 
     @classmethod
