@@ -217,16 +217,17 @@ def make_model(cfg: RunConfig, bundle: DatasetBundle) -> "SplitModel":
 
 def build_coordinator(plan: RunPlan) -> CoordinatorSide:
     """Model, costs, strategy and Coordinator for the clients' sizes, in Simulation's order."""
-    from fedsga_edge.coordinator import Coordinator, create_strategy, get_strategy
+    from fedsga_edge.coordinator import Coordinator, get_strategy
     from fedsga_edge.models import CostTable
 
     cfg = plan.cfg
     model = make_model(cfg, plan.bundle)
     K = model.num_splits
-    get_strategy(cfg.strategy).check_config(cfg, K)  # before the cost table: a bad --split fails in a second
-    costs = CostTable(model, get_strategy(cfg.strategy).prompt_tokens(cfg))
+    cls = get_strategy(cfg.strategy)
+    cls.check_config(cfg, K)  # before the cost table: a bad --split fails in a second (create_strategy's order)
+    costs = CostTable(model, cls.prompt_tokens(cfg))
     train_flops = {k: costs.train(k) for k in range(0, K + 1)}
-    strategy = create_strategy(cfg, K, plan.client_ids, train_flops)
+    strategy = cls(cfg, K, plan.client_ids, train_flops)
     coordinator = Coordinator(model, cfg, plan.sizes, plan.bundle.num_classes, strategy, costs, device=plan.device,
                               name=COORDINATOR)
     coordinator.fed_eval.expected.update(plan.eval_sizes)

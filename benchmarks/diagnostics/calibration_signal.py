@@ -1,19 +1,19 @@
 """Do FedSGA's calibration labels say anything about devices, and does the observation predict them?
 
-Gamma (the sufficiency estimator) can only send devices to different splits if, within a calibration round,
-the label s = 1[L1 <= (1 + beta) Lref] differs between devices and the observation o = [a, delta, q] (with
-r_prev) ranks the devices the way the labels do. Only the pairs Gamma is fitted on count (a device's first
-observation, the same point for every device, is left out as the method leaves it out). For each FedSGA run under OUT (``<method>/<partition>/
-seed<s>/metrics.jsonl``, as benchmarks/accuracy.py writes them; per-device ``s``, ``a``, ``delta``, ``q``,
-``r_prev`` and ``r`` are in each record's ``clients``), per calibration round: how many devices were labelled,
-the share labelled 1, each input's AUC for s among that round's devices (the chance that a device labelled 1
-has the larger value; 0.5: no ranking; Gamma is built increasing in a and r_prev, decreasing in delta and q,
-so its assumption is AUC > 0.5 for a and r_prev, < 0.5 for delta and q), and the spread of r over devices in
-the rounds that estimate uses. Beside Gamma's inputs, one it does not have: ``m_prev``, the device's own
-margin at its previous calibration, log(Lref / L1) (higher: the shallow path did relatively better), which
-asks whether a device's label is a property of the device that persists from one calibration to the next. Then the same pooled over all runs' calibration rounds, each round's labels
-and inputs taken relative to that round (so a round's base rate and the features' drift over rounds do not
-count as device signal).
+Gamma (the sufficiency estimator) can only send devices to different splits if, within a calibration round, the
+label s = 1[L1 <= (1 + beta) Lref] differs between devices and the observation o = [a, delta, q] (with r_prev)
+ranks the devices the way the labels do. Only the pairs Gamma is fitted on count (a device's first observation,
+the same point for every device, is left out as the method leaves it out). For each FedSGA run under OUT
+(``<method>/<partition>/seed<s>/metrics.jsonl``, as benchmarks/accuracy.py writes them; per-device ``s``, ``a``,
+``delta``, ``q``, ``r_prev`` and ``r`` are in each record's ``clients``), per calibration round: how many
+devices were labelled, the share labelled 1, each input's AUC for s among that round's devices (the chance that
+a device labelled 1 has the larger value; 0.5: no ranking; Gamma is built increasing in a and r_prev, decreasing
+in delta and q, so its assumption is AUC > 0.5 for a and r_prev, < 0.5 for delta and q), and the spread of r
+over devices in the rounds that estimate uses. Beside Gamma's inputs, one it does not have: ``m_prev``, the
+device's own margin at its previous calibration, log(Lref / L1) (higher: the shallow path did relatively
+better), which asks whether a device's label is a property of the device that persists from one calibration to
+the next. Then the same pooled over all runs' calibration rounds, each round's labels and inputs taken relative
+to that round (so a round's base rate and the features' drift over rounds do not count as device signal).
 
     python benchmarks/diagnostics/calibration_signal.py benchmarks/runs_office
 """

@@ -92,7 +92,8 @@ def config_from_flags(flags: dict[str, Any], strict: bool = True) -> RunConfig:
             for key in cls.owns_options:
                 owners.setdefault(key, []).append(name)
         for o in run_options():
-            users = owners.get(o.key, []) + owners.get(o.key.split(".")[0], []) if "." in o.key else owners.get(o.key, [])
+            # the key itself ("prox_mu") or its group ("fedsga" for "fedsga.rho"), each owner once
+            users = list(dict.fromkeys(owners.get(o.key, []) + owners.get(o.key.split(".")[0], [])))
             if users and strategy not in users and o.cli and o.param in flags \
                     and flags[o.param] != o.command_line_default():
                 raise ValueError(f"{o.first_flag} applies to --strategy {' or '.join(users)} only")
