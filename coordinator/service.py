@@ -232,6 +232,7 @@ class CoordinatorService:
             if msg.sender not in self.registered:
                 return self.peer.reply(msg, "error", {"reason": f"{msg.sender!r:.140} is not registered"})
             del self.registered[msg.sender]
+            self.co.strategy.device_left(msg.sender)
             self.co.fail(msg.sender, "device left (bye)")
             self.driver.flush()  # a merged step no longer waits for it
             self._save_devices()

@@ -173,6 +173,11 @@ class Strategy:
         Called under the service's lock, before the round the device joins starts; never in ``simulate``.
         ``resource`` takes the device's speed from its profile. Nothing by default."""
 
+    def device_left(self, cid: str) -> None:
+        """A field run's device said ``bye``: it is no longer registered (it may register again later). Called
+        under the service's lock; never in ``simulate``. ``resource`` stops counting its profile in the fleet's
+        median. Nothing by default."""
+
     # -- configure the round ------------------------------------------------------------------------
     def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
         """Device -> split index k (1..K), 0 for the whole model on the device, None: the device chooses."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,12 @@ def test_the_service_refuses_a_bad_profile_and_accepts_a_good_one_or_none(digits
         assert "profile" not in service.registered["client-001"]
         saved = json.loads((tmp_path / "run" / "devices.json").read_text())  # a resumed coordinator reads it back
         assert saved["client-000"]["profile"] == GOOD
+        peer.send("coordinator", "bye", 0, {"reason": "shutting down"})  # its profile no longer counts (device_left)
+        for _ in range(100):
+            if "client-000" not in service.registered:
+                break
+            time.sleep(0.05)
+        assert "client-000" not in service.registered and service.co.strategy.reported == {}
     finally:
         service.close()
     events = [json.loads(line) for line in (tmp_path / "run" / "coordinator.log").read_text().splitlines()]
@@ -175,6 +182,20 @@ def test_a_device_reporting_8x_slower_gets_a_shallower_split_than_its_draw_and_t
     st.device_registered("client-002", {"backend": "torch"})  # registers again without a profile: the draw again
     assert st.assign(3, CLIENTS)["client-002"] == 2 and st.source["client-002"] == "draw"
     assert st.speed["client-002"] == 1.0
+
+
+def test_a_device_that_said_bye_no_longer_sets_the_reporters_median() -> None:
+    """Without --profile the budget is the reporters' median p_ref: two slow reporters and a fast one put the fast one
+    deepest; once both slow ones leave, the fast one is the median again (p_ref), and the leavers are back on the draw."""
+    st = Resource(tiny_config("resource", speed_sigma=0.0), K, CLIENTS, FLOPS)
+    for cid, scale in zip(CLIENTS, (0.25, 1.0, 1.0)):
+        st.device_registered(cid, reported(scale))
+    assert st.assign(1, CLIENTS)["client-000"] == 3  # 4x faster than the median: p_3's 4 ms x 0.25 fits p_ref's 2 ms
+    st.device_left("client-001")
+    st.device_left("client-002")
+    got = st.assign(2, CLIENTS)
+    assert set(st.reported) == {"client-000"} and got["client-000"] == 2
+    assert st.source["client-001"] == "draw" and st.speed["client-001"] == 1.0
 
 
 def test_with_the_coordinators_profile_one_slow_reporter_is_measured_against_it(tmp_path) -> None:

@@ -59,7 +59,16 @@ class Resource(Strategy):
             return
         if hello.get("profile") is not None:
             self.reported[cid] = reported_latency(hello["profile"])
-        elif self.reported.pop(cid, None) is not None:
+        else:
+            self._forget(cid)
+
+    def device_left(self, cid: str) -> None:
+        """A device that said ``bye`` no longer sets the reporters' median (the budget without --profile)."""
+        self._forget(cid)
+
+    def _forget(self, cid: str) -> None:
+        """Back to the fleet's or the drawn speed for ``cid``; out of the reporters' median."""
+        if self.reported.pop(cid, None) is not None:
             for mine, base in zip((self.splits, self.speed, self.source), self._base):
                 mine[cid] = base[cid]
 
