@@ -29,6 +29,8 @@ run whose ``summary.json`` exists is skipped, so a killed benchmark continues wh
 (same seed: same partition and initial weights, so the formats are paired) and adds a table of
 each format's accuracy and bytes against fp32's; ``--wire-format`` alone keeps the plain layout.
 ``OUT/results.json`` holds every run's summary and diagnostics, ``OUT/tables.md`` the tables.
+``--jobs N`` runs N of the plan's runs at a time, each in its own process (a run's output is the same
+as with one job); a run's record (config, metrics, summary) is kept in git (.gitignore), the rest not.
 
 Evaluation: the final round is evaluated on the full test set (that is the reported accuracy);
 intermediate evaluations (every ``eval_every`` rounds) use a fixed, class-stratified test subset
@@ -749,6 +751,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Comma-separated wire formats (e.g. fp32,fp16,int8,int4): every run once per format, each in "
                          ".../seed<s>/<format>, and a table of the formats side by side paired by seed "
                          "(instead of --wire-format).")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="Runs at a time, each in its own process (its log: RUN/run.log); one per core is what the "
+                         "presets are sized for (each run uses --threads threads).")
+    ap.add_argument("--only", default=None, help=argparse.SUPPRESS)  # one run of the plan (a --jobs worker's)
     ap.add_argument("--no-progress", action="store_true")
     add_run_options(ap)
     return ap
@@ -813,7 +819,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out: Path = args.out or REPO / "benchmarks" / f"runs_{args.preset}"
     spec = data_spec(p.data)
     runs = plan(p, spec, args.data_root)
-    command = "python benchmarks/accuracy.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if args.only is not None:
+        runs = [r for r in runs if r["dir"] == args.only]
+        if not runs:
+            raise SystemExit(f"--only {args.only}: not a run of this plan")
+    command = "python benchmarks/accuracy.py " + " ".join(shlex.quote(a) for a in argv)
     settings = p.settings()
     scale = {k: v for k, v in vars(p).items() if k != "run"} | settings | {
         "data": spec, "static_split": reference_split(settings["model"], settings["width"])}
@@ -830,15 +841,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("per-run config (first run): " + json.dumps(runs[0]["config"].to_dict()))
         return {"plan": [{k: v for k, v in r.items() if k != "config"} for r in runs], "scale": scale}
 
+    if args.jobs < 1:
+        raise SystemExit("--jobs must be at least 1")
+    failed: list[str] = []
+    if args.jobs > 1 and not args.tables_only and args.only is None:
+        failed = run_parallel(argv, out, runs, args.jobs, progress=not args.no_progress)
+        args.tables_only = True  # every run that finished is on disk now: the tables in one pass
+
     import torch
 
     threads_before = torch.get_num_threads()
     if p.threads > 0:
         torch.set_num_threads(p.threads)
     try:
-        return _run_all(args, p, out, spec, runs, command, scale)
+        result = _run_all(args, p, out, spec, runs, command, scale)
     finally:
         torch.set_num_threads(threads_before)
+    if failed:
+        raise SystemExit(f"{len(failed)} runs failed (their logs above): {', '.join(failed)}")
+    return result
 
 
 def _run_all(args: argparse.Namespace, p: Preset, out: Path, spec: str, runs: list[dict[str, Any]],
@@ -879,6 +900,52 @@ def _run_all(args: argparse.Namespace, p: Preset, out: Path, spec: str, runs: li
     print(md)
     print(f"\n{len(results) - skipped} runs done, {skipped} skipped (summary.json existed); results in {out / 'results.json'}")
     return {"runs": results, "skipped": skipped, "tables": md, "out": str(out)}
+
+
+def run_parallel(argv: list[str], out: Path, runs: list[dict[str, Any]], jobs: int, progress: bool = True) -> list[str]:
+    """The plan's unfinished runs, ``jobs`` at a time, each a process of this script with ``--only DIR`` (the same
+    flags otherwise, so each run is exactly what a one-job invocation makes of it: same config, same seed, same
+    files). A process per run, not a pool of forked workers: torch's thread pools do not survive a fork, and a
+    run's start-up (imports, loading the data) is a few seconds against minutes of training. A run that fails is
+    named with the end of its log once the others finished (returned: the tables are built from the rest, then the
+    script exits non-zero)."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from tqdm import tqdm
+
+    todo = [r["dir"] for r in runs if not (out / r["dir"] / "summary.json").exists()]
+    base = [a for i, a in enumerate(argv) if not _is_jobs_flag(argv, i)] + ["--no-progress", "--out", str(out)]
+
+    def one(run_dir: str) -> tuple[str, int]:
+        log = out / run_dir / "run.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as fh:
+            rc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *base, "--only", run_dir],
+                                stdout=fh, stderr=subprocess.STDOUT).returncode
+        return run_dir, rc
+
+    failed = []
+    with ThreadPoolExecutor(max_workers=jobs) as pool, \
+            tqdm(total=len(todo), desc=f"accuracy x{jobs}", unit="run", disable=not progress, file=sys.stderr) as bar:
+        for fut in as_completed([pool.submit(one, d) for d in todo]):
+            run_dir, rc = fut.result()
+            bar.update(1)
+            if rc != 0:
+                failed.append(run_dir)
+            else:
+                s = json.loads((out / run_dir / "summary.json").read_text())
+                tqdm.write(f"{run_dir}: final_acc {s['final_acc']:.4f}  headline {acc_of(s):.4f}  {s['wall_s']:.0f} s",
+                           file=sys.stderr)
+    for d in failed:
+        tail = (out / d / "run.log").read_text().splitlines()[-15:]
+        print(f"run {d} failed; the end of {out / d / 'run.log'}:\n  " + "\n  ".join(tail), file=sys.stderr)
+    return failed
+
+
+def _is_jobs_flag(argv: list[str], i: int) -> bool:
+    """``--jobs N`` / ``--jobs=N`` (and ``--out``, which the workers get resolved) at position i."""
+    a, prev = argv[i], argv[i - 1] if i else ""
+    return a.startswith(("--jobs=", "--out=")) or a in ("--jobs", "--out") or prev in ("--jobs", "--out")
 
 
 def with_final_by_split(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:

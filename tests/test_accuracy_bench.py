@@ -221,3 +221,24 @@ def test_subset_evaluations_record_the_prediction_share(bench, digits):
     share = out["test_pred_share_subset"]
     assert len(share) == len(digits.classes) and abs(sum(share) - 1) < 1e-3
     assert out == bench.subset_eval(sim, subset, digits)  # evaluating changes nothing
+
+
+@pytest.mark.slow
+def test_jobs_run_the_plan_in_processes_with_the_same_results_and_name_a_failed_run(bench, tmp_path, capsys):
+    """--jobs 2: every run in its own process (its log in run.log), the same summaries as one job makes, one table;
+    a run that fails is named with its log's end and the script exits non-zero after tabling the others."""
+    argv = ["--preset", "smoke", "--methods", "static", "--no-progress"]
+    one = bench.main(argv + ["--out", str(tmp_path / "one")])
+    two = bench.main(argv + ["--out", str(tmp_path / "two"), "--jobs", "2"])
+    assert two["skipped"] == 2 and all((tmp_path / "two" / r["dir"] / "run.log").exists() for r in two["runs"])
+    acc = {r["dir"]: r["summary"]["final_acc"] for r in one["runs"]}
+    assert {r["dir"]: r["summary"]["final_acc"] for r in two["runs"]} == acc and len(acc) == 2
+    assert two["tables"].split("**Table 5")[0] == one["tables"].split("**Table 5")[0]  # Table 5 has wall seconds
+    bad = tmp_path / "bad"
+    (bad / "static" / "iid" / "seed1").mkdir(parents=True)
+    (bad / "static" / "iid" / "seed1" / "metrics.jsonl").mkdir()  # the run cannot write its metrics: it fails
+    with pytest.raises(SystemExit, match="1 runs failed .*static/iid/seed1"):
+        bench.main(argv + ["--out", str(bad), "--jobs", "2"])
+    assert "run static/iid/seed1 failed" in capsys.readouterr().err
+    tabled = json.loads((bad / "results.json").read_text())["runs"]
+    assert [r["dir"] for r in tabled] == ["static/iid/seed0"]  # the run that finished is in the tables
