@@ -67,3 +67,25 @@ def test_calibration_signal_ranks_devices_within_a_round_and_pools_relative_to_i
     assert "| fedsga/iid/seed0 | 3 | 2 | 0.50 | 0.00 |" in out and "| fedsga/iid/seed0 | 4 | 2 | 1.00 | - |" in out
     # pooled: round 1 says a ranks up, round 3 down; about each round's mean they cancel (round 4 has one label)
     assert "3 calibration rounds, 2 with both labels" in out and "AUC a 0.50" in out and "AUC m_prev 0.12" in out
+
+
+def test_bn_recalibration_at_every_evaluation_reproduces_the_run_and_puts_the_statistics_back(tmp_path, digits) -> None:
+    import torch
+
+    mod = _load("bn_recalibration")
+    cfg = tiny_config("static", rounds=2)
+    summary = run_simulation(cfg, tmp_path / "run", bundle=digits)
+    got = mod.every_eval(str(tmp_path / "run"), n_batches=3)
+    # the re-run is the run (its last round's figure), although statistics were recomputed after round 1
+    assert got["reproduced"] and got["rows"][-1]["test_acc"] == summary["final_acc"]
+    assert all(r["logged"] == r["test_acc"] for r in got["rows"]) and len(got["rows"]) == 2  # every round logged
+    assert got["headline"] == np.mean([r["test_acc"] for r in got["rows"]])
+    assert any(r["test_acc_bn_recomputed"] != r["test_acc"] for r in got["rows"])
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    model.train()
+    model(torch.randn(8, 3, 6, 6))  # some statistics, not the initial ones
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    saved = mod.recomputed(model, model, [torch.randn(8, 3, 6, 6) + 3.0])
+    assert not torch.equal(model[1].running_mean, before["1.running_mean"])
+    mod.put_back(model, saved)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and model[1].momentum == 0.1

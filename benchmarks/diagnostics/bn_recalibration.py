@@ -105,7 +105,7 @@ def put_back(model: nn.Module, saved: dict[str, Any]) -> None:
     model.load_state_dict(saved, strict=False)
 
 
-def every_eval(run_dir: str, n_batches: int = 40) -> list[dict[str, Any]]:
+def every_eval(run_dir: str, n_batches: int = 40) -> dict[str, Any]:
     """The run again; at each round it evaluated, the full test accuracy as is and with statistics recomputed."""
     torch.set_num_threads(1)
     raw = json.loads(open(f"{run_dir}/config.json").read())
@@ -145,7 +145,7 @@ def every_eval(run_dir: str, n_batches: int = 40) -> list[dict[str, Any]]:
                "headline_bn_recomputed": mean("test_acc_bn_recomputed"),
                "reproduced": all(r["logged"] is None or abs(r["logged"] - r["test_acc"]) < 1e-9 for r in rows)}
     print(json.dumps(summary), flush=True)
-    return rows
+    return summary | {"rows": rows}
 
 
 if __name__ == "__main__":
