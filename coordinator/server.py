@@ -135,6 +135,7 @@ class Coordinator:
         self.round.begin(t, assigned, calibrate, now + timeout if timeout > 0 else None)
         self._snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.fed_eval.begin_round(t)
+        self.server.set_lr_scale(self.cfg.lr_scale(t))
         self.server.begin_round(self._snapshot)
         self.strategy.begin_round(t, calibrate)
         self._stats = {"server_samples": {}, "remote_errors": [], "refused": 0, "started": now,
@@ -233,7 +234,9 @@ class Coordinator:
         body: dict[str, Any] = {
             "split": None if full else k,
             "full": full,
-            "train": self.strategy.device_train(self.cfg.train).to_wire(),
+            # the round's rate (--lr-schedule) rides in the train map: a device needs no schedule of its own
+            "train": self.strategy.device_train(self.cfg.train).to_wire() | {
+                "lr": self.cfg.train.lr * self.cfg.lr_scale(self.round.t)},
             # the strategy's copy for this device (FedMut's mutation; the snapshot itself by default)
             "weights": to_numpy_state(self.strategy.device_weights(cid, self.round.t,
                                                                    {n: self._snapshot[n] for n in names})),

@@ -39,12 +39,18 @@ __all__ = ["ServerCopy", "ServerSide", "SharedServer", "ContextServer", "PerClie
 class ServerCopy:
     """One trainable copy of the server side (blocks + the strategy's head) with its optimizer."""
 
-    def __init__(self, model: nn.Module, head: nn.Module, cfg: RunConfig) -> None:
+    def __init__(self, model: nn.Module, head: nn.Module, cfg: RunConfig, lr_scale: float = 1.0) -> None:
         self.model, self.head = model, head
         tc = cfg.train
         params = list(model.parameters()) + list(head.parameters())
-        lr = tc.lr if cfg.server_lr is None else cfg.server_lr
-        self.opt = torch.optim.SGD(params, lr=lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+        self.base_lr = tc.lr if cfg.server_lr is None else cfg.server_lr
+        self.opt = torch.optim.SGD(params, lr=self.base_lr * lr_scale, momentum=tc.momentum,
+                                   weight_decay=tc.weight_decay)
+
+    def scale_lr(self, factor: float) -> None:
+        """This round's rate: the base rate times the schedule's factor (--lr-schedule)."""
+        for group in self.opt.param_groups:
+            group["lr"] = self.base_lr * factor
 
 
 class ServerSide:
@@ -59,6 +65,13 @@ class ServerSide:
         self.model, self.head = model, head
         self.weight = weight  # device -> its weight in the copies' average
         self.shared = ServerCopy(model, head, cfg)
+        self.lr_scale = 1.0  # the round's factor of every copy's rate (set_lr_scale)
+
+    def set_lr_scale(self, factor: float) -> None:
+        """The learning-rate schedule's factor for the round about to start (RunConfig.lr_scale): the shared copy
+        now, and every copy made during the round (per device, per branch) from it."""
+        self.lr_scale = factor
+        self.shared.scale_lr(factor)
 
     def begin_round(self, snapshot: dict[str, Tensor]) -> None:
         if self.cfg.server_bn == "round":
@@ -173,7 +186,7 @@ class PerClientServer(ServerSide):
             model.load_state_dict(self._snapshot)
             if self.cfg.server_bn == "round":
                 round_average_bn(model)
-            side = self._copies[device] = ServerCopy(model, head, self.cfg)
+            side = self._copies[device] = ServerCopy(model, head, self.cfg, self.lr_scale)
         return side
 
     @torch.no_grad()
@@ -298,7 +311,7 @@ class BranchServer(ServerSide):
             model.load_state_dict(self.start(b))
             if self.cfg.server_bn == "round":
                 round_average_bn(model)
-            side = self._copies[b] = ServerCopy(model, head, self.cfg)
+            side = self._copies[b] = ServerCopy(model, head, self.cfg, self.lr_scale)
         return side
 
     def step(self, device: str, z: Tensor, y: Tensor, k: int, strategy: Any) -> tuple[Tensor, Tensor | None]:

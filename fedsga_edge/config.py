@@ -7,6 +7,7 @@ checks and the benchmark derive theirs from it (``fedsga_edge.options``).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -122,6 +123,10 @@ class RunConfig:
     alpha: float = opt(0.1, "Dirichlet concentration (paper: 0.1).", gt=0, when=lambda c: c.partition != "iid")
     clients: int = opt(20, "Number of clients N (all participate every round).", ge=1)
     rounds: int = opt(100, "Communication rounds T (paper: 100 on CIFAR-10).", ge=1)
+    lr_schedule: str = opt(
+        "constant", "Learning rate over the rounds, devices' and server's alike: constant (the paper's) | cosine "
+        "(round t at lr x (1 + cos(pi (t-1) / T)) / 2; the devices get the round's rate in its round_start).",
+        choices=("constant", "cosine"))
     model: str = opt("resnet18_cifar", "The backbone")  # the CLI lists the registered backbones
     width: float | None = opt(None, "ResNet width multiplier (1.0 standard; 0.25 for CPU runs).")  # model_args["width"]
     model_args: dict[str, Any] = opt(
@@ -193,6 +198,13 @@ class RunConfig:
     fedsga: FedSGAConfig = field(default_factory=FedSGAConfig)
     # the chosen strategy's own options (``Strategy.options``), by name; the CLI fills in their defaults
     strategy_args: dict[str, Any] = field(default_factory=dict)
+
+    def lr_scale(self, t: int) -> float:
+        """Round t's factor on every learning rate of the devices' and the server's SGD (--lr-schedule); 1 when
+        constant. A decaying rate lets the last rounds settle instead of swinging (benchmarks/RESULTS.md)."""
+        if self.lr_schedule == "constant":
+            return 1.0
+        return 0.5 * (1.0 + math.cos(math.pi * (min(max(t, 1), self.rounds) - 1) / self.rounds))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -53,3 +53,30 @@ def test_a_config_written_before_server_lr_existed_takes_the_default() -> None:
     data = tiny_config("static").to_dict()
     del data["server_lr"]
     assert RunConfig.from_dict(data).server_lr is None
+
+
+# -- the learning-rate schedule over the rounds (--lr-schedule) ------------------------------------------------
+
+def test_cosine_schedule_factor_falls_from_one_and_constant_is_one() -> None:
+    cos = tiny_config("static", rounds=4, lr_schedule="cosine")
+    assert [cos.lr_scale(t) for t in (1, 2, 3, 4)] == pytest.approx([1.0, (1 + math.cos(math.pi / 4)) / 2, 0.5,
+                                                                     (1 + math.cos(3 * math.pi / 4)) / 2])
+    assert all(tiny_config("static", rounds=4).lr_scale(t) == 1.0 for t in (1, 2, 3, 4))
+    with pytest.raises(ValueError, match="--lr-schedule"):
+        validate_config(tiny_config("static", lr_schedule="step"))
+
+
+@pytest.mark.parametrize("copies", ["shared", "per_client"])
+def test_the_rounds_rate_reaches_the_devices_round_start_and_every_server_copy(digits, copies: str) -> None:
+    for t in (1, 3):
+        sim = Simulation(tiny_config("static", rounds=4, lr_schedule="cosine", server_lr=0.03, server_copies=copies),
+                         digits)
+        co = sim.coordinator
+        bodies = co.begin_round(t)
+        scale = sim.cfg.lr_scale(t)
+        assert [b["train"]["lr"] for b in bodies.values()] == pytest.approx([sim.cfg.train.lr * scale] * len(bodies))
+        assert co.server.copy_for("client-000").opt.param_groups[0]["lr"] == pytest.approx(0.03 * scale)
+        assert co.server.shared.opt.param_groups[0]["lr"] == pytest.approx(0.03 * scale)
+    assert sim.cfg.train.lr == 0.1  # the run's own setting is untouched
+    constant = Simulation(tiny_config("static", rounds=4), digits).coordinator.begin_round(3)
+    assert {b["train"]["lr"] for b in constant.values()} == {0.1}
