@@ -914,7 +914,7 @@ def run_parallel(argv: list[str], out: Path, runs: list[dict[str, Any]], jobs: i
     from tqdm import tqdm
 
     todo = [r["dir"] for r in runs if not (out / r["dir"] / "summary.json").exists()]
-    base = [a for i, a in enumerate(argv) if not _is_jobs_flag(argv, i)] + ["--no-progress", "--out", str(out)]
+    base = [a for i, a in enumerate(argv) if not _worker_sets(argv, i)] + ["--no-progress", "--out", str(out)]
 
     def one(run_dir: str) -> tuple[str, int]:
         log = out / run_dir / "run.log"
@@ -942,10 +942,12 @@ def run_parallel(argv: list[str], out: Path, runs: list[dict[str, Any]], jobs: i
     return failed
 
 
-def _is_jobs_flag(argv: list[str], i: int) -> bool:
-    """``--jobs N`` / ``--jobs=N`` (and ``--out``, which the workers get resolved) at position i."""
+def _worker_sets(argv: list[str], i: int) -> bool:
+    """Whether argv[i] is (part of) a flag the workers get their own value of: ``--jobs N`` (none), ``--out DIR``
+    (resolved), ``--no-progress`` (always)."""
     a, prev = argv[i], argv[i - 1] if i else ""
-    return a.startswith(("--jobs=", "--out=")) or a in ("--jobs", "--out") or prev in ("--jobs", "--out")
+    return (a.startswith(("--jobs=", "--out=")) or a in ("--jobs", "--out", "--no-progress")
+            or prev in ("--jobs", "--out"))
 
 
 def with_final_by_split(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:

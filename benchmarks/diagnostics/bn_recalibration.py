@@ -38,12 +38,19 @@ from fedsga_edge.simulation import Simulation
 from fedsga_edge.tensors import image_batch
 
 
-def main(run_dir: str) -> dict[str, Any]:
-    torch.set_num_threads(1)
+def rerun_config(run_dir: str) -> RunConfig:
+    """The finished run's config (its ``config.json``; the benchmark's own keys dropped), evaluating only at the end:
+    the diagnostic evaluates itself, and evaluations do not change training."""
     raw = json.loads(open(f"{run_dir}/config.json").read())
     keys = {f.name for f in dataclasses.fields(RunConfig)}
     cfg = RunConfig.from_dict({k: v for k, v in raw.items() if k in keys})
     cfg.eval_every = cfg.rounds
+    return cfg
+
+
+def main(run_dir: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    cfg = rerun_config(run_dir)
     sim = Simulation(cfg)
     for rec in sim.rounds():
         pass
@@ -66,15 +73,9 @@ def main(run_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {"run": run_dir, "logged_final_acc": rec.get("test_acc")}
     out["test"], out["test_predictions_per_class"] = accuracy(b.test, test_idx)
     out["train"], _ = accuracy(b.train, train_idx)
-    for m in co.model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            m.reset_running_stats()
-            m.momentum = None  # cumulative: every batch alike
-    co.model.train()
     perm = np.random.default_rng(0).permutation(train_idx)
-    with torch.no_grad():
-        for s in range(0, len(perm) - 63, 64):
-            co.model.features(image_batch(b.train.get_batch(perm[s:s + 64]), b.mean, b.std, co.device))
+    recomputed(co.model, co.model.features, (image_batch(b.train.get_batch(perm[s:s + 64]), b.mean, b.std, co.device)
+                                             for s in range(0, len(perm) - 63, 64)))
     out["test_bn_recomputed"], out["test_predictions_per_class_bn_recomputed"] = accuracy(b.test, test_idx)
     out["train_bn_recomputed"], _ = accuracy(b.train, train_idx)
     return out
@@ -108,10 +109,7 @@ def put_back(model: nn.Module, saved: dict[str, Any]) -> None:
 def every_eval(run_dir: str, n_batches: int = 40) -> dict[str, Any]:
     """The run again; at each round it evaluated, the full test accuracy as is and with statistics recomputed."""
     torch.set_num_threads(1)
-    raw = json.loads(open(f"{run_dir}/config.json").read())
-    keys = {f.name for f in dataclasses.fields(RunConfig)}
-    cfg = RunConfig.from_dict({k: v for k, v in raw.items() if k in keys})
-    cfg.eval_every = cfg.rounds
+    cfg = rerun_config(run_dir)
     logged = {}
     for line in open(f"{run_dir}/metrics.jsonl"):
         r = json.loads(line)
