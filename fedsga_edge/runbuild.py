@@ -325,6 +325,7 @@ def device_agent(
     threads: int | None = None,
     data: str | Path | None = None,
     latency_profile: str | Path | None = None,
+    latency_report: Any = None,
     **agent_kwargs: Any,
 ) -> Any:
     """Device ``i``'s DeviceAgent on ``transport`` (not started); restores its state from ``state_dir``.
@@ -333,10 +334,13 @@ def device_agent(
     input size come from the coordinator (``describe``), asked before the agent exists, so bad data is an
     error here, before the device registers (issue 18 item 1). ``latency_profile``: this device's
     `fedsga-edge profile --json`, summarised into its hello; a bad one (unreadable, another model, a split
-    missing) is a ``ProfileError`` (a ValueError) here, before the device registers."""
+    missing) is a ``ProfileError`` (a ValueError) here, before the device registers. ``latency_report``: that
+    file's JSON where the caller has read it already (the CLI checks it before it connects), so it is read once."""
     from fedsga_edge.device.agent import DeviceAgent
 
-    report = read_profile(latency_profile) if latency_profile is not None else None  # before any data is read
+    report = latency_report
+    if report is None and latency_profile is not None:
+        report = read_profile(latency_profile)  # before any data is read
     if data is not None:
         agent = _local_device_agent(cfg, i, transport, state_dir, data, run_id=run_id, backend=backend,
                                     artifacts=artifacts, threads=threads, **agent_kwargs)

@@ -240,3 +240,15 @@ def test_agents_report_their_profiles_and_the_round_uses_them(digits, tmp_path) 
     with pytest.raises(ProfileError, match="measured model 'vit_tiny_c32'"):  # a wrong one: no agent, no hello
         device_agent(cfg, 0, transport, tmp_path / "state-x", bundle=digits,
                      latency_profile=write(tmp_path / "vit.json", report(arch="vit_tiny_c32")))
+
+
+def test_a_profile_the_caller_has_read_is_not_read_again(digits, tmp_path) -> None:
+    # the device command checks the file before it connects and hands its JSON on: the agent must use that
+    # JSON, not open the path a second time (here the path no longer exists)
+    cfg = tiny_config("resource", rounds=1, max_batches=1, speed_sigma=0.0)
+    agent = device_agent(cfg, 0, LoopbackTransport(), tmp_path / "state", bundle=digits,
+                         latency_profile=tmp_path / "gone.json", latency_report=report(8.0))
+    try:
+        assert agent.profile["model"] == MODEL and len(agent.profile["sample_s"]) == K
+    finally:
+        agent.log.close()

@@ -336,12 +336,13 @@ def device(
 
     if fleet_link not in ("off", "delay", "emulated"):
         raise typer.BadParameter(f"--fleet-link must be off, delay or emulated (got {fleet_link!r})")
+    latency_report = None
     if latency_profile is not None:  # the file and its model before the broker (its splits: once the model is built)
         from fedsga_edge.latency import ProfileError, check_model, read_profile
 
         try:
-            check_model(read_profile(latency_profile), cfg.model, width=cfg.width,
-                        where=f"--latency-profile {latency_profile}")
+            latency_report = read_profile(latency_profile)
+            check_model(latency_report, cfg.model, width=cfg.width, where=f"--latency-profile {latency_profile}")
         except ProfileError as exc:
             raise typer.BadParameter(str(exc)) from None
     transport = _transport(broker, default_run_id(cfg), client_id(index), max_packet, request_timeout)
@@ -351,7 +352,8 @@ def device(
     try:
         try:
             agent = device_agent(cfg, index, transport, state_dir, backend=backend, artifacts=artifacts,
-                                 threads=threads or None, data=data, latency_profile=latency_profile)
+                                 threads=threads or None, data=data, latency_profile=latency_profile,
+                                 latency_report=latency_report)
             if link is not None:
                 from fedsga_edge.transport.link import TimingPeer
 
