@@ -147,8 +147,8 @@ PRESETS: dict[str, Preset] = {
     # and 14. Reported seeds 10-14: seeds 0-9 tuned the server rate, the BatchNorm context and this regime.
     # Cosine rate (every SGD rate decays over the rounds): chosen on tuning seeds 0-4 under IID, where it took
     # static at p_ref from 43.64 +- 4.72 % (seeds 0-2, constant rate) to 52.72 +- 1.53 % (seeds 0-4) and kept FedAvg
-    # at 50.10 +- 1.13 %
-    # (RESULTS.md, "The cifar preset with a decaying rate"); ``--lr-schedule constant`` gives the regime before.
+    # at 50.10 +- 1.13 % (RESULTS.md, "The cifar preset with a decaying rate"); ``--lr-schedule constant`` gives the
+    # regime before.
     "cifar": Preset(data=str(DEFAULT_NPZ), run=dict(width=0.125, clients=10, rounds=14, local_epochs=1, train_subset=25000,
                                                     momentum=0.5, server_lr=0.015, augment=False, lr_schedule="cosine"),
                     eval_every=2, eval_subset=2000, last_evals=3, seeds=[10, 11, 12, 13, 14]),

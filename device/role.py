@@ -15,6 +15,7 @@ torch). This module imports no torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -497,12 +498,16 @@ class SplitClient:
         )
         self.state.H_prev = H
         o = obs.values(adapt=fed.adapt)
+        if "margin" in body:  # --label-memory: the margin the server kept from this device's last probe
+            o.append(float(body["margin"]))
         r_prev = self.state.r_prev
         r = estimate(body["estimator"], o, r_prev)
         k = split_index(r, K, fed.rho)
         self.state.r_prev = r
         report = {"a": obs.a, "delta": obs.delta, "q": obs.q, "r_prev": r_prev, "r": r, "k_policy": k, "o": o,
                   "obs_samples": len(y)}  # the observation forward is client compute too (docs/method.md, "Costs")
+        if "margin" in body:
+            report["margin"] = o[-1]
         return k, report
 
     def _probe(self, body: dict[str, Any], prompts: np.ndarray | None, o: list[float], r_prev: float) -> dict[str, Any]:
@@ -534,6 +539,10 @@ def check_round_start(body: dict[str, Any]) -> None:
         if split is None and body.get("fedsga") and not body.get("full"):
             for key in ("estimator", "phi_s", "prototypes", "proto_dim"):
                 body[key]
+        margin = body.get("margin")
+        if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                                   or not math.isfinite(margin) or abs(margin) > 1e6):
+            raise ValueError(f"margin must be a finite number, not {margin!r:.40}")
         deadline = body.get("deadline")
         if deadline is not None:  # the deadline-aware policy's predictions: checked before anything trains
             if not isinstance(deadline, dict) or not isinstance(deadline.get("split_s"), (list, tuple)):

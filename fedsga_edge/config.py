@@ -89,12 +89,18 @@ class FedSGAConfig:
         0.3, "SGD learning rate of the shallow head phi_s on the server (docs/method.md, \"Observation\": its "
         "loss fell fastest at 0.3-1 and the alignment a swung at 1).",
         gt=0, le=100, finite=True)
-    # Beyond the paper (issue 20): off by default; the coordinator's alone (it never travels to a device).
+    # Beyond the paper (issues 20 and 16): off by default; the coordinator's alone (they never travel to a device:
+    # a device reads their effect from its round start's "deadline" and "margin").
     deadline_aware: bool = opt(
         False, "Deadline-aware split policy, beyond the paper: a device never trains at a split whose predicted round "
         "seconds on its fleet class (its FLOPs over its speed, its bytes over its link, a round trip per request) miss "
         "--round-timeout; it takes the fitting split nearest the estimator's choice (docs/fleet.md, \"Deadline-aware "
         "splits\"). Needs --fleet and --round-timeout.", flag="--deadline-aware")
+    label_memory: bool = opt(
+        False, "Label memory, beyond the paper: the server keeps each device's margin log(Lref / L1) from its last "
+        "calibration probe and sends it back in that device's round start as a fourth input of the estimator (r "
+        "non-decreasing in it); the pair is stored with the margin the server sent (docs/method.md, \"Label "
+        "memory\").", flag="--label-memory")
 
     def problems(self) -> list[str]:
         """What is out of range, each naming its flag (see ``TrainConfig.problems``)."""

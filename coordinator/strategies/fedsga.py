@@ -29,13 +29,17 @@ _ABLATIONS = ("adapt", "estimator", "harmonizer")
 # _OBS_MIN pairs): the estimator's inputs stay bounded whatever one device reports.
 _OBS_CLIP, _OBS_MIN = 10.0, 4
 # The per-device numbers an update reports that metrics.jsonl keeps for FedSGA (docs/method.md)
-_RECORD_KEYS = ("a", "delta", "q", "r", "r_prev", "k_policy", "L1", "Lref", "s", "descriptor_entropy")
+_RECORD_KEYS = ("a", "delta", "q", "r", "r_prev", "k_policy", "L1", "Lref", "s", "descriptor_entropy", "margin")
+# --label-memory: a device's margin log(Lref / L1) is kept within +-_MARGIN_CAP (a loss of 0 would make it infinite)
+_MARGIN_CAP = 10.0
 # Bytes one activation or gradient value takes on the wire per --wire-format (docs/protocol.md, "Messages"): int4
 # packs two values a byte plus a float32 scale per 256 values. Weights, labels and probes are counted as fp32/int64.
 _VALUE_BYTES = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 256}
 # A message's envelope, keys and small fields, each way, and a margin on the whole: the prediction should err long,
 # not short (against the virtual clock it was within 0.5 % either way without the margin: benchmarks/RESULTS.md).
 _MESSAGE_BYTES = 256
+# FedSGA settings the coordinator alone reads (a device sees their effect in its own round-start fields)
+_SERVER_ONLY = ("deadline_aware", "label_memory")
 _MARGIN = 1.01
 
 
@@ -145,13 +149,16 @@ class FedSGA(Strategy):
         # beyond the paper, off by default and outside the paper's tables (docs/fleet.md, "Deadline-aware splits")
         out["fedsga-deadline"] = Method("FedSGA, deadline-aware (beyond the paper)", group="extension",
                                         overrides={"fedsga.deadline_aware": True}, default=False)
+        out["fedsga-memory"] = Method("FedSGA, label memory (beyond the paper)", group="extension",
+                                      overrides={"fedsga.label_memory": True}, default=False)
         return out
 
     @classmethod
     def method_name(cls, cfg: RunConfig, num_splits: int) -> str:
         off = [flag for flag in _ABLATIONS if getattr(cfg.fedsga, flag) is False]
         return "-".join(["fedsga"] + [f"no-{flag}" for flag in off]
-                        + (["deadline"] if getattr(cfg.fedsga, "deadline_aware", False) else []))
+                        + (["deadline"] if getattr(cfg.fedsga, "deadline_aware", False) else [])
+                        + (["memory"] if getattr(cfg.fedsga, "label_memory", False) else []))
 
     @classmethod
     def prompt_tokens(cls, cfg: RunConfig) -> int:
@@ -176,7 +183,7 @@ class FedSGA(Strategy):
 
         # deadline_aware is the coordinator's: a device reads its effect from "deadline" (device_fields), and a
         # round start without the key is what devices that predate it accept
-        body: dict[str, Any] = {"fedsga": {k: v for k, v in vars(self.cfg.fedsga).items() if k != "deadline_aware"}}
+        body: dict[str, Any] = {"fedsga": {k: v for k, v in vars(self.cfg.fedsga).items() if k not in _SERVER_ONLY}}
         if k is None:  # the device chooses: it needs Gamma, phi_s and the prototypes to observe
             body.update(calibrate=calibrate, estimator=to_numpy_state(self.estimator.state_dict()),
                         phi_s=to_numpy_state(self.phi_s.state_dict()), prototypes=to_numpy(self.prototypes.protos),
@@ -184,17 +191,23 @@ class FedSGA(Strategy):
         return body
 
     def device_fields(self, cid: str, k: int | None, calibrate: bool) -> dict[str, Any]:
-        """--deadline-aware: the device's predicted round seconds per split and the deadline, from which it picks
-        (fedsga_edge/method/policy.py ``deadline_split``); nothing for a device the coordinator assigns a split."""
-        cls = self.fleet_classes.get(cid) if self.fleet_classes is not None else None
-        if cls is None or k is not None:
+        """For a device that chooses its split: --label-memory, its margin at its last calibration (0 before one),
+        which it appends to its observation; --deadline-aware, its predicted round seconds per split and the
+        deadline, from which it picks (fedsga_edge/method/policy.py ``deadline_split``)."""
+        if k is not None:
             return {}
+        out: dict[str, Any] = {}
+        if self.cfg.fedsga.label_memory:
+            out["margin"] = self._sent_margin[cid] = self._margins.get(cid, 0.0)
+        cls = self.fleet_classes.get(cid) if self.fleet_classes is not None else None
+        if cls is None:
+            return out
         split_s = self.predict(cls, cid, calibrate)
         if cid not in self._told:  # its first round: a fresh process's one-time work (the class's warmup_s) too
             split_s = [s + float(cls.warmup_s) for s in split_s]
             self._told.add(cid)
         self._predicted[cid] = split_s
-        return {"deadline": {"s": float(self.cfg.round_timeout), "split_s": split_s}}
+        return out | {"deadline": {"s": float(self.cfg.round_timeout), "split_s": split_s}}
 
     def predict(self, cls: Any, cid: str, calibrate: bool) -> list[float]:
         """``predicted_split_s`` for device ``cid`` on fleet class ``cls`` with this model's real weight bytes
@@ -223,9 +236,11 @@ class FedSGA(Strategy):
         self.prototypes = Prototypes(co.num_classes, self.proto_dim, fed.mu_proto).to(dev)
         self._h1_dim = model.phi_input_dim  # the pooled p_1 features each activation carries
         self.phi_s = ShallowHead(self._h1_dim, self.proto_dim).to(dev)
-        num_obs = 3 if fed.adapt else 2
-        self.estimator = MonotoneEstimator(num_obs=num_obs)
-        self.cal_buffer = CalibrationBuffer(num_obs=num_obs)
+        self.estimator = MonotoneEstimator(num_obs=3 if fed.adapt else 2, margin=fed.label_memory)
+        self.cal_buffer = CalibrationBuffer(num_obs=self.estimator.num_obs)
+        # --label-memory: each device's margin log(Lref / L1) at its last probe, and what this round's start sent it
+        self._margins: dict[str, float] = {}
+        self._sent_margin: dict[str, float] = {}
         # phi_s takes a step on every device's batch, like the shared server copy: its own rate (docs/method.md)
         self.phi_opt = torch.optim.SGD(self.phi_s.parameters(), lr=fed.phi_lr, momentum=self.cfg.train.momentum)
         self._calibration: list[dict[str, Any]] = []
@@ -306,9 +321,14 @@ class FedSGA(Strategy):
         r_prev = float(body["r_prev"])
         if o.shape != (self.cal_buffer.num_obs,) or not np.isfinite(o).all() or not 0.0 <= r_prev <= 1.0:
             raise ValueError(f"o must be {self.cal_buffer.num_obs} finite values and r_prev in [0, 1]")
-        # o = (a, delta[, q]) (docs/method.md): a is a mean cosine, delta and q are norms of changes.
-        if not (-1.0001 <= o[0] <= 1.0001 and (o[1:] >= 0).all() and (o[1:] <= MAX_ABS_VALUE).all()):
-            raise ValueError(f"o = {o.tolist()} is out of range: a in [-1, 1], the rest in [0, {MAX_ABS_VALUE:g}]")
+        # o = (a, delta[, q][, m]) (docs/method.md): a is a mean cosine, delta and q are norms of changes, m the
+        # margin this round's start sent: the server's own copy is stored, whatever the device says it was
+        memory = self.cfg.fedsga.label_memory
+        norms = o[1:len(o) - 1] if memory else o[1:]
+        if not (-1.0001 <= o[0] <= 1.0001 and (norms >= 0).all() and (norms <= MAX_ABS_VALUE).all()):
+            raise ValueError(f"o = {o.tolist()} is out of range: a in [-1, 1], delta and q in [0, {MAX_ABS_VALUE:g}]")
+        if memory:
+            o[-1] = self._sent_margin.get(msg.sender, 0.0)
         o = self._bounded(o)
         side = co.server.copy_for(msg.sender)
         with probe_mode(side.model, side.head):
@@ -317,6 +337,8 @@ class FedSGA(Strategy):
         if not (math.isfinite(L1) and math.isfinite(Lref)):
             raise ValueError("probe losses are not finite")
         s = sufficiency_label(L1, Lref, self.cfg.fedsga.beta)
+        if memory:  # the next round start's margin for this device: log(Lref / L1), finite and bounded
+            self._margins[msg.sender] = float(np.clip(math.log((Lref + 1e-12) / (L1 + 1e-12)), -_MARGIN_CAP, _MARGIN_CAP))
         # a device's first observation is the same point for everyone: it does not decide Gamma (docs/method.md)
         stored = informative(o, r_prev)
         if stored:
@@ -327,11 +349,11 @@ class FedSGA(Strategy):
         return "probe_result", {"L1": L1, "Lref": Lref, "s": s}
 
     def _bounded(self, o: np.ndarray) -> np.ndarray:
-        """Clip delta (and q) to _OBS_CLIP x the stored pairs' median of each."""
+        """Clip delta (and q) to _OBS_CLIP x the stored pairs' median of each (the margin is the server's own)."""
         if len(self.cal_buffer) < _OBS_MIN:
             return o
         out = o.copy()
-        for j in range(1, len(o)):
+        for j in range(1, len(o) - (1 if self.cfg.fedsga.label_memory else 0)):
             typical = self.cal_buffer.typical(j)
             if typical:
                 out[j] = min(out[j], _OBS_CLIP * typical)
@@ -386,11 +408,13 @@ class FedSGA(Strategy):
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"prototypes": self.prototypes.state_dict(), "phi_s": self.phi_s.state_dict(),
-                "estimator": self.estimator.state_dict(), "cal_buffer": self.cal_buffer.state_dict()}
+                "estimator": self.estimator.state_dict(), "cal_buffer": self.cal_buffer.state_dict(),
+                "margins": dict(self._margins)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("prototypes", "phi_s", "estimator", "cal_buffer"):
             getattr(self, key).load_state_dict(state[key])
+        self._margins = {str(c): float(m) for c, m in state.get("margins", {}).items()}
 
     def optimizer_state(self) -> dict[str, Any]:
         return {"phi_opt": self.phi_opt.state_dict()}

@@ -6,6 +6,10 @@ for every parameter value: the inputs are [a, -delta/s_delta, -q/s_q, r_prev] wi
 scales s, both layers use non-negative weights (softplus of raw parameters), and the activations
 (tanh, then sigmoid) are increasing. Biases are free.
 
+With ``--label-memory`` (beyond the paper, docs/method.md "Label memory") a fourth input follows: the
+device's margin log(Lref / L1) at its previous calibration, which the server kept and sent back; r is
+non-decreasing in it (a larger margin: the shallow path did relatively better), scaled like delta.
+
 Input scaling: delta and q are norms whose scale depends on the backbone and the prompts. Each
 is divided by a positive scale that is not learned: it is the median of that feature's magnitude
 over the stored calibration pairs, refreshed at every ``fit`` (1 before the first fit, and kept at
@@ -45,27 +49,29 @@ def informative(obs: Sequence[float], r_prev: float) -> bool:
 class MonotoneEstimator(nn.Module):
     """Eq. 6's Gamma: forward(obs (B, num_obs), r_prev (B,)) -> r (B,) in [0, 1].
 
-    ``num_obs`` is 3 for o = [a, delta, q] and 2 for the no-adaptation ablation o = [a, delta].
+    ``num_obs`` is 3 for o = [a, delta, q] and 2 for the no-adaptation ablation o = [a, delta];
+    ``margin=True`` appends the label memory m (one more input, r non-decreasing in it).
     Untrained output is close to 0.5 (no evidence either way): the output-layer weights start at
     0.01 and the output bias at 0, so |logit| <= 0.01 * hidden and r lies in
     [sigmoid(-0.01 * hidden), sigmoid(0.01 * hidden)] (0.48..0.52 for hidden = 8).
     """
 
-    def __init__(self, num_obs: int = 3, hidden: int = 8) -> None:
+    def __init__(self, num_obs: int = 3, hidden: int = 8, margin: bool = False) -> None:
         super().__init__()
         if num_obs not in (2, 3):
             raise ValueError("num_obs must be 3 ([a, delta, q]) or 2 ([a, delta])")
-        self.num_obs = num_obs
-        self.w1_raw = nn.Parameter(torch.randn(hidden, num_obs + 1) * 0.5)
+        signs = [1.0, -1.0, -1.0][:num_obs] + ([1.0] if margin else [])
+        self.num_obs = len(signs)
+        self.w1_raw = nn.Parameter(torch.randn(hidden, self.num_obs + 1) * 0.5)
         self.b1 = nn.Parameter(torch.zeros(hidden))
         self.w2_raw = nn.Parameter(torch.full((hidden,), _INIT_OUT_RAW))
         self.b2 = nn.Parameter(torch.zeros(()))
-        self.register_buffer("obs_sign", torch.tensor([1.0, -1.0, -1.0][:num_obs]))
-        self.register_buffer("obs_scale", torch.ones(num_obs))
+        self.register_buffer("obs_sign", torch.tensor(signs))
+        self.register_buffer("obs_scale", torch.ones(self.num_obs))
 
     @torch.no_grad()
     def set_scale(self, obs: Tensor) -> None:
-        """Set the delta / q scales to their median absolute value over ``obs`` (N, num_obs)."""
+        """Set the delta / q (/ margin) scales to their median absolute value over ``obs`` (N, num_obs)."""
         typical = obs.detach().to(self.obs_scale).abs().median(dim=0).values
         scale = torch.where(typical > 1e-12, typical, torch.ones_like(typical))
         scale[0] = 1.0  # a is a cosine in [-1, 1]: already on a fixed scale
