@@ -45,7 +45,7 @@ def _margin(c: dict[str, Any]) -> float:
     return max(-10.0, min(10.0, math.log(c["Lref"] / c["L1"])))
 
 
-def test_each_device_gets_back_its_own_last_margin_and_its_pair_is_stored_with_it(digits) -> None:
+def test_each_device_gets_back_its_own_last_margin_and_its_pair_is_stored_with_it(digits, tmp_path) -> None:
     cfg = tiny_config("fedsga", clients=3, rounds=3, fedsga=FedSGAConfig(cal_every=1, label_memory=True))
     sim = Simulation(cfg, digits)
     strategy = sim.coordinator.strategy
@@ -62,6 +62,11 @@ def test_each_device_gets_back_its_own_last_margin_and_its_pair_is_stored_with_i
         for cid, c in after["clients"].items():
             assert c["margin"] == pytest.approx(_margin(before["clients"][cid]), abs=1e-9)
     assert len({round(c["margin"], 9) for c in recs[1]["clients"].values()}) > 1  # per device, not one value
+    saved = tmp_path / "strategy.pt"  # the margins survive a checkpoint (loaded as the resume loads it)
+    torch.save(strategy.state_dict(), saved)
+    again = Simulation(cfg, digits).coordinator.strategy
+    again.load_state_dict(torch.load(saved, weights_only=True))
+    assert again._margins == strategy._margins and len(again._margins) == 3
 
 
 def test_a_device_cannot_choose_the_margin_its_pair_is_stored_with(digits) -> None:

@@ -38,9 +38,10 @@ _VALUE_BYTES = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 256}
 # A message's envelope, keys and small fields, each way, and a margin on the whole: the prediction should err long,
 # not short (against the virtual clock it was within 0.5 % either way without the margin: benchmarks/RESULTS.md).
 _MESSAGE_BYTES = 256
-# FedSGA settings the coordinator alone reads (a device sees their effect in its own round-start fields)
-_SERVER_ONLY = ("deadline_aware", "label_memory")
 _MARGIN = 1.01
+# FedSGA settings the coordinator alone reads: a device sees their effect in its own round-start fields
+# ("deadline", "margin": device_fields), and a round start without them is what devices that predate them accept
+_SERVER_ONLY = ("deadline_aware", "label_memory")
 
 
 def _batches(n: int, batch_size: int, max_batches: int) -> int:
@@ -181,8 +182,6 @@ class FedSGA(Strategy):
     def round_start_fields(self, k: int | None, calibrate: bool) -> dict[str, Any]:
         from fedsga_edge.tensors import to_numpy, to_numpy_state
 
-        # deadline_aware is the coordinator's: a device reads its effect from "deadline" (device_fields), and a
-        # round start without the key is what devices that predate it accept
         body: dict[str, Any] = {"fedsga": {k: v for k, v in vars(self.cfg.fedsga).items() if k not in _SERVER_ONLY}}
         if k is None:  # the device chooses: it needs Gamma, phi_s and the prototypes to observe
             body.update(calibrate=calibrate, estimator=to_numpy_state(self.estimator.state_dict()),
