@@ -237,6 +237,8 @@ class FedSGA(Strategy):
         self.phi_s = ShallowHead(self._h1_dim, self.proto_dim).to(dev)
         self.estimator = MonotoneEstimator(num_obs=3 if fed.adapt else 2, margin=fed.label_memory)
         self.cal_buffer = CalibrationBuffer(num_obs=self.estimator.num_obs)
+        # the columns of o that are norms the device measured (delta[, q]); a trailing margin is the server's own
+        self._norms = slice(1, 3 if fed.adapt else 2)
         # --label-memory: each device's margin log(Lref / L1) at its last probe, and what this round's start sent it
         self._margins: dict[str, float] = {}
         self._sent_margin: dict[str, float] = {}
@@ -322,10 +324,10 @@ class FedSGA(Strategy):
             raise ValueError(f"o must be {self.cal_buffer.num_obs} finite values and r_prev in [0, 1]")
         # o = (a, delta[, q][, m]) (docs/method.md): a is a mean cosine, delta and q are norms of changes, m the
         # margin this round's start sent: the server's own copy is stored, whatever the device says it was
-        memory = self.cfg.fedsga.label_memory
-        norms = o[1:len(o) - 1] if memory else o[1:]
+        norms = o[self._norms]
         if not (-1.0001 <= o[0] <= 1.0001 and (norms >= 0).all() and (norms <= MAX_ABS_VALUE).all()):
             raise ValueError(f"o = {o.tolist()} is out of range: a in [-1, 1], delta and q in [0, {MAX_ABS_VALUE:g}]")
+        memory = self.cfg.fedsga.label_memory
         if memory:
             o[-1] = self._sent_margin.get(msg.sender, 0.0)
         o = self._bounded(o)
@@ -352,7 +354,7 @@ class FedSGA(Strategy):
         if len(self.cal_buffer) < _OBS_MIN:
             return o
         out = o.copy()
-        for j in range(1, len(o) - (1 if self.cfg.fedsga.label_memory else 0)):
+        for j in range(self._norms.start, self._norms.stop):
             typical = self.cal_buffer.typical(j)
             if typical:
                 out[j] = min(out[j], _OBS_CLIP * typical)
