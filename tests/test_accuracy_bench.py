@@ -59,6 +59,16 @@ def test_smoke_preset_writes_tables_and_resumes(bench, tmp_path, capsys, digits)
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("summary.json")} == stamps
     assert again["tables"] == first["tables"]
 
+    # runs made with other settings do not stand for this plan's: refused by name, nothing re-run or rewritten
+    with pytest.raises(SystemExit, match=r"4 finished runs were made with other settings(.|\n)*train\.lr 0\.1, plan 0\.05"):
+        bench.main(argv + ["--lr", "0.05", "--tables-only"])
+    with pytest.raises(SystemExit, match="other settings"):
+        bench.main(argv + ["--lr", "0.05"])
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("summary.json")} == stamps
+    plan = bench.main(argv + ["--lr", "0.05", "--dry-run"])  # the dry run shows which, and does not refuse
+    assert len(plan["plan"]) == 4
+    assert "made with other settings: train.lr 0.1, plan 0.05" in capsys.readouterr().out
+
 
 @pytest.mark.slow
 def test_wire_formats_run_side_by_side_paired_by_seed(bench, tmp_path, capsys):
