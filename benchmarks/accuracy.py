@@ -151,9 +151,9 @@ PRESETS: dict[str, Preset] = {
     # static at p_ref from 43.64 +- 4.72 % (seeds 0-2, constant rate) to 52.72 +- 1.53 % (seeds 0-4) and kept FedAvg
     # at 50.10 +- 1.13 % (RESULTS.md, "The cifar preset with a decaying rate"); ``--lr-schedule constant`` gives the
     # regime before. The devices' rate 0.2 (the paper's 0.1 elsewhere): chosen on tuning seeds 0-4 under IID (stop
-    # 27), where it took FedAvg from 50.10 +- 1.13 % to 54.66 +- 1.29 % (+4.57 +- 0.16 paired) and static at p_ref from 53.78 to 55.24 %
-    # (seeds 0-1): each device's copy takes 39 steps a round, too few at 0.1 (RESULTS.md, "The devices' rate");
-    # ``--lr 0.1`` gives the regime before. The server's 0.015 is unchanged.
+    # 27), where it took FedAvg from 50.10 +- 1.13 % to 54.66 +- 1.29 % (+4.57 +- 0.16 paired) and static at p_ref
+    # from 53.78 to 55.24 % (seeds 0-1): each device's copy takes 39 steps a round, too few at 0.1 (RESULTS.md,
+    # "The devices' rate"); ``--lr 0.1`` gives the regime before. The server's 0.015 is unchanged.
     "cifar": Preset(data=str(DEFAULT_NPZ), run=dict(width=0.125, clients=10, rounds=14, local_epochs=1, train_subset=25000,
                                                     lr=0.2, momentum=0.5, server_lr=0.015, augment=False,
                                                     lr_schedule="cosine"),
