@@ -45,6 +45,7 @@ the test set selects nothing (``best_acc`` is not reported).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import subprocess
@@ -840,7 +841,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "data": spec, "static_split": reference_split(settings["model"], settings["width"])}
     if not args.dry_run:
         check_records(out, runs)
-    if args.dry_run:
+    else:
         print(f"preset {args.preset}: {len(runs)} runs into {out}")
         print("scale: " + json.dumps(scale))
         for r in runs:
@@ -931,17 +932,21 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    from fedsga_edge.config import RunConfig
+
+    return _flat(json.loads(json.dumps(RunConfig().to_dict())))
+
+
 def record_differs(run_dir: Path, cfg: Any) -> list[str]:
     """The settings in which a finished run's config.json differs from the plan's config for it ("train.lr 0.1,
     plan 0.2"). A key the record lacks was added after the run: the run had the option's default behaviour. A
     plan's None is decided when the run starts (augmentation: on except for digits) and the record has the result."""
-    from fedsga_edge.config import RunConfig
-
     path = run_dir / "config.json"
     if not path.exists():
         return []
-    defaults = _flat(json.loads(json.dumps(RunConfig().to_dict())))
-    have = defaults | _flat(json.loads(path.read_text()))
+    have = _defaults() | _flat(json.loads(path.read_text()))
     want = _flat(json.loads(json.dumps(cfg.to_dict())))  # through JSON: tuples as lists, like the record
     return [f"{k} {have.get(k)!r}, plan {want[k]!r}" for k in want
             if k not in _NOT_COMPARED and want[k] is not None and have.get(k) != want[k]]

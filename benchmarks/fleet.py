@@ -234,21 +234,12 @@ def _run_all(args: argparse.Namespace, p: Any, out: Path, spec: str, runs: list[
 
 
 def _check_same(run_dir: Path, cfg: Any) -> None:
-    """A finished run is reused only when it was made with this plan's settings (the fleet, the deadline...)."""
-    planned = json.loads(json.dumps(cfg.to_dict()))
-    stored = json.loads((run_dir / "config.json").read_text())
-    differ = sorted(k for k, v in planned.items() if not _same(v, stored.get(k)))
+    """A finished run is reused only when it was made with this plan's settings (the fleet, the deadline...):
+    accuracy.py's comparison of config.json with the plan."""
+    differ = acc.record_differs(run_dir, cfg)
     if differ:
-        raise SystemExit(f"{run_dir} was run with other settings ({', '.join(differ)}); remove it or pick "
+        raise SystemExit(f"{run_dir} was run with other settings ({'; '.join(differ)}); remove it or pick "
                          "another --out")
-
-
-def _same(planned: Any, stored: Any) -> bool:
-    """A planned setting against the stored one; a planned None ("the default for the data") matches what the run
-    resolved it to (``augment``)."""
-    if isinstance(planned, dict) and isinstance(stored, dict):
-        return all(_same(v, stored.get(k)) for k, v in planned.items())
-    return planned is None or planned == stored
 
 
 # -- the table ---------------------------------------------------------------------------------------
