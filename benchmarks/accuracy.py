@@ -79,6 +79,8 @@ MAIN_METHODS = [m for m, (_, spec) in REGISTERED.items() if spec.group == "main"
 # Table 4: each strategy with ablations, its own full method first
 ABLATIONS = [m for s in dict.fromkeys(s for s, spec in REGISTERED.values() if spec.group == "ablation")
              for m in [s] + [m for m, (s2, spec) in REGISTERED.items() if s2 == s and spec.group == "ablation"]]
+# beyond the paper's tables: options of ours and diagnostic lines (e.g. FedSGA without its estimator at p_K)
+EXTENSIONS = [m for m, (_, spec) in REGISTERED.items() if spec.group == "extension"]
 DEFAULT_METHODS = [m for m, (_, spec) in REGISTERED.items() if spec.default]
 
 # Run options every run of the plan sets itself (the rest are the preset's or a flag's).
@@ -318,12 +320,8 @@ def run_one(cfg: Any, out: Path, bundle: Any, p: Preset, eval_set: Any, bar: Any
     started, started_cpu = time.perf_counter(), time.process_time()
     sim = Simulation(cfg, bundle)
     out.mkdir(parents=True, exist_ok=True)
-    config = cfg.to_dict() | {
-        "resolved_device": str(sim.device), "candidate_depths": list(sim.model.splits),
-        "client_sizes": {c: len(ix) for c, ix in zip(sim.client_ids, sim.parts)},
-        "benchmark": {"eval_every_subset": p.eval_every, "eval_subset": len(eval_set),
-                      "final_eval": "full test set"},
-    } | sim.assignment_info
+    config = sim.run_info | {"benchmark": {"eval_every_subset": p.eval_every, "eval_subset": len(eval_set),
+                                           "final_eval": "full test set"}}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     records = []
     sent = act_grad_bytes(sim)
@@ -733,6 +731,7 @@ def _tables(g: dict, partitions: list[str], methods: list[str]) -> list[str]:
     parts = [p for p in partitions if any((m, p) in g for m in methods)]
     out = _acc_table(g, parts, methods, "Table 2 (shape of the paper's): accuracy", MAIN_METHODS)
     out += _acc_table(g, parts, methods, "Table 4 (shape of the paper's): ablations", ABLATIONS)
+    out += _acc_table(g, parts, methods, "Beyond the paper's tables: extensions and diagnostics", EXTENSIONS)
     for section in (_cost_table, _calibration_table, _diagnostics_table, _split_table, _fedsga_vs_static):
         out += section(g, parts, methods)
     return out

@@ -73,7 +73,7 @@ class FedSGAConfig:
     mu_proto: float = opt(0.9, "Prototype EMA coefficient mu.", ge=0, le=1)
     cal_every: int = opt(5, "Calibrate the estimator every this many rounds (and round 1).", ge=1, le=100_000)
     adapt: bool = opt(True, "Ablation: no adaptation channel, o = [a, delta].", flag="--no-adapt", negated=True)
-    estimator: bool = opt(True, "Ablation: every client at p_ref.", flag="--no-estimator", negated=True)
+    estimator: bool = opt(True, "Ablation: every client at --split (the benchmark's ablation row: p_ref).", flag="--no-estimator", negated=True)
     harmonizer: bool = opt(True, "Ablation: pooled features straight to the head.", flag="--no-harmonizer",
                            negated=True)
     proto_dim: int = opt(128, "Harmonizer / prototype space.", ge=1, le=4096, cli=False)  # not a flag today
@@ -141,7 +141,7 @@ class RunConfig:
     img_size: int | None = opt(None, "Input size (default: the dataset's).")
     pretrained: str | None = opt(None, "Local weights file (torchvision / timm / fedsga-edge).", path=True)
     strategy: str = opt("static", "The method that runs")  # the CLI lists the registered strategies
-    split: int = opt(2, "1-based split index for --strategy static (ResNet: 1=after layer1 .. 3=after layer3).")
+    split: int = opt(2, "1-based split index for --strategy static and FedSGA --no-estimator (ResNet: 1=after layer1 .. 3=after layer3).")
     seed: int = opt(0, "Seed for partitions, initialisation and batching.")
     device: str = opt("auto", "auto (CUDA when present) | cpu | cuda | cuda:N")
     train_subset: int = opt(0, "Use only this many training samples, stratified (0 = all).")

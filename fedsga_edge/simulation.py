@@ -59,7 +59,6 @@ class Simulation:
         self.parts, self.client_ids = plan.parts, plan.client_ids
         side = build_coordinator(plan)
         self.model, self.costs, self.strategy, self.coordinator = side.model, side.costs, side.strategy, side.coordinator
-        self.assignment_info = self.strategy.info()
         self.run_info = side.run_info()
         self.transport = LoopbackTransport()
         run_id = default_run_id(cfg)

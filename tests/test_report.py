@@ -26,12 +26,12 @@ CLIENTS = ["client-000", "client-001", "client-002"]
 def write_run(path: Path, strategy: str, seed: int, accs: list[float], *, partition: str = "iid", alpha: float = 0.1,
               fedsga: dict | None = None, splits: list[dict] | None = None, clients: list[dict] | None = None,
               extra: list[dict] | None = None, summary: bool = True, flops: float = 1e8,
-              rounds: int | None = None) -> Path:
+              rounds: int | None = None, split: int = 2) -> Path:
     """A run folder as `simulate` writes it: config.json, metrics.jsonl and summary.json."""
     path.mkdir(parents=True)
     config = {"dataset": "digits", "partition": partition, "alpha": alpha, "clients": len(CLIENTS),
               "rounds": rounds or len(accs), "model": "resnet18_cifar", "width": 0.25, "strategy": strategy,
-              "split": 2, "seed": seed,
+              "split": split, "seed": seed, "candidate_depths": [2, 3, 4],
               "fedsga": {"beta": 0.05, "adapt": True, "estimator": True, "harmonizer": True} | (fedsga or {})}
     rows = []
     for t, acc in enumerate(accs, 1):
@@ -131,9 +131,12 @@ def test_benchmark_subset_accuracy_fills_intermediate_rounds(tmp_path) -> None:
 def test_method_names_follow_the_benchmark(tmp_path) -> None:
     write_run(tmp_path / "x", "fedsga", 0, [0.5], fedsga={"harmonizer": False}, partition="dirichlet", alpha=0.1)
     write_run(tmp_path / "y", "fedsga", 0, [0.5], fedsga={"adapt": False, "estimator": False})
+    write_run(tmp_path / "z", "fedsga", 0, [0.5], fedsga={"estimator": False}, split=3)
+    write_run(tmp_path / "w", "fedsga", 0, [0.5], split=3)  # --split means nothing while the estimator decides
     runs = {r.path.name: r for r in discover([tmp_path])[0]}
     assert (runs["x"].method, runs["x"].partition) == ("fedsga-no-harmonizer", "dir0.1")
     assert runs["y"].method == "fedsga-no-adapt-no-estimator"
+    assert runs["z"].method == "fedsga-no-estimator-pK" and runs["w"].method == "fedsga"
 
 
 def test_split_matrix_per_client_and_round(tmp_path) -> None:

@@ -86,11 +86,14 @@ def test_bytes_counted_are_the_wire_bytes(digits) -> None:
     assert rec["bytes_up"] > 3 * 3 * 32 * per_sample
 
 
-def test_fully_ablated_fedsga_is_splitfed(digits) -> None:
-    """FedSGA minus adaptation, estimator and harmonizer at p_ref must train exactly like static at p_ref."""
+@pytest.mark.parametrize("split", [2, 3])
+def test_fully_ablated_fedsga_is_splitfed(digits, split: int) -> None:
+    """FedSGA minus adaptation, estimator and harmonizer at --split must train exactly like static there
+    (p_ref, and p_K: the fedsga-no-estimator-pK diagnostic's depth)."""
     off = FedSGAConfig(adapt=False, estimator=False, harmonizer=False)
-    a = list(Simulation(tiny("fedsga", fedsga=off), digits).rounds())
-    b = list(Simulation(tiny("static", split=2), digits).rounds())
+    a = list(Simulation(tiny("fedsga", fedsga=off, split=split), digits).rounds())
+    b = list(Simulation(tiny("static", split=split), digits).rounds())
+    assert all(set(r["splits"].values()) == {split} for r in a)
     assert [r["test_acc"] for r in a] == [r["test_acc"] for r in b]
     assert [r["train_loss"] for r in a] == pytest.approx([r["train_loss"] for r in b], rel=1e-6)
 

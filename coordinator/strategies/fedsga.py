@@ -15,7 +15,7 @@ import numpy as np
 from fedsga_edge.config import RunConfig
 from fedsga_edge.method.policy import reference_index
 
-from ..strategy import Method, Strategy, register_strategy
+from ..strategy import Method, Strategy, check_split, register_strategy
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -141,12 +141,21 @@ class FedSGA(Strategy):
             self.fleet_classes = load_fleet(cfg.fleet).assign(list(clients))
 
     @classmethod
+    def check_config(cls, cfg: RunConfig, num_splits: int) -> None:
+        if not cfg.fedsga.estimator:  # every device at --split, as in SplitFed
+            check_split(cfg, num_splits)
+
+    @classmethod
     def methods(cls) -> dict[str, Method]:
         out = {"fedsga": Method(cls.label)}
         labels = {"adapt": "w/o adaptation channel", "estimator": "w/o estimator (all at p_ref)",
                   "harmonizer": "w/o harmonizer"}
         for flag in _ABLATIONS:
-            out[f"fedsga-no-{flag}"] = Method(labels[flag], group="ablation", overrides={f"fedsga.{flag}": False})
+            out[f"fedsga-no-{flag}"] = Method(labels[flag], group="ablation", overrides={f"fedsga.{flag}": False},
+                                              split="ref" if flag == "estimator" else None)
+        # a diagnostic beside static at p_K: the method's additions (prompts, harmonizer, phi_s) at the deepest split
+        out["fedsga-no-estimator-pK"] = Method("FedSGA w/o estimator, all at p_K (diagnostic)", group="extension",
+                                               overrides={"fedsga.estimator": False}, split="K", default=False)
         # beyond the paper, off by default and outside the paper's tables (docs/fleet.md, "Deadline-aware splits")
         out["fedsga-deadline"] = Method("FedSGA, deadline-aware (beyond the paper)", group="extension",
                                         overrides={"fedsga.deadline_aware": True}, default=False)
@@ -157,7 +166,10 @@ class FedSGA(Strategy):
     @classmethod
     def method_name(cls, cfg: RunConfig, num_splits: int) -> str:
         off = [flag for flag in _ABLATIONS if getattr(cfg.fedsga, flag) is False]
-        return "-".join(["fedsga"] + [f"no-{flag}" for flag in off]
+        pinned = []  # without the estimator every device sits at --split: named unless it is p_ref
+        if "estimator" in off and num_splits and cfg.split != reference_index(num_splits):
+            pinned = ["p1" if cfg.split == 1 else "pK" if cfg.split == num_splits else f"k{cfg.split}"]
+        return "-".join(["fedsga"] + [f"no-{flag}" for flag in off] + pinned
                         + (["deadline"] if getattr(cfg.fedsga, "deadline_aware", False) else [])
                         + (["memory"] if getattr(cfg.fedsga, "label_memory", False) else []))
 
@@ -167,8 +179,8 @@ class FedSGA(Strategy):
 
     # -- configure the round ------------------------------------------------------------------------
     def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
-        if not self.cfg.fedsga.estimator:  # ablation: everyone at p_ref
-            return {c: reference_index(self.K) for c in clients}
+        if not self.cfg.fedsga.estimator:  # ablation: everyone at --split (p_ref in the benchmark's ablation row)
+            return {c: self.cfg.split for c in clients}
         return {c: None for c in clients}
 
     def calibrates(self, t: int) -> bool:

@@ -117,7 +117,12 @@ def method_name(config: dict[str, Any]) -> str:
         return strategy
     fed = config.get("fedsga") or {}
     off = [flag for flag in _FEDSGA_ABLATIONS if fed.get(flag, True) is False]
-    return "-".join(["fedsga"] + [f"no-{flag}" for flag in off] + (["deadline"] if fed.get("deadline_aware") else []))
+    K, split = len(config.get("candidate_depths") or []), config.get("split")
+    pinned = []  # without the estimator every device sits at --split (FedSGA.method_name)
+    if "estimator" in off and K and isinstance(split, int) and split != (K + 1) // 2:
+        pinned = ["p1" if split == 1 else "pK" if split == K else f"k{split}"]
+    return "-".join(["fedsga"] + [f"no-{flag}" for flag in off] + pinned
+                    + (["deadline"] if fed.get("deadline_aware") else []) + (["memory"] if fed.get("label_memory") else []))
 
 
 def partition_name(config: dict[str, Any]) -> str:
