@@ -882,24 +882,27 @@ def _run_all(args: argparse.Namespace, p: Preset, out: Path, spec: str, runs: li
 
     from fedsga_edge.data import load_dataset
 
-    ensure_data(spec)
     bundle = None
     eval_set = None
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
     skipped = 0
-    bar = tqdm(runs, desc=f"accuracy[{args.preset}]", unit="run", disable=args.no_progress, mininterval=5, file=sys.stderr)
+    # --tables-only trains nothing: no bar, and no data needed (a clone rebuilds the tables from the records alone)
+    bar = tqdm(runs, desc=f"accuracy[{args.preset}]", unit="run", disable=args.no_progress or args.tables_only,
+               mininterval=5, file=sys.stderr)
     for r in bar:
         run_dir = out / r["dir"]
         summary_path = run_dir / "summary.json"
         bar.set_description_str(f"accuracy[{args.preset}] {r['dir']}")
-        if summary_path.exists():
+        trained = not summary_path.exists()
+        if not trained:
             summary = with_final_by_split(json.loads(summary_path.read_text()), run_dir)
             skipped += 1
         elif args.tables_only:
             continue
         else:
             if bundle is None:
+                ensure_data(spec)
                 bundle = load_dataset(spec, args.data_root)
                 eval_set = SubsetImages(bundle.test, stratified(bundle.test.labels, p.eval_subset))
             summary = with_final_by_split(run_one(r["config"], run_dir, bundle, p, eval_set, bar), run_dir)
@@ -908,7 +911,8 @@ def _run_all(args: argparse.Namespace, p: Preset, out: Path, spec: str, runs: li
                        file=sys.stderr)
         results.append({"method": r["method"], "partition": r["partition"], "seed": r["seed"], "dir": r["dir"],
                         "wire_format": r["wire_format"], "summary": summary})
-        write_results(out, args.preset, command, scale, results, p)
+        if trained:  # the tables so far on disk after each run that trained
+            write_results(out, args.preset, command, scale, results, p)
     bar.close()
     md = write_results(out, args.preset, command, scale, results, p)
     print(md)

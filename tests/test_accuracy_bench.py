@@ -58,6 +58,9 @@ def test_smoke_preset_writes_tables_and_resumes(bench, tmp_path, capsys, digits)
     assert again["skipped"] == 4
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("summary.json")} == stamps
     assert again["tables"] == first["tables"]
+    # the tables need only the records: a clone without the data set rebuilds them (absent.npz would be refused)
+    rebuilt = bench.main(argv + ["--data", f"npz:{tmp_path / 'absent' / 'office31_32.npz'}", "--tables-only"])
+    assert rebuilt["skipped"] == 4 and "**Table 2" in rebuilt["tables"]
 
     # runs made with other settings do not stand for this plan's: refused by name, nothing re-run or rewritten
     with pytest.raises(SystemExit, match=r"4 finished runs were made with other settings(.|\n)*train\.lr 0\.1, plan 0\.05"):
