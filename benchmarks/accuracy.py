@@ -495,26 +495,35 @@ def _paired_cell(pr: dict[str, Any] | None, scale: float = 100.0) -> str:
     return f"{pr['mean'] * scale:+.2f}{se} ({pr['wins']}/{pr['n']})"
 
 
-def _acc_table(g: dict, parts: list[str], methods: list[str], title: str, rows: list[str]) -> list[str]:
+def _acc_table(g: dict, parts: list[str], methods: list[str], title: str, rows: list[str],
+               vs_full: bool = False) -> list[str]:
     """Tables 2 and 4: headline accuracy per method and partition, and each method's paired difference
-    to static at p_ref (mean over seeds ± its standard error, and wins k of n)."""
+    to static at p_ref (mean over seeds ± its standard error, and wins k of n). ``vs_full``: also each
+    variant's paired difference to its strategy's full method (the paper's "each ablation below FedSGA")."""
     out: list[str] = []
     rows = [m for m in rows if m in methods and any((m, p) in g for p in parts)]
     if not rows:
         return out
     out.append(f"**{title}** — test accuracy (%, the headline: mean of the last evaluations on the full test set), "
                f"mean ± std over seeds; Δ: paired difference to {LABELS.get(REFERENCE, REFERENCE)} over the same "
-               "seeds, mean ± standard error (wins k/n)")
+               "seeds, mean ± standard error (wins k/n)" + ("; Δ full: the same, to the variant's full method"
+                                                          if vs_full else ""))
     out.append("")
-    out.append("| Method | " + " | ".join(f"{partition_label(p)} | Δ {partition_label(p)}" for p in parts) + " | seeds |")
-    out.append("|---|" + "---:|---:|" * len(parts) + "---:|")
+    cols = [f"{partition_label(p)} | Δ {partition_label(p)}" + (f" | Δ full {partition_label(p)}" if vs_full else "")
+            for p in parts]
+    out.append("| Method | " + " | ".join(cols) + " | seeds |")
+    out.append("|---|" + ("---:|---:|---:|" if vs_full else "---:|---:|") * len(parts) + "---:|")
     for m in rows:
         cells = []
+        full = REGISTERED[m][0] if m in REGISTERED else m
         for p in parts:
             ss = g.get((m, p), [])
             cells.append(_ms([acc_of(s) for s in ss]))
             ref = g.get((REFERENCE, p), [])
             cells.append("0 (reference)" if m == REFERENCE and ss else _paired_cell(paired(ss, ref)) if ss else "—")
+            if vs_full:
+                cells.append("0 (full)" if m == full and ss else _paired_cell(paired(ss, g.get((full, p), [])))
+                             if ss else "—")
         n = max(len(g.get((m, p), [])) for p in parts)
         out.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + f" | {n} |")
     out.append("")
@@ -730,8 +739,9 @@ def _tables(g: dict, partitions: list[str], methods: list[str]) -> list[str]:
     """One wire format's tables: accuracy, ablations, cost and the method's own sections."""
     parts = [p for p in partitions if any((m, p) in g for m in methods)]
     out = _acc_table(g, parts, methods, "Table 2 (shape of the paper's): accuracy", MAIN_METHODS)
-    out += _acc_table(g, parts, methods, "Table 4 (shape of the paper's): ablations", ABLATIONS)
-    out += _acc_table(g, parts, methods, "Beyond the paper's tables: extensions and diagnostics", EXTENSIONS)
+    out += _acc_table(g, parts, methods, "Table 4 (shape of the paper's): ablations", ABLATIONS, vs_full=True)
+    out += _acc_table(g, parts, methods, "Beyond the paper's tables: extensions and diagnostics", EXTENSIONS,
+                      vs_full=True)
     for section in (_cost_table, _calibration_table, _diagnostics_table, _split_table, _fedsga_vs_static):
         out += section(g, parts, methods)
     return out

@@ -173,9 +173,24 @@ def test_domain_preset_dry_run_plans_office31_domain_skew(bench, tmp_path, capsy
 def test_static_methods_pin_their_split(bench):
     K, ref = bench.num_splits("resnet18_cifar", 0.25), bench.reference_split("resnet18_cifar", 0.25)
     assert (K, ref) == (3, 2)
-    splits = {m: bench.method_split(m, ref, K) for m in ("static", "static-p1", "static-pK", "fedsga")}
-    assert splits == {"static": 2, "static-p1": 1, "static-pK": 3, "fedsga": 2}
+    pinned = ("static", "static-p1", "static-pK", "fedsga", "fedsga-no-estimator", "fedsga-no-estimator-pK")
+    splits = {m: bench.method_split(m, ref, K) for m in pinned}
+    assert splits == {"static": 2, "static-p1": 1, "static-pK": 3, "fedsga": 2, "fedsga-no-estimator": 2,
+                      "fedsga-no-estimator-pK": 3}
     assert all(m in bench.METHODS and m in bench.LABELS for m in ("static", "static-p1", "static-pK"))
+
+
+def test_ablation_table_pairs_each_variant_with_its_full_method(bench):
+    def runs(accs):
+        return [{"_seed": s, "headline_acc": a} for s, a in enumerate(accs)]
+
+    g = {("static", "iid"): runs([0.50, 0.60]), ("fedsga", "iid"): runs([0.55, 0.60]),
+         ("fedsga-no-adapt", "iid"): runs([0.50, 0.58])}
+    md = bench._acc_table(g, ["iid"], list(bench.METHODS), "Table 4", bench.ABLATIONS, vs_full=True)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in md if line.startswith("| ")}
+    # the variant: against static (0.00, -2.00 points) and against full FedSGA (-5.00, -2.00), each paired by seed
+    assert rows[bench.LABELS["fedsga-no-adapt"]][1:3] == ["-1.00 ± 1.00 (0/2)", "-3.50 ± 1.50 (0/2)"]
+    assert rows[bench.LABELS["fedsga"]][1:3] == ["+2.50 ± 2.50 (1/2)", "0 (full)"]
 
 
 def test_partition_names(bench):
