@@ -18,8 +18,9 @@ __all__ = ["FederatedEvaluation", "headline_split", "evaluate"]
 
 
 def headline_split(split_samples: dict[int, int], num_splits: int) -> int:
-    """The depth embedding the headline accuracy uses: the split most trained so far (by samples),
-    ties to the shallower; p_ref before any split training (docs/method.md, "Evaluation")."""
+    """The depth embedding the headline accuracy uses: the split most trained (by samples) in the samples
+    given, the coordinator's latest round; ties to the shallower; p_ref before any split training
+    (docs/method.md, "Evaluation")."""
     if not split_samples or set(split_samples) == {0}:
         return reference_index(num_splits)
     split = {k: n for k, n in split_samples.items() if k > 0}

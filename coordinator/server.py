@@ -108,7 +108,8 @@ class Coordinator:
             self.model, self.head, cfg, weight, steps=strategy.server_steps())
         self.round = RoundState()
         self.bounds = ActivationBound(cfg.clip_activations)  # docs/protocol.md, "Bounded influence"
-        self.split_samples: dict[int, int] = {}  # split -> samples trained there so far (headline eval)
+        # split -> samples trained there in the latest round that trained a split (the headline's embedding)
+        self.split_samples: dict[int, int] = {}
         self.remote_errors = 0  # requests refused over the whole run
         self._handlers = {"activation": self._on_activation, "fetch": self._on_fetch, "update": self._on_update}
         self.fed_eval = FederatedEvaluation(self)  # the devices' evaluation on their held-out data (issue 18)
@@ -191,9 +192,12 @@ class Coordinator:
             "failures": dict(rs.failures),
             "round_s": now - self._stats["started"],
         }
+        this_round: dict[int, int] = {}
         for cid, u in updates.items():
             k = int(u["split"])
-            self.split_samples[k] = self.split_samples.get(k, 0) + self.clients[cid]
+            this_round[k] = this_round.get(k, 0) + self.clients[cid]
+        if any(k > 0 for k in this_round):  # a round that trained no split (none came back) keeps the last one's
+            self.split_samples = this_round
         self.strategy.end_round(updates, record)
         self.fed_eval.end_round(updates, record)
         record.update(self._client_costs(updates, record))

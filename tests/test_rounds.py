@@ -247,6 +247,17 @@ def test_evaluation_under_every_depth_embedding(digits) -> None:
     assert len(share) == 10 and sum(share) == pytest.approx(1.0, abs=1e-3) and min(share) >= 0
 
 
+def test_the_headline_embedding_follows_the_latest_round_not_the_run(digits) -> None:
+    """Splits that shift (p_2 for two rounds, then p_3) are scored with the embedding trained last: the run's
+    cumulative samples would still say p_2 in round 3 (2 rounds against 1)."""
+    sim = Simulation(tiny("fedsga", clients=2, rounds=3, fedsga=FedSGAConfig(estimator=False)), digits)
+    sim.strategy.assign = lambda t, clients: {c: 2 if t <= 2 else 3 for c in clients}
+    recs = list(sim.rounds())
+    assert [set(r["splits"].values()) for r in recs] == [{2}, {2}, {3}]
+    assert [r["eval_split"] for r in recs] == [2, 2, 3]
+    assert recs[2]["test_acc"] == recs[2]["test_acc_by_split"]["3"]
+
+
 def test_client_flops_are_weighted_by_data(digits) -> None:
     """Every sample trained once (no batch cap), so the samples trained are |D_i| (tests/test_cost.py)."""
     sim = Simulation(tiny_config("random", clients=3, rounds=1, partition="dirichlet", alpha=0.3, train_subset=240,
