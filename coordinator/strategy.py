@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = ["Method", "Strategy", "register_strategy", "unregister_strategy", "get_strategy", "create_strategy",
-           "list_strategies", "all_methods", "method_of", "check_split", "head_state"]
+           "list_strategies", "all_methods", "method_of", "check_split", "split_suffix", "head_state"]
 
 _REGISTRY: dict[str, type["Strategy"]] = {}
 
@@ -105,6 +105,11 @@ def method_of(cfg: RunConfig, num_splits: int) -> dict[str, str]:
     name = cls.method_name(cfg, num_splits)
     spec = cls.methods().get(name)
     return {"name": name, "label": spec.label if spec else name, "group": spec.group if spec else "main"}
+
+
+def split_suffix(split: int, num_splits: int) -> str:
+    """How a method pinned to one split names it: "p1", "pK" or "k<split>" (p_ref is the unnamed default)."""
+    return "p1" if split == 1 else "pK" if split == num_splits else f"k{split}"
 
 
 def check_split(cfg: RunConfig, num_splits: int) -> None:

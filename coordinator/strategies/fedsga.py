@@ -15,7 +15,7 @@ import numpy as np
 from fedsga_edge.config import RunConfig
 from fedsga_edge.method.policy import reference_index
 
-from ..strategy import Method, Strategy, check_split, register_strategy
+from ..strategy import Method, Strategy, check_split, register_strategy, split_suffix
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -168,7 +168,7 @@ class FedSGA(Strategy):
         off = [flag for flag in _ABLATIONS if getattr(cfg.fedsga, flag) is False]
         pinned = []  # without the estimator every device sits at --split: named unless it is p_ref
         if "estimator" in off and num_splits and cfg.split != reference_index(num_splits):
-            pinned = ["p1" if cfg.split == 1 else "pK" if cfg.split == num_splits else f"k{cfg.split}"]
+            pinned = [split_suffix(cfg.split, num_splits)]
         return "-".join(["fedsga"] + [f"no-{flag}" for flag in off] + pinned
                         + (["deadline"] if getattr(cfg.fedsga, "deadline_aware", False) else [])
                         + (["memory"] if getattr(cfg.fedsga, "label_memory", False) else []))

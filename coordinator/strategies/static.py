@@ -5,7 +5,7 @@ from __future__ import annotations
 from fedsga_edge.config import RunConfig
 from fedsga_edge.method.policy import reference_index
 
-from ..strategy import Method, Strategy, check_split, register_strategy
+from ..strategy import Method, Strategy, check_split, register_strategy, split_suffix
 
 
 @register_strategy
@@ -28,7 +28,7 @@ class Static(Strategy):
     def method_name(cls, cfg: RunConfig, num_splits: int) -> str:
         if not num_splits or cfg.split == reference_index(num_splits):
             return "static"
-        return "static-p1" if cfg.split == 1 else "static-pK" if cfg.split == num_splits else f"static-k{cfg.split}"
+        return f"static-{split_suffix(cfg.split, num_splits)}"
 
     def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
         return {c: self.cfg.split for c in clients}
