@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import broker_cmd, export_cmd, field_cmd, partition_cmd, plot_cmd, profile_cmd, report_cmd, simulate
+from . import broker_cmd, export_cmd, field_cmd, fleet_cmd, partition_cmd, plot_cmd, profile_cmd, report_cmd, simulate
 
 app = typer.Typer(
     name="fedsga-edge",
@@ -16,7 +16,7 @@ app = typer.Typer(
 
 simulate.register(app)
 
-for _command in (export_cmd, profile_cmd, plot_cmd, report_cmd, field_cmd, broker_cmd, partition_cmd):
+for _command in (export_cmd, profile_cmd, plot_cmd, report_cmd, field_cmd, fleet_cmd, broker_cmd, partition_cmd):
     _command.register(app)
 
 
