@@ -308,7 +308,8 @@ def step_flops(kind: str | None, body: dict[str, Any] | None, costs: Any, train:
     if kind == "update" and body.get("split") is None and "num_samples" in body:
         from .server import samples_per_epoch
 
-        seen = train.local_epochs * samples_per_epoch(int(body["num_samples"]), train.batch_size, train.max_batches)
+        seen = train.local_epochs * samples_per_epoch(int(body["num_samples"]), train.batch_size, train.max_batches,
+                                                     train.batching)
         return float(seen * costs.train(0))
     return 0.0
 

@@ -60,16 +60,12 @@ class _Held:
     extra: Any
 
 
-def samples_per_epoch(n: int, batch_size: int, max_batches: int) -> int:
+def samples_per_epoch(n: int, batch_size: int, max_batches: int, batching: str = "balanced") -> int:
     """Samples a device with ``n`` samples trains per local epoch: its batches as the device cuts them
-    (a last batch of one folded into the one before), at most ``max_batches`` of them (0 = all)."""
-    if n <= 0:
-        return 0
-    sizes = [batch_size] * (-(-n // batch_size))
-    sizes[-1] = n - batch_size * (len(sizes) - 1)
-    if len(sizes) > 1 and sizes[-1] < 2:
-        last = sizes.pop()  # (not ``sizes[-2] += sizes.pop()``: that stores into the list after the pop)
-        sizes[-1] += last
+    (fedsga_edge/batches.py), at most ``max_batches`` of them (0 = all)."""
+    from fedsga_edge.batches import batch_sizes
+
+    sizes = batch_sizes(n, batch_size, batching)
     return sum(sizes[:max_batches] if max_batches else sizes)
 
 
@@ -218,7 +214,7 @@ class Coordinator:
         each device weighs by the samples it trained (|D_i| x local epochs), ``client_params`` too.
         """
         tc = self.cfg.train
-        seen = {c: tc.local_epochs * samples_per_epoch(self.clients[c], tc.batch_size, tc.max_batches)
+        seen = {c: tc.local_epochs * samples_per_epoch(self.clients[c], tc.batch_size, tc.max_batches, tc.batching)
                 for c in updates}
         total = sum(seen.values())
         if not total:

@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EVAL_SPAWN", "FINETUNE_SPAWN", "hold_out", "held_out_evaluation", "eval_batches", "finetuned_evaluation",
+from fedsga_edge.batches import cut_batches
+
+__all__ = ["EVAL_SPAWN", "FINETUNE_SPAWN", "hold_out", "held_out_evaluation", "finetuned_evaluation",
            "finetune_rng"]
 
 EVAL_SPAWN = 0xE7A1  # the held-out slice's own stream: it draws nothing from the batch order's
@@ -52,16 +54,6 @@ def hold_out(indices: np.ndarray, fraction: float, seed: int, cid: str) -> tuple
     return indices[~chosen], indices[chosen]
 
 
-def eval_batches(indices: np.ndarray, batch_size: int) -> list[np.ndarray]:
-    """``indices`` in order, in batches of at most ``batch_size`` (+1: a last batch of one joins the one
-    before, so every batch holds 2 or more samples: BatchNorm cannot train on one). Training batches too."""
-    out = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
-    if len(out) > 1 and len(out[-1]) < 2:
-        last = out.pop()  # popped first: out[-2] read after the pop would be the batch before
-        out[-1] = np.concatenate([out[-1], last])
-    return out
-
-
 _Steps = Generator[tuple[str, dict[str, Any]], Any, dict[str, Any]]
 
 
@@ -73,7 +65,7 @@ def held_out_evaluation(client: Any, plan: Any, expect: Callable[[Any, str], Any
     if held is None or not len(held):
         return {}
     be = client.backend
-    batches = eval_batches(np.asarray(held), plan.train.batch_size)
+    batches = cut_batches(np.asarray(held), plan.train.batch_size)
     if plan.full:
         loss_sum, correct = 0.0, 0
         for idx in batches:
@@ -117,9 +109,9 @@ def finetuned_evaluation(client: Any, plan: Any, epochs: int, t: int) -> dict[st
     rng = finetune_rng(client, t)
     order = []  # per epoch, its batches as positions in ``train``
     for _ in range(epochs):
-        batches = eval_batches(rng.permutation(len(train)), tc.batch_size)
+        batches = cut_batches(rng.permutation(len(train)), tc.batch_size, tc.batching)
         order.append(batches[: tc.max_batches] if tc.max_batches else batches)
-    loss_sum, correct = _finetuned_eval(client, plan, train, order, eval_batches(np.asarray(held), tc.batch_size))
+    loss_sum, correct = _finetuned_eval(client, plan, train, order, cut_batches(np.asarray(held), tc.batch_size))
     n = len(held)
     return {"eval_loss_finetuned": loss_sum / n, "eval_acc_finetuned": correct / n}
 

@@ -97,9 +97,9 @@ def _need(be: Any, what: str) -> Any:
 def _batches(client: Any, plan: Any) -> list[np.ndarray]:
     """The device's training indices in order, in training-size batches, at most ``max_batches`` of them
     (the same cap as training): no draw from the device's batch-order stream."""
-    from .evaluate import eval_batches
+    from fedsga_edge.batches import cut_batches
 
-    out = eval_batches(np.asarray(client.data.indices), plan.train.batch_size)
+    out = cut_batches(np.asarray(client.data.indices), plan.train.batch_size, plan.train.batching)
     return out[: plan.train.max_batches] if plan.train.max_batches else out
 
 

@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from fedsga_edge.batches import cut_batches
 from fedsga_edge.config import FedSGAConfig, TrainConfig, from_wire
 from fedsga_edge.method.adaptation import descriptor, descriptor_weights, prompt_contributions, weight_entropy
 from fedsga_edge.method.heads import HeadError, estimate, shallow_head
@@ -30,7 +31,7 @@ from fedsga_edge.method.policy import deadline_split, reference_index, split_ind
 from fedsga_edge.transport import PendingMessage
 from fedsga_edge.wire import Message, RemoteProtocolError
 
-from .evaluate import eval_batches, held_out_evaluation
+from .evaluate import held_out_evaluation
 from .methods import check_method, device_method
 
 __all__ = ["Backend", "BackendError", "Caller", "ClientData", "PrivateState", "SplitClient", "check_round_start"]
@@ -398,7 +399,7 @@ class SplitClient:
                        prompt_lr=plan.fed.prompt_lr if plan.fed is not None and plan.prompts is not None else None)
         try:
             for _ in range(plan.train.local_epochs):
-                for idx in self._batches(plan.train.batch_size, plan.train.max_batches):
+                for idx in self._batches(plan.train):
                     x, y = self._inputs(idx, plan.train.augment)
                     if plan.full:
                         done.loss_sum += be.full_step(x, y)
@@ -473,12 +474,18 @@ class SplitClient:
         """Up to one batch of the probe slice (a batch of the training data when there is no slice)."""
         held = self.data.probe_indices
         if held is None:
-            return self._batches(batch_size, 1)[0]
+            return self._one_batch(batch_size)
         return held[self.rng.permutation(len(held))][:batch_size]
 
-    def _batches(self, batch_size: int, max_batches: int) -> list[np.ndarray]:
-        out = eval_batches(self.data.indices[self.rng.permutation(len(self.data.indices))], batch_size)
-        return out[:max_batches] if max_batches else out
+    def _one_batch(self, batch_size: int) -> np.ndarray:
+        """The first ``batch_size`` samples of a fresh permutation of the training data (observation, probe)."""
+        return self.data.indices[self.rng.permutation(len(self.data.indices))][:batch_size]
+
+    def _batches(self, train: TrainConfig) -> list[np.ndarray]:
+        """One epoch's batches: a fresh permutation cut as ``train.batching`` says (fedsga_edge/batches.py)."""
+        out = cut_batches(self.data.indices[self.rng.permutation(len(self.data.indices))], train.batch_size,
+                          train.batching)
+        return out[:train.max_batches] if train.max_batches else out
 
     def _inputs(self, idx: np.ndarray, augment: bool) -> tuple[Any, np.ndarray]:
         x = self.backend.inputs(self.data.images.get_batch(idx), augment)
@@ -487,7 +494,7 @@ class SplitClient:
     def _choose_split(self, body: dict[str, Any], fed: FedSGAConfig, prompts: np.ndarray | None) -> tuple[int, dict[str, Any]]:
         """Observation at round start (the round's global blocks, eval mode) -> r -> split (Eq. 8)."""
         K = self.backend.num_splits
-        idx = self._batches(body["train"]["batch_size"], 1)[0]
+        idx = self._one_batch(body["train"]["batch_size"])
         x, y = self._inputs(idx, augment=False)
         hbar = self.backend.observe(x, prompts)  # (B, C) pooled p_1 features
         H = hbar.mean(axis=0)

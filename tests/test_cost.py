@@ -32,11 +32,14 @@ def train_per_sample(sim: Simulation, rec: dict[str, Any]) -> float:
 
 
 def test_samples_per_epoch_cuts_batches_as_the_device_does() -> None:
-    assert samples_per_epoch(33, 16, 0) == 33  # 16 + 17: the last batch of one folded in
-    assert samples_per_epoch(33, 16, 1) == 16
-    assert samples_per_epoch(33, 16, 2) == 16 + 17
-    assert samples_per_epoch(50, 16, 2) == 32
-    assert samples_per_epoch(1, 16, 0) == 1 and samples_per_epoch(0, 16, 0) == 0
+    # balanced (the default): 33 = 11 + 11 + 11; 50 = 13 + 13 + 12 + 12
+    assert samples_per_epoch(33, 16, 0) == 33 and samples_per_epoch(33, 16, 1) == 11
+    assert samples_per_epoch(33, 16, 2) == 22 and samples_per_epoch(50, 16, 2) == 26
+    # tail (runs before the option): 16 + 17, the last batch of one folded in; 50 = 16 + 16 + 16 + 2
+    assert samples_per_epoch(33, 16, 0, "tail") == 33 and samples_per_epoch(33, 16, 1, "tail") == 16
+    assert samples_per_epoch(33, 16, 2, "tail") == 16 + 17 and samples_per_epoch(50, 16, 2, "tail") == 32
+    for batching in ("balanced", "tail"):
+        assert samples_per_epoch(1, 16, 0, batching) == 1 and samples_per_epoch(0, 16, 0, batching) == 0
 
 
 def test_a_fedsga_round_counts_its_probes_and_observation_on_the_device(digits) -> None:

@@ -205,7 +205,8 @@ def test_after_local_training_the_probe_paths_differ(digits) -> None:
 
 
 def test_no_harmonizer_labels_take_both_values(digits) -> None:
-    cfg = tiny("fedsga", clients=4, rounds=3, partition="dirichlet", alpha=0.3,
+    # 6 devices: 18 labels (4 devices' 12 were all 1 once the epochs were cut in balanced batches)
+    cfg = tiny("fedsga", clients=6, rounds=3, partition="dirichlet", alpha=0.3,
                fedsga=FedSGAConfig(harmonizer=False, cal_every=1),
                train=TrainConfig(local_epochs=1, batch_size=32, max_batches=4))
     labels = [c["s"] for r in Simulation(cfg, digits).rounds() for c in r["clients"].values()]

@@ -81,7 +81,7 @@ def predicted_split_s(cls: Any, costs: Any, num_samples: int, cfg: RunConfig, ca
     # the probe's slice, never trained on (held out only while the estimator calibrates)
     held = _probe_slice(num_samples, cfg.fedsga.probe_holdout) if cfg.fedsga.estimator else num_samples
     n = num_samples - held if held < num_samples else num_samples
-    seen = tc.local_epochs * samples_per_epoch(n, tc.batch_size, tc.max_batches)
+    seen = tc.local_epochs * samples_per_epoch(n, tc.batch_size, tc.max_batches, tc.batching)
     requests = tc.local_epochs * _batches(n, tc.batch_size, tc.max_batches)
     value = _VALUE_BYTES[cfg.wire_format]
     K = len(costs.prefix)
