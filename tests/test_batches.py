@@ -30,3 +30,11 @@ def test_the_tail_rule_is_the_one_runs_had_before_the_option() -> None:
 def test_an_unknown_rule_is_refused() -> None:
     with pytest.raises(ValueError, match="batching must be one of balanced, tail"):
         batch_sizes(10, 4, "drop")
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 129, 130, 193])
+def test_the_tail_rule_covers_the_epoch_once_with_no_batch_of_one(n: int) -> None:
+    batches = cut_batches(np.arange(n), 64, "tail")
+    assert np.array_equal(np.concatenate(batches), np.arange(n))  # none lost, none twice
+    assert all(len(b) >= 2 for b in batches) or n == 1
+    assert max(len(b) for b in batches) <= 65
