@@ -37,7 +37,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - the tomli backport (pyproject's dependency before 3.11)
     import tomli as tomllib
 
-__all__ = ["DeviceClass", "Fleet", "FleetError", "load_fleet", "parse_fleet", "profile_gflops"]
+__all__ = ["DeviceClass", "Fleet", "FleetError", "load_fleet", "parse_fleet", "profile_gflops", "read_fleet"]
 
 _SPEED_KEYS = ("gflops", "speed_factor", "profile")
 _CLASS_KEYS = {"count", *_SPEED_KEYS, "uplink_mbps", "downlink_mbps", "rtt_ms", "availability", "warmup_s"}
@@ -65,6 +65,9 @@ class DeviceClass:
     # initialisation, first allocations: 3.0-3.4 CPU-s on a host core, 13 s under a quarter core; benchmarks/
     # RESULTS.md, "A real fleet on one machine"). FLOPs do not count it; the virtual clock adds it once per run.
     warmup_s: float = 0.0
+    # the file's factor of [host] gflops when it gave one (the class then follows the host's rate); None for an
+    # absolute gflops or a profile measured on the board
+    speed_factor: float | None = None
 
     def compute_s(self, flops: float) -> float:
         """Seconds this class takes for ``flops`` floating-point operations."""
@@ -121,6 +124,11 @@ class Fleet:
 
 def load_fleet(path: str | Path) -> Fleet:
     """Read and check a fleet file (profiles named in it are read relative to its folder)."""
+    return read_fleet(path)[0]
+
+
+def read_fleet(path: str | Path) -> tuple[Fleet, dict[str, Any]]:
+    """The checked fleet and the file's parsed TOML (what ``calibrate-fleet`` rewrites)."""
     p = Path(path)
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
@@ -128,7 +136,7 @@ def load_fleet(path: str | Path) -> Fleet:
         raise FleetError(f"fleet file {p} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise FleetError(f"fleet file {p} is not valid TOML: {exc}") from None
-    return parse_fleet(data, str(p), base=p.parent)
+    return parse_fleet(data, str(p), base=p.parent), data
 
 
 def parse_fleet(data: dict[str, Any], path: str = "<fleet>", base: Path | None = None) -> Fleet:
@@ -176,7 +184,7 @@ def parse_fleet(data: dict[str, Any], path: str = "<fleet>", base: Path | None =
         if len(speeds) != 1:
             raise bad(key, f"needs exactly one compute speed of {', '.join(_SPEED_KEYS)} (got "
                       f"{', '.join(speeds) or 'none'})")
-        kind = speeds[0]
+        kind, factor = speeds[0], None
         if kind == "gflops":
             gflops = _number(raw["gflops"], f"{key}.gflops", bad, gt=0)
             source = "gflops"
@@ -194,7 +202,7 @@ def parse_fleet(data: dict[str, Any], path: str = "<fleet>", base: Path | None =
             downlink_mbps=_number(raw["downlink_mbps"], f"{key}.downlink_mbps", bad, gt=0),
             rtt_ms=_number(raw["rtt_ms"], f"{key}.rtt_ms", bad, ge=0),
             availability=_number(raw.get("availability", 1.0), f"{key}.availability", bad, gt=0, le=1),
-            warmup_s=_number(raw.get("warmup_s", 0.0), f"{key}.warmup_s", bad, ge=0)))
+            warmup_s=_number(raw.get("warmup_s", 0.0), f"{key}.warmup_s", bad, ge=0), speed_factor=factor))
     return Fleet(path=path, classes=tuple(classes), server_gflops=server_gflops, host_gflops=host_gflops)
 
 

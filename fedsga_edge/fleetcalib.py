@@ -98,7 +98,7 @@ def calibrate(fleet: Fleet, trial: list[dict[str, Any]], sim: list[dict[str, Any
 def _class_speed(cls: Any, scale: float) -> float:
     """The class's GFLOP/s once the host's rate is the calibrated one: a speed relative to the host follows it,
     an absolute one (``gflops``, a profile measured on the board) does not."""
-    return cls.gflops * scale if cls.speed_source.startswith("speed_factor") else cls.gflops
+    return cls.gflops * scale if cls.speed_factor is not None else cls.gflops
 
 
 def calibrated_toml(raw: dict[str, Any], cal: Calibration, note: str, base: Path) -> str:

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 
@@ -17,10 +16,6 @@ __all__ = ["register", "calibrate_fleet"]
 
 def register(app: typer.Typer) -> None:
     app.command("calibrate-fleet", no_args_is_help=True)(calibrate_fleet)
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def calibrate_fleet(
@@ -34,14 +29,10 @@ def calibrate_fleet(
     seconds the trial's devices got, and write the fleet file with those figures. Check `simulate --fleet`
     against another trial (another seed) with the new file, not this one."""
     from fedsga_edge.config import RunConfig
-    from fedsga_edge.fleet import FleetError, load_fleet
+    from fedsga_edge.fleet import FleetError, read_fleet
     from fedsga_edge.fleetcalib import calibrate, calibrated_toml
+    from fedsga_edge.report.runs import load_metrics
     from fedsga_edge.simulation import run_simulation
-
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
 
     cfg_path, summary_path = trial / "run_config.json", trial / "summary.json"
     if not cfg_path.is_file() or not (trial / "metrics.jsonl").is_file():
@@ -58,15 +49,14 @@ def calibrate_fleet(
     if fleet_path is None:
         raise typer.BadParameter(f"{trial} ran without --fleet; give the fleet file with --fleet")
     try:
-        fl = load_fleet(fleet_path)
-        raw = tomllib.loads(fleet_path.read_text(encoding="utf-8"))
+        fl, raw = read_fleet(fleet_path)
     except (FleetError, OSError) as exc:
         raise typer.BadParameter(str(exc)) from None
     sim_dir = trial / "calibration-sim"
     typer.echo(f"simulating the trial's run on the virtual clock -> {sim_dir}")
     run_simulation(dataclasses.replace(cfg, fleet=str(fleet_path)), out=sim_dir)
     try:
-        cal = calibrate(fl, _records(trial / "metrics.jsonl"), _records(sim_dir / "metrics.jsonl"))
+        cal = calibrate(fl, load_metrics(trial), load_metrics(sim_dir))
     except FleetError as exc:
         typer.secho(f"error: {exc}", fg="red", err=True)
         raise typer.Exit(1) from None
