@@ -933,9 +933,6 @@ def _run_all(args: argparse.Namespace, p: Preset, out: Path, spec: str, runs: li
 # Recorded where the run was made, not what it trained: the data's path differs between machines (a clone's
 # --tables-only reads runs made under another home), the device too.
 _NOT_COMPARED = ("dataset", "data_root", "device")
-# Options added after runs were recorded, whose default is not what those runs did: a record without the key
-# ran this (docs/method.md, "Batches": every run before stop 29 cut its epochs with the tail rule).
-_BEFORE_OPTION = {"train.batching": "tail"}
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -958,12 +955,14 @@ def _defaults() -> dict[str, Any]:
 def record_differs(run_dir: Path, cfg: Any) -> list[str]:
     """The settings in which a finished run's config.json differs from the plan's config for it ("train.lr 0.1,
     plan 0.2"). A key the record lacks was added after the run: the run had the option's default behaviour, or
-    what ``_BEFORE_OPTION`` says where the default changed it. A plan's None is decided when the run starts
+    what ``config.RECORD_BEFORE`` says where the default changed it. A plan's None is decided when the run starts
     (augmentation: on except for digits) and the record has the result."""
     path = run_dir / "config.json"
     if not path.exists():
         return []
-    have = _defaults() | _BEFORE_OPTION | _flat(json.loads(path.read_text()))
+    from fedsga_edge.config import RECORD_BEFORE
+
+    have = _defaults() | RECORD_BEFORE | _flat(json.loads(path.read_text()))
     want = _flat(json.loads(json.dumps(cfg.to_dict())))  # through JSON: tuples as lists, like the record
     return [f"{k} {have.get(k)!r}, plan {want[k]!r}" for k in want
             if k not in _NOT_COMPARED and want[k] is not None and have.get(k) != want[k]]

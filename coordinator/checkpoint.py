@@ -81,8 +81,8 @@ def load_resume(path: Path, co: Any, cfg: RunConfig) -> Resumed:
                          "another version?): this run cannot be resumed")
     if ck.get("arch") != cfg.model:
         raise ValueError(f"{path} is a {ck.get('arch')!r} checkpoint, this run builds {cfg.model!r}")
-    try:  # settings added since the checkpoint was written take their defaults, as the run then did
-        saved = RunConfig.from_dict(state["config"]).to_dict()
+    try:  # a setting added since the checkpoint was written takes what the run then did (config.RECORD_BEFORE)
+        saved = RunConfig.from_record(state["config"], drop_unknown=False).to_dict()
     except (TypeError, ValueError) as exc:
         raise ValueError(f"cannot resume from {path}: its settings do not load here: {exc}") from None
     changed = _changed(saved, cfg.to_dict())

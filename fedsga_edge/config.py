@@ -14,7 +14,7 @@ from typing import Any
 
 from fedsga_edge.options import Opt, declared, opt, problems, to_config
 
-__all__ = ["SCHEDULES", "DEVICE_ORDERS", "FedSGAConfig", "TrainConfig", "RunConfig", "from_wire", "run_options",
+__all__ = ["RECORD_BEFORE", "SCHEDULES", "DEVICE_ORDERS", "FedSGAConfig", "TrainConfig", "RunConfig", "from_wire", "run_options",
            "parse_model_args"]
 
 # How the in-process simulation interleaves its devices (docs/method.md, "Rounds").
@@ -23,6 +23,10 @@ SCHEDULES = ("round_robin", "random", "sequential")
 DEVICE_ORDERS = ("shuffled", "fixed")
 # Activations / gradients on the wire (weights stay fp32): runbuild.WIRE_FORMATS maps them to codecs.
 WIRE_FORMATS = ("fp32", "fp16", "int8", "int4")
+# Options whose default changed after runs were recorded: a run record (config.json, a checkpoint) that lacks
+# the key ran with this value, not today's default (docs/method.md, "Batches": every run before stop 29 cut
+# its epochs with the tail rule). ``RunConfig.from_record`` applies it; so does the benchmark's record check.
+RECORD_BEFORE: dict[str, Any] = {"train.batching": "tail"}
 
 
 @dataclass
@@ -237,6 +241,22 @@ class RunConfig:
         data["train"] = TrainConfig(**data.get("train", {}))
         data["fedsga"] = FedSGAConfig(**data.get("fedsga", {}))
         return cls(**data)
+
+    @classmethod
+    def from_record(cls, data: Mapping[str, Any], *, drop_unknown: bool = True) -> "RunConfig":
+        """The config a run folder or checkpoint recorded, an option the record predates set to what that run
+        did (``RECORD_BEFORE``), not to today's default, so a resumed or re-simulated old run trains as it did.
+        ``drop_unknown``: keys beside the config in config.json (``client_sizes``, ``method``) are dropped;
+        False refuses them, as ``from_dict`` does."""
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in known or not drop_unknown}
+        for key, before in RECORD_BEFORE.items():
+            section, _, name = key.rpartition(".")
+            if section:
+                data[section] = {name: before} | dict(data.get(section) or {})
+            else:
+                data.setdefault(name, before)
+        return cls.from_dict(data)
 
     @classmethod
     def from_flags(cls, flags: Mapping[str, Any], strategy_options: Sequence[Opt] = ()) -> "RunConfig":

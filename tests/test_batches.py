@@ -38,3 +38,18 @@ def test_the_tail_rule_covers_the_epoch_once_with_no_batch_of_one(n: int) -> Non
     assert np.array_equal(np.concatenate(batches), np.arange(n))  # none lost, none twice
     assert all(len(b) >= 2 for b in batches) or n == 1
     assert max(len(b) for b in batches) <= 65
+
+
+def test_a_record_made_before_the_batching_option_reloads_with_the_rule_it_ran() -> None:
+    """`trial --resume`, `calibrate-fleet` and the diagnostics rebuild an old run from its config.json: one
+    without train.batching cut its epochs with the tail rule, and must not be re-run balanced."""
+    from fedsga_edge.config import RunConfig
+
+    old = RunConfig().to_dict()
+    del old["train"]["batching"]
+    old["client_sizes"] = [10, 20]  # written beside the config by the coordinator
+    assert RunConfig.from_record(old).train.batching == "tail"
+    new = RunConfig().to_dict() | {"method": "static"}
+    assert RunConfig.from_record(new).train.batching == "balanced"
+    with pytest.raises(ValueError, match="client_sizes"):
+        RunConfig.from_record(old, drop_unknown=False)

@@ -25,7 +25,6 @@ coordinator here reads the training images directly).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from typing import Any
 
@@ -42,8 +41,7 @@ def rerun_config(run_dir: str) -> RunConfig:
     """The finished run's config (its ``config.json``; the benchmark's own keys dropped), evaluating only at the end:
     the diagnostic evaluates itself, and evaluations do not change training."""
     raw = json.loads(open(f"{run_dir}/config.json").read())
-    keys = {f.name for f in dataclasses.fields(RunConfig)}
-    cfg = RunConfig.from_dict({k: v for k, v in raw.items() if k in keys})
+    cfg = RunConfig.from_record(raw)
     cfg.eval_every = cfg.rounds
     return cfg
 

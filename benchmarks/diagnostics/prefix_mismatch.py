@@ -15,7 +15,6 @@ Prints one JSON line per evaluated round.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -36,8 +35,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     raw = json.loads(Path(args.run_dir, "config.json").read_text())
-    keys = {f.name for f in dataclasses.fields(RunConfig)}
-    cfg = RunConfig.from_dict({k: v for k, v in raw.items() if k in keys})
+    cfg = RunConfig.from_record(raw)
     cfg.eval_every = cfg.rounds + 1  # no evaluation inside the rounds: this script does its own
     sim = Simulation(cfg)
     co, b = sim.coordinator, sim.bundle

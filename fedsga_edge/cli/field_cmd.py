@@ -177,15 +177,11 @@ def _run_flags_of(flags: dict[str, Any]) -> dict[str, Any]:
 
 def _saved_config(run_dir: Path) -> Any:
     """The RunConfig a coordinator wrote to RUN/config.json (its extra keys, e.g. client_sizes, dropped)."""
-    import dataclasses
-
     from fedsga_edge.config import RunConfig
 
     path = run_dir / "config.json"
     try:
-        data = json.loads(path.read_text())
-        known = {f.name for f in dataclasses.fields(RunConfig)}
-        return RunConfig.from_dict({k: v for k, v in data.items() if k in known})
+        return RunConfig.from_record(json.loads(path.read_text()))
     except FileNotFoundError:
         raise typer.BadParameter(f"--resume {run_dir}: no config.json there (not a run folder?); pass the run's "
                                  "flags or --config too") from None

@@ -42,7 +42,7 @@ def calibrate_fleet(
         raise typer.BadParameter(f"{trial} ran in fleet mode {summary.get('fleet_mode')!r}: only a trial under real "
                                  "limits (cgroup+netns) measures the host; an emulated one replays the file's figures")
     try:
-        cfg = RunConfig.from_dict(json.loads(cfg_path.read_text()))
+        cfg = RunConfig.from_record(json.loads(cfg_path.read_text()))
     except (ValueError, TypeError) as exc:
         raise typer.BadParameter(f"{cfg_path}: {exc}") from None
     fleet_path = fleet or (Path(cfg.fleet) if cfg.fleet else None)
