@@ -89,3 +89,22 @@ def test_bn_recalibration_at_every_evaluation_reproduces_the_run_and_puts_the_st
     assert not torch.equal(model[1].running_mean, before["1.running_mean"])
     mod.put_back(model, saved)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and model[1].momentum == 0.1
+
+
+def test_compare_pairs_groups_from_different_folders_on_their_common_seeds(tmp_path) -> None:
+    def group(name: str, accs: dict[int, float], flops: float) -> Path:
+        for seed, acc in accs.items():
+            run = tmp_path / name / f"seed{seed}"
+            run.mkdir(parents=True)
+            (run / "summary.json").write_text(json.dumps({"headline_acc": acc, "client_flops_per_sample": flops}))
+        return tmp_path / name
+
+    ref = group("ref", {10: 0.20, 11: 0.30, 12: 0.25}, 100.0)
+    other = group("other", {10: 0.25, 11: 0.28, 13: 0.9}, 150.0)  # seed 12 unfinished, 13 not in ref
+    seeds, rows = _load("compare").compare([("ref", ref), ("other", other)])
+    assert seeds == [10, 11]
+    p = rows[1]["paired"]
+    assert p["n"] == 2 and p["wins"] == 1 and np.isclose(p["mean"], (0.05 - 0.02) / 2)
+    assert np.isclose(p["se"], np.std([0.05, -0.02], ddof=1) / np.sqrt(2))
+    assert rows[1]["flops_ratio"] == 1.5 and np.isclose(rows[0]["mean"], 0.25)
+    assert "+1.50" in _load("compare").markdown(seeds, rows)

@@ -1,0 +1,99 @@
+"""Compare groups of runs that live in different benchmark folders, paired by seed.
+
+``benchmarks/accuracy.py --tables-only`` tables the runs of one plan (one ``--out``, one set of run options).
+A diagnostic often sets one option apart (``--server-copies per-client`` in its own folder) and must be read
+against runs of the main plan: this pairs any groups by seed with the benchmark's own statistics (headline
+accuracy, paired difference to the first group with its standard error and wins, client FLOPs ratio).
+
+    python benchmarks/diagnostics/compare.py benchmarks/runs_cifar_balanced/static/dir0.1 \\
+        benchmarks/runs_cifar_perclient/static/dir0.1 benchmarks/runs_cifar_balanced/fedavg/dir0.1
+
+Each argument is a folder of ``seed<s>/summary.json`` (NAME=FOLDER labels a row); the first is the reference.
+Only seeds every group finished are compared, so the rows stand on the same seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from accuracy import acc_of, paired  # noqa: E402  (the benchmark's own headline and statistics)
+
+
+def load_group(folder: Path) -> dict[int, dict[str, Any]]:
+    """seed -> summary for every finished run (one with summary.json) in ``folder/seed<s>``."""
+    runs: dict[int, dict[str, Any]] = {}
+    for path in sorted(folder.glob("seed*/summary.json")):
+        try:
+            seed = int(path.parent.name.removeprefix("seed"))
+        except ValueError:
+            continue
+        runs[seed] = json.loads(path.read_text()) | {"_seed": seed}
+    return runs
+
+
+def compare(groups: list[tuple[str, Path]]) -> tuple[list[int], list[dict[str, Any]]]:
+    """(the common seeds, one row per group: label, mean and std of the headline, per-seed values, the paired
+    difference to the first group, client FLOPs per sample over the first group's)."""
+    loaded = [(label, load_group(folder)) for label, folder in groups]
+    empty = [str(folder) for (label, folder), (_, runs) in zip(groups, loaded) if not runs]
+    if empty:
+        raise SystemExit(f"no finished runs (seed<s>/summary.json) under: {', '.join(empty)}")
+    seeds = sorted(set.intersection(*(set(runs) for _, runs in loaded)))
+    if not seeds:
+        raise SystemExit("the groups have no seed in common")
+    ref = [loaded[0][1][s] for s in seeds]
+    rows = []
+    for label, runs in loaded:
+        mine = [runs[s] for s in seeds]
+        accs = np.array([acc_of(r) for r in mine], dtype=float)
+        flops = [r["client_flops_per_sample"] / f["client_flops_per_sample"] for r, f in zip(mine, ref)
+                 if r.get("client_flops_per_sample") and f.get("client_flops_per_sample")]
+        rows.append({"label": label, "mean": float(accs.mean()), "std": float(accs.std(ddof=1)) if len(accs) > 1 else None,
+                     "per_seed": accs.tolist(), "paired": paired(mine, ref),
+                     "flops_ratio": float(np.mean(flops)) if flops else None})
+    return seeds, rows
+
+
+def markdown(seeds: list[int], rows: list[dict[str, Any]]) -> str:
+    lines = [f"Seeds {', '.join(map(str, seeds))}; headline % (mean ± std); Δ to {rows[0]['label']}, paired "
+             "(mean ± SE, wins)", "",
+             "| runs | headline % | Δ, paired (wins) | per seed | client FLOPs / reference's |", "|---|---:|---:|---|---:|"]
+    for r in rows:
+        std = f" ± {r['std'] * 100:.2f}" if r["std"] is not None else ""
+        p = r["paired"]
+        se = f" ± {p['se'] * 100:.2f}" if p and p["se"] is not None else ""
+        delta = "0 (reference)" if r is rows[0] else f"{p['mean'] * 100:+.2f}{se} ({p['wins']}/{p['n']})"
+        fl = f"{r['flops_ratio']:.2f}" if r["flops_ratio"] is not None else "—"
+        lines.append(f"| {r['label']} | {r['mean'] * 100:.2f}{std} | {delta} | "
+                     f"{', '.join(f'{a * 100:.2f}' for a in r['per_seed'])} | {fl} |")
+    return "\n".join(lines)
+
+
+def parse_group(arg: str) -> tuple[str, Path]:
+    label, sep, folder = arg.partition("=")
+    path = Path(folder if sep else arg)
+    if not path.is_dir():
+        raise SystemExit(f"{path}: not a folder of seed<s>/ runs")
+    return (label if sep else str(path)), path
+
+
+def main(argv: list[str] | None = None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("groups", nargs="+", help="[NAME=]FOLDER of seed<s>/ runs; the first is the reference")
+    args = ap.parse_args(argv)
+    if len(args.groups) < 2:
+        ap.error("give a reference group and at least one to compare with it")
+    text = markdown(*compare([parse_group(g) for g in args.groups]))
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
