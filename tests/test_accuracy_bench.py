@@ -142,6 +142,19 @@ def test_server_lr_reaches_every_run_of_the_plan(bench):
     assert all(c.server_lr == 0.1 for c in configs("--server-lr", "0.1"))
 
 
+def test_the_splitfed_v1_preset_is_the_cifar_regime_with_per_client_server_copies_at_the_devices_rate(bench):
+    def configs(preset: str) -> list:
+        p = bench.resolve(bench.build_parser().parse_args(["--preset", preset, "--methods", "static,fedavg"]))
+        return [r["config"] for r in bench.plan(p, "digits", None)]
+
+    v1, v2 = configs("cifar-v1"), configs("cifar")
+    assert [c.server_copies for c in v1] == ["per_client"] * len(v1) and {c.server_copies for c in v2} == {"shared"}
+    assert all(c.server_lr == c.train.lr == 0.2 for c in v1)
+    for a, b in zip(v1, v2):  # nothing else differs: the pair measures the server side alone
+        da, db = a.to_dict(), b.to_dict()
+        assert {k for k in da if da[k] != db[k]} == {"server_copies", "server_lr"}
+
+
 def test_schedule_reaches_every_run_of_the_plan(bench, tmp_path):
     preset = bench.resolve(bench.build_parser().parse_args(["--preset", "cpu"]))
     assert {r["config"].schedule for r in bench.plan(preset, "digits", None)} == {"round_robin"}
