@@ -14,8 +14,8 @@ from typing import Any
 
 from fedsga_edge.options import Opt, declared, opt, problems, to_config
 
-__all__ = ["RECORD_BEFORE", "SCHEDULES", "DEVICE_ORDERS", "FedSGAConfig", "TrainConfig", "RunConfig", "from_wire", "run_options",
-           "parse_model_args"]
+__all__ = ["RECORD_BEFORE", "SCHEDULES", "DEVICE_ORDERS", "FedSGAConfig", "TrainConfig", "RunConfig", "from_wire",
+           "run_options", "parse_model_args"]
 
 # How the in-process simulation interleaves its devices (docs/method.md, "Rounds").
 SCHEDULES = ("round_robin", "random", "sequential")
