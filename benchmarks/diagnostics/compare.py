@@ -20,10 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from accuracy import acc_of, paired  # noqa: E402  (the benchmark's own headline and statistics)
+from accuracy import _ms, _paired_cell, _ratio, acc_of, paired  # noqa: E402  (the benchmark's own statistics and cells)
 
 
 def load_group(folder: Path) -> dict[int, dict[str, Any]]:
@@ -39,8 +37,8 @@ def load_group(folder: Path) -> dict[int, dict[str, Any]]:
 
 
 def compare(groups: list[tuple[str, Path]]) -> tuple[list[int], list[dict[str, Any]]]:
-    """(the common seeds, one row per group: label, mean and std of the headline, per-seed values, the paired
-    difference to the first group, client FLOPs per sample over the first group's)."""
+    """(the common seeds, one row per group: label, its runs on those seeds, per-seed headlines, the paired
+    difference to the first group)."""
     loaded = [(label, load_group(folder)) for label, folder in groups]
     empty = [str(folder) for (label, folder), (_, runs) in zip(groups, loaded) if not runs]
     if empty:
@@ -52,27 +50,20 @@ def compare(groups: list[tuple[str, Path]]) -> tuple[list[int], list[dict[str, A
     rows = []
     for label, runs in loaded:
         mine = [runs[s] for s in seeds]
-        accs = np.array([acc_of(r) for r in mine], dtype=float)
-        flops = [r["client_flops_per_sample"] / f["client_flops_per_sample"] for r, f in zip(mine, ref)
-                 if r.get("client_flops_per_sample") and f.get("client_flops_per_sample")]
-        rows.append({"label": label, "mean": float(accs.mean()), "std": float(accs.std(ddof=1)) if len(accs) > 1 else None,
-                     "per_seed": accs.tolist(), "paired": paired(mine, ref),
-                     "flops_ratio": float(np.mean(flops)) if flops else None})
+        rows.append({"label": label, "runs": mine, "per_seed": [acc_of(r) for r in mine], "paired": paired(mine, ref)})
     return seeds, rows
 
 
 def markdown(seeds: list[int], rows: list[dict[str, Any]]) -> str:
+    ref = rows[0]["runs"]
     lines = [f"Seeds {', '.join(map(str, seeds))}; headline % (mean ± std); Δ to {rows[0]['label']}, paired "
              "(mean ± SE, wins)", "",
              "| runs | headline % | Δ, paired (wins) | per seed | client FLOPs / reference's |", "|---|---:|---:|---|---:|"]
     for r in rows:
-        std = f" ± {r['std'] * 100:.2f}" if r["std"] is not None else ""
-        p = r["paired"]
-        se = f" ± {p['se'] * 100:.2f}" if p and p["se"] is not None else ""
-        delta = "0 (reference)" if r is rows[0] else f"{p['mean'] * 100:+.2f}{se} ({p['wins']}/{p['n']})"
-        fl = f"{r['flops_ratio']:.2f}" if r["flops_ratio"] is not None else "—"
-        lines.append(f"| {r['label']} | {r['mean'] * 100:.2f}{std} | {delta} | "
-                     f"{', '.join(f'{a * 100:.2f}' for a in r['per_seed'])} | {fl} |")
+        delta = "0 (reference)" if r is rows[0] else _paired_cell(r["paired"])
+        flops = _ratio(r["runs"], ref, lambda s: s.get("client_flops_per_sample"))
+        lines.append(f"| {r['label']} | {_ms(r['per_seed'])} | {delta} | "
+                     f"{', '.join(f'{a * 100:.2f}' for a in r['per_seed'])} | {flops} |")
     return "\n".join(lines)
 
 
