@@ -3,7 +3,9 @@ federated evaluation on their own held-out data (``FederatedEvaluation``)."""
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -14,7 +16,7 @@ from torch import nn
 from fedsga_edge.method import reference_index
 from fedsga_edge.tensors import image_batch
 
-__all__ = ["FederatedEvaluation", "headline_split", "evaluate"]
+__all__ = ["FederatedEvaluation", "headline_split", "evaluate", "evaluate_models"]
 
 
 def headline_split(split_samples: dict[int, int], num_splits: int) -> int:
@@ -65,6 +67,31 @@ def evaluate(model: Any, head: nn.Module, strategy: Any, headline: int, num_clas
     share = [round(int(c) / n, 4) for c in predicted]
     return {"test_acc": acc[shown], "test_loss": loss[shown], "test_acc_by_split": by_split,
             "eval_split": shown if shown else None, "test_pred_share": share}
+
+
+def evaluate_models(model: Any, models: list[tuple[float, dict[str, torch.Tensor]]],
+                    run: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """The test figures of a method without one global model (FedGH: each device's own body under the
+    server's head): ``run`` (``evaluate`` on a model) on a copy of ``model`` loaded with each state,
+    the figures averaged by the states' weights. ``test_acc_devices`` keeps each one, ``test_acc_global``
+    the global model's figure (FedGH's average of bodies that never train together) for comparison."""
+    twin = copy.deepcopy(model)
+    recs = []
+    for _, state in models:
+        twin.load_state_dict(state)
+        recs.append(run(twin))
+    w = np.array([float(wt) for wt, _ in models], dtype=np.float64)
+    w = w / w.sum()
+
+    def mean(key: str) -> float:
+        return float(sum(wi * r[key] for wi, r in zip(w, recs)))
+
+    acc = mean("test_acc")
+    share = np.sum([wi * np.asarray(r["test_pred_share"]) for wi, r in zip(w, recs)], axis=0)
+    return {"test_acc": acc, "test_loss": mean("test_loss"),
+            "test_acc_by_split": {k: acc for k in recs[0]["test_acc_by_split"]},
+            "eval_split": recs[0]["eval_split"], "test_pred_share": [round(float(x), 4) for x in share],
+            "test_acc_devices": [r["test_acc"] for r in recs], "test_acc_global": run(model)["test_acc"]}
 
 
 class FederatedEvaluation:

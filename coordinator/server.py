@@ -33,7 +33,7 @@ from fedsga_edge.models import CostTable, SplitModel
 from fedsga_edge.tensors import from_numpy, to_numpy, to_numpy_state
 from fedsga_edge.wire import Message, RemoteProtocolError, check_body
 
-from .evaluation import FederatedEvaluation, evaluate, headline_split
+from .evaluation import FederatedEvaluation, evaluate, evaluate_models, headline_split
 from .influence import ActivationBound, clip_updates
 from .limits import check_report, check_values
 from .round import RoundError, RoundState
@@ -462,9 +462,14 @@ class Coordinator:
         return headline_split(self.split_samples, self.model.num_splits)
 
     def evaluate(self, images: Any, mean: tuple, std: tuple, batch_size: int = 256) -> dict[str, Any]:
-        """Test accuracy of the global model (coordinator/evaluation.py)."""
-        return evaluate(self.model, self.head, self.strategy, self.headline_split(), self.num_classes,
-                        images, mean, std, self.device, batch_size)
+        """Test accuracy of the global model, or of the devices' own models where the strategy keeps
+        them (``test_models``; coordinator/evaluation.py)."""
+        def run(model: Any) -> dict[str, Any]:
+            return evaluate(model, self.head, self.strategy, self.headline_split(), self.num_classes,
+                            images, mean, std, self.device, batch_size)
+
+        models = self.strategy.test_models()
+        return evaluate_models(self.model, models, run) if models else run(self.model)
 
     # -- state ------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:

@@ -7,8 +7,9 @@
   devices at its split (no loss on their rows; docs/method.md, "Server-side BatchNorm statistics").
 * ``per_client`` (SplitFed-v1 style): each device trains its own copy, started from the round's
   snapshot; the copies are averaged by data weight at the end of the round.
-* ``unbalanced`` (MU-SplitFed): the shared copy takes tau steps on each accepted activation, the
-  device's gradient coming from the first (docs/method.md, "Baselines beyond the paper's own").
+* ``steps`` tau > 1 (MU-SplitFed's unbalanced update) on either of the two above: the copy the device
+  trains takes tau steps on each accepted activation, the device's gradient coming from the first
+  (docs/method.md, "Baselines beyond the paper's own").
 * ``branches`` (MultiSFL): one copy per branch model, kept by the strategy across rounds, with
   knowledge replay from helper devices (the strategy's ``server_side`` hook builds it).
 
@@ -32,7 +33,7 @@ from fedsga_edge.tensors import round_average_bn
 from .influence import clip_updates
 from .limits import all_finite
 
-__all__ = ["ServerCopy", "ServerSide", "SharedServer", "ContextServer", "PerClientServer", "UnbalancedServer",
+__all__ = ["ServerCopy", "ServerSide", "SharedServer", "ContextServer", "PerClientServer",
            "BranchServer", "MergedServer", "SERVER_SIDES", "make_server_side"]
 
 
@@ -66,6 +67,8 @@ class ServerSide:
         self.weight = weight  # device -> its weight in the copies' average
         self.shared = ServerCopy(model, head, cfg)
         self.lr_scale = 1.0  # the round's factor of every copy's rate (set_lr_scale)
+        # optimizer steps per accepted activation (MU-SplitFed's tau; make_server_side sets it)
+        self.steps = 1
 
     def set_lr_scale(self, factor: float) -> None:
         """The learning-rate schedule's factor for the round about to start (RunConfig.lr_scale): the shared copy
@@ -89,6 +92,32 @@ class ServerSide:
         """An accepted activation (after its step)."""
 
     def step(self, device: str, z: Tensor, y: Tensor, k: int, strategy: Any) -> tuple[Tensor, Tensor | None]:
+        """``steps`` server steps on the device's activation; fills ``z.grad``. A non-finite loss or gradient
+        in any of them raises ValueError with nothing changed.
+
+        With ``steps`` tau > 1 (MU-SplitFed's unbalanced update) the device's gradient is the first step's:
+        the gradient of the loss its forward was matched with, as in SplitFed; the tau - 1 further steps
+        reuse the same activation and labels and move only the copy the device trains (the shared one, or
+        its own with per-client copies). A failure in any of them puts that copy's weights, statistics and
+        optimizer back to what they were before the first step."""
+        if self.steps == 1:
+            return self._step(device, z, y, k, strategy)
+        side = self.copy_for(device)
+        saved = ({n: v.detach().clone() for n, v in side.model.state_dict().items()},
+                 {n: v.detach().clone() for n, v in side.head.state_dict().items()},
+                 copy.deepcopy(side.opt.state_dict()))
+        loss, Z = self._step(device, z, y, k, strategy)  # fills z.grad: what the device receives
+        try:
+            for _ in range(self.steps - 1):
+                self._step(device, z.detach().clone(), y, k, strategy)
+        except ValueError:
+            side.model.load_state_dict(saved[0])
+            side.head.load_state_dict(saved[1])
+            side.opt.load_state_dict(saved[2])
+            raise
+        return loss, Z
+
+    def _step(self, device: str, z: Tensor, y: Tensor, k: int, strategy: Any) -> tuple[Tensor, Tensor | None]:
         """One server step on the device's activation; fills ``z.grad``. A non-finite loss or gradient
         undoes the forward's BatchNorm statistics and raises ValueError: nothing changes."""
         side = self.copy_for(device)
@@ -232,42 +261,6 @@ class PerClientServer(ServerSide):
         self.head.load_state_dict({n: mean("head:" + n, v) for n, v in self.head.state_dict().items()})
         self._copies.clear()
         self._done.clear()
-
-
-class UnbalancedServer(SharedServer):
-    """MU-SplitFed's unbalanced update: the shared copy takes ``steps`` (tau) optimizer steps on every
-    accepted activation, so the server's progress per device round is tau times SplitFed's.
-
-    The device's gradient ``z.grad`` is the first step's: the gradient of the loss its forward was
-    matched with, as in SplitFed; the tau - 1 further steps reuse the same activation and labels and
-    touch only the server's weights. A non-finite loss or gradient in any of them restores the copy's
-    weights, statistics and optimizer to what they were before the first step: nothing changes.
-    """
-
-    name = "unbalanced"
-
-    def __init__(self, model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float],
-                 steps: int) -> None:
-        super().__init__(model, head, cfg, weight)
-        if steps < 1:
-            raise ValueError(f"the server takes at least one step per activation, got {steps}")
-        self.steps = steps
-
-    def step(self, device: str, z: Tensor, y: Tensor, k: int, strategy: Any) -> tuple[Tensor, Tensor | None]:
-        side = self.copy_for(device)
-        saved = ({n: v.detach().clone() for n, v in side.model.state_dict().items()},
-                 {n: v.detach().clone() for n, v in side.head.state_dict().items()},
-                 copy.deepcopy(side.opt.state_dict()))
-        loss, Z = super().step(device, z, y, k, strategy)  # fills z.grad: what the device receives
-        try:
-            for _ in range(self.steps - 1):
-                super().step(device, z.detach().clone(), y, k, strategy)
-        except ValueError:
-            side.model.load_state_dict(saved[0])
-            side.head.load_state_dict(saved[1])
-            side.opt.load_state_dict(saved[2])
-            raise
-        return loss, Z
 
 
 class BranchServer(ServerSide):
@@ -419,15 +412,16 @@ SERVER_SIDES: dict[str, type[ServerSide]] = {"shared": SharedServer, "per_client
 
 def make_server_side(model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float],
                      steps: int = 1) -> ServerSide:
-    """The server side ``cfg`` asks for; ``steps`` > 1 (the strategy's ``server_steps``, MU-SplitFed's
-    tau) is the unbalanced update, which trains the one shared copy."""
-    if steps != 1:
-        if cfg.server_copies != "shared" or cfg.server_bn_context:
-            raise ValueError(f"{steps} server steps per activation need --server-copies shared and no "
-                             "--server-bn-context")
-        return UnbalancedServer(model, head, cfg, weight, steps)
+    """The server side ``cfg`` asks for, taking ``steps`` optimizer steps per activation (the strategy's
+    ``server_steps``: MU-SplitFed's tau) on the shared copy or on each device's own."""
+    if steps < 1:
+        raise ValueError(f"the server takes at least one step per activation, got {steps}")
     if cfg.server_copies == "shared" and cfg.server_bn_context:
+        if steps != 1:  # the context rows' statistics would move tau times per batch
+            raise ValueError(f"{steps} server steps per activation cannot take --server-bn-context")
         return ContextServer(model, head, cfg, weight)
     if cfg.server_copies not in SERVER_SIDES:
         raise ValueError(f"--server-copies must be one of {', '.join(SERVER_SIDES)} (got {cfg.server_copies!r})")
-    return SERVER_SIDES[cfg.server_copies](model, head, cfg, weight)
+    side = SERVER_SIDES[cfg.server_copies](model, head, cfg, weight)
+    side.steps = steps
+    return side

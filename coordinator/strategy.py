@@ -233,7 +233,7 @@ class Strategy:
 
     def server_steps(self) -> int:
         """Server optimizer steps per accepted activation (MU-SplitFed's tau); one for every other method
-        (coordinator/server_side.py, ``UnbalancedServer``)."""
+        (coordinator/server_side.py, ``ServerSide.steps``)."""
         return 1
 
     def forward(self, side: Any, z: "Tensor", k: int) -> tuple["Tensor", "Tensor | None"]:
@@ -277,6 +277,11 @@ class Strategy:
     def eval_logits(self, model: Any, feats: "Tensor") -> dict[int, "Tensor"]:
         """Logits of the global model per depth embedding (0: one model for every split)."""
         return {0: model.head(feats)}
+
+    def test_models(self) -> list[tuple[float, dict[str, "Tensor"]]]:
+        """The models the test figure averages, each a (weight, whole state); empty: the global model.
+        A method whose devices keep models of their own (FedGH's bodies) has no global model to test."""
+        return []
 
     # -- state ----------------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:

@@ -84,12 +84,36 @@ def test_musplitfed_round_counts_tau_steps_for_every_activation(digits) -> None:
     assert count["steps"] == tau * clients * batches
 
 
-def test_musplitfed_refuses_a_server_side_it_cannot_step() -> None:
+def test_musplitfed_with_per_client_copies_steps_each_device_copy_tau_times(digits) -> None:
+    """With SplitFed-v1's per-client copies (the cifar-v1 preset) each device's own copy takes the tau steps:
+    after a round of one batch per device, each copy equals tau hand-made steps from the round's snapshot."""
+    from fedsga_edge.coordinator.server_side import PerClientServer
+
+    tau = 3
+    sim = Simulation(tiny_config("musplitfed", rounds=1, clients=2, max_batches=1, server_copies="per_client",
+                                 strategy_args={"tau": tau}), digits)
+    c = sim.coordinator
+    assert isinstance(c.server, PerClientServer) and c.server.steps == tau
+    c.begin_round(1)
+    before = {n: v.clone() for n, v in c.model.state_dict().items()}
+    k = sim.cfg.split
+    for device in ("client-000", "client-001"):
+        z, y = _activation(sim, k)
+        want, dz = _hand_steps(c.model, c.head, sim.cfg, z, y, k, tau)
+        zz = z.clone()
+        c.server.step(device, zz, y, k, c.strategy)
+        got = c.server.copy_for(device).model.state_dict()
+        assert all(torch.equal(got[n], want[n]) for n in want), device
+        assert torch.equal(zz.grad, dz)  # the first step's gradient goes back to the device
+    assert all(torch.equal(v, before[n]) for n, v in c.model.state_dict().items())  # copies only: the global waits
+
+
+def test_musplitfed_refuses_the_bn_context_it_cannot_step() -> None:
     from fedsga_edge.coordinator.server_side import make_server_side
     from torch import nn
 
-    cfg = tiny_config("musplitfed", server_copies="per_client")
-    with pytest.raises(ValueError, match="server-copies shared"):
+    cfg = tiny_config("musplitfed", server_bn_context=2)
+    with pytest.raises(ValueError, match="server-bn-context"):
         make_server_side(nn.Linear(2, 2), nn.Module(), cfg, lambda d: 1.0, steps=2)
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -105,6 +106,31 @@ def test_fedgh_bodies_stay_on_the_devices_and_the_head_is_the_servers(digits, mo
         assert out["classes"].tolist() == sorted(set(labels.tolist()))
         assert out["counts"].tolist() == [int((labels == k).sum()) for k in out["classes"]]
         assert out["means"].shape == (len(out["classes"]), sim.coordinator.model.head.in_features)
+
+
+def test_fedgh_test_figure_is_the_devices_own_models_not_the_averaged_body(digits) -> None:
+    """FedGH has no global model: the headline is the data-weighted mean of each device's model (its own
+    trained body under the server's head) on the test set; the averaged body's figure is kept beside it."""
+    from fedsga_edge.coordinator.evaluation import evaluate
+
+    sim = Simulation(tiny_config("fedgh", rounds=2, clients=3, max_batches=2), digits)
+    *_, rec = list(sim.rounds())
+    c = sim.coordinator
+    head = {n: v for n, v in c.model.state_dict().items() if c.model.unit_of(n) == c.model.num_blocks}
+    accs, weights = [], []
+    for cl in sorted(sim.clients, key=lambda cl: cl.cid):
+        model = copy.deepcopy(c.model)
+        body = {n: v for n, v in cl.model.state_dict().items() if n not in head}
+        model.load_state_dict(body | head)
+        test = sim.bundle.test
+        accs.append(evaluate(model, c.head, c.strategy, c.headline_split(), c.num_classes, test, sim.bundle.mean,
+                             sim.bundle.std, c.device)["test_acc"])
+        weights.append(c.clients[cl.cid])
+    assert rec["test_acc_devices"] == pytest.approx(accs, abs=1e-12)
+    assert rec["test_acc"] == pytest.approx(float(np.dot(weights, accs) / sum(weights)), abs=1e-12)
+    glob = evaluate(c.model, c.head, c.strategy, c.headline_split(), c.num_classes, sim.bundle.test, sim.bundle.mean,
+                    sim.bundle.std, c.device)["test_acc"]
+    assert rec["test_acc_global"] == pytest.approx(glob, abs=1e-12)
 
 
 def test_fedgh_refuses_malformed_class_means(digits) -> None:

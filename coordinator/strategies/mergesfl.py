@@ -41,7 +41,9 @@ class MergeSFL(Strategy):
 
     @classmethod
     def methods(cls) -> dict[str, Method]:
-        return {cls.name: Method(cls.label, split="ref")}
+        # one server model by definition: the benchmark's SplitFed-v1 presets (per-client copies) run it on
+        # the shared copy, at the preset's server rate (a merged step is one step on a mixed batch)
+        return {cls.name: Method(cls.label, split="ref", overrides={"server_copies": "shared"})}
 
     def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
         return {c: self.cfg.split for c in clients}

@@ -2,8 +2,9 @@
 Update Approach"): SplitFed whose server takes tau updates on every activation a device sends.
 
 The server's progress per device round is tau times SplitFed's, so fewer device rounds (the part a
-straggler slows) reach the same server progress. The server side is ``UnbalancedServer``
-(coordinator/server_side.py); the device side is SplitFed's first-order step, not the paper's
+straggler slows) reach the same server progress. The tau steps are the server side's ``steps``
+(coordinator/server_side.py), on the shared copy or on each device's own (``--server-copies per-client``,
+the ``cifar-v1`` preset's SplitFed-v1 server); the device side is SplitFed's first-order step, not the paper's
 zeroth-order one (docs/method.md, "Baselines beyond the paper's own").
 """
 
