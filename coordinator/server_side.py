@@ -43,15 +43,24 @@ class ServerCopy:
     def __init__(self, model: nn.Module, head: nn.Module, cfg: RunConfig, lr_scale: float = 1.0) -> None:
         self.model, self.head = model, head
         tc = cfg.train
-        params = list(model.parameters()) + list(head.parameters())
         self.base_lr = tc.lr if cfg.server_lr is None else cfg.server_lr
-        self.opt = torch.optim.SGD(params, lr=self.base_lr * lr_scale, momentum=tc.momentum,
+        # a head module may name sub-modules with a base rate of their own (``head.rates``: FedSGA's
+        # --harmonizer-lr); every other parameter takes the server's
+        rates = {name: r for name, r in getattr(head, "rates", {}).items() if r is not None}
+        own = {id(p): r for name, r in rates.items() for p in head.get_submodule(name).parameters()}
+        groups = [{"params": list(model.parameters()) + [p for p in head.parameters() if id(p) not in own],
+                   "base_lr": self.base_lr}]
+        for name, r in rates.items():
+            groups.append({"params": list(head.get_submodule(name).parameters()), "base_lr": r})
+        for g in groups:
+            g["lr"] = g["base_lr"] * lr_scale
+        self.opt = torch.optim.SGD(groups, lr=self.base_lr * lr_scale, momentum=tc.momentum,
                                    weight_decay=tc.weight_decay)
 
     def scale_lr(self, factor: float) -> None:
-        """This round's rate: the base rate times the schedule's factor (--lr-schedule)."""
+        """This round's rate: each group's base rate times the schedule's factor (--lr-schedule)."""
         for group in self.opt.param_groups:
-            group["lr"] = self.base_lr * factor
+            group["lr"] = group["base_lr"] * factor
 
 
 class ServerSide:

@@ -96,6 +96,10 @@ class FedSGAConfig:
         0.1, "SGD learning rate of each device's private prompts (docs/method.md, \"Adaptation channel\": 1-3 "
         "moved them 10-30x further without making them useful, so the paper's device rate stays).",
         gt=0, le=1000, finite=True)
+    harmonizer_lr: float | None = opt(
+        None, "SGD learning rate of the harmonizer's MLP on the server (default: the server's rate, --server-lr); the "
+        "classifier G and the server blocks keep the server's rate (docs/method.md, \"Server side\").",
+        gt=0, le=100, finite=True)
     phi_lr: float = opt(
         0.3, "SGD learning rate of the shallow head phi_s on the server (docs/method.md, \"Observation\": its "
         "loss fell fastest at 0.3-1 and the alignment a swung at 1).",

@@ -41,6 +41,33 @@ def test_per_client_copies_use_the_server_lr_too(digits) -> None:
     assert sim.coordinator.server.copy_for("client-000").opt.param_groups[0]["lr"] == 0.03
 
 
+@pytest.mark.parametrize("copies", ["shared", "per_client"])
+def test_harmonizer_lr_trains_the_harmonizer_alone_at_its_rate_and_follows_the_schedule(digits, copies: str) -> None:
+    """--harmonizer-lr: the harmonizer's MLP in a group of its own rate; G and the blocks keep --server-lr;
+    the schedule scales both; unset, the server copy keeps one group (checkpoints of runs before it load)."""
+    from fedsga_edge.config import FedSGAConfig
+
+    plain = Simulation(tiny_config("fedsga", rounds=1, server_lr=0.05, server_copies=copies), digits)
+    plain.coordinator.begin_round(1)
+    assert len(plain.coordinator.server.copy_for("client-000").opt.param_groups) == 1
+    sim = Simulation(tiny_config("fedsga", rounds=1, server_lr=0.05, server_copies=copies,
+                                 fedsga=FedSGAConfig(harmonizer_lr=0.002)), digits)
+    co = sim.coordinator
+    co.begin_round(1)
+    opt = co.server.copy_for("client-000").opt
+    head = co.server.copy_for("client-000").head
+    assert [g["lr"] for g in opt.param_groups] == [0.05, 0.002]
+    assert {id(p) for p in opt.param_groups[1]["params"]} == {id(p) for p in head.harmonizer.parameters()}
+    rest = {id(p) for p in opt.param_groups[0]["params"]}
+    assert {id(p) for p in head.G.parameters()} <= rest and not rest & {id(p) for p in head.harmonizer.parameters()}
+    co.server.copy_for("client-000").scale_lr(0.5)
+    assert [g["lr"] for g in opt.param_groups] == [0.025, 0.001]
+    if copies == "shared":  # the coordinator's alone: the devices' round start does not carry it
+        run = Simulation(tiny_config("fedsga", rounds=1, fedsga=FedSGAConfig(harmonizer_lr=0.002)), digits)
+        rec = next(run.rounds())
+        assert rec["failures"] == {} and len(rec["splits"]) == run.cfg.clients
+
+
 @pytest.mark.parametrize("bad", [0.0, -0.1, math.nan, math.inf])
 def test_a_bad_server_lr_is_refused_by_name(bad: float) -> None:
     with pytest.raises(ValueError, match="--server-lr"):

@@ -41,7 +41,7 @@ _MESSAGE_BYTES = 256
 _MARGIN = 1.01
 # FedSGA settings the coordinator alone reads: a device sees their effect in its own round-start fields
 # ("deadline", "margin": device_fields), and a round start without them is what devices that predate them accept
-_SERVER_ONLY = ("deadline_aware", "label_memory")
+_SERVER_ONLY = ("deadline_aware", "label_memory", "harmonizer_lr")
 
 
 def _batches(n: int, batch_size: int, max_batches: int) -> int:
@@ -100,8 +100,9 @@ def predicted_split_s(cls: Any, costs: Any, num_samples: int, cfg: RunConfig, ca
     return out
 
 
-def _server_head(model: Any, num_classes: int, harmonizer: bool, dim: int) -> Any:
-    """What follows the pooled features on the server: harmonizer + G, or nothing (the model's head)."""
+def _server_head(model: Any, num_classes: int, harmonizer: bool, dim: int, harmonizer_lr: float | None = None) -> Any:
+    """What follows the pooled features on the server: harmonizer + G, or nothing (the model's head);
+    ``rates``: the harmonizer's own base rate (--harmonizer-lr; None: the server's)."""
     from torch import nn
 
     from fedsga_edge.method import Harmonizer
@@ -111,6 +112,7 @@ def _server_head(model: Any, num_classes: int, harmonizer: bool, dim: int) -> An
             super().__init__()
             self.harmonizer = Harmonizer(model.feature_dim, model.num_splits, dim=dim) if harmonizer else None
             self.G = nn.Linear(dim, num_classes) if harmonizer else None
+            self.rates = {"harmonizer": harmonizer_lr} if harmonizer else {}
 
     return ServerHead()
 
@@ -242,7 +244,7 @@ class FedSGA(Strategy):
         co, fed = coordinator, self.cfg.fedsga
         self.co = co
         model, dev = co.model, co.device
-        self.head = _server_head(model, co.num_classes, fed.harmonizer, fed.proto_dim).to(dev)
+        self.head = _server_head(model, co.num_classes, fed.harmonizer, fed.proto_dim, fed.harmonizer_lr).to(dev)
         self.proto_dim = fed.proto_dim if fed.harmonizer else model.feature_dim
         self.prototypes = Prototypes(co.num_classes, self.proto_dim, fed.mu_proto).to(dev)
         self._h1_dim = model.phi_input_dim  # the pooled p_1 features each activation carries
