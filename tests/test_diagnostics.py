@@ -96,7 +96,8 @@ def test_compare_pairs_groups_from_different_folders_on_their_common_seeds(tmp_p
         for seed, acc in accs.items():
             run = tmp_path / name / f"seed{seed}"
             run.mkdir(parents=True)
-            (run / "summary.json").write_text(json.dumps({"headline_acc": acc, "client_flops_per_sample": flops}))
+            (run / "summary.json").write_text(json.dumps({"headline_acc": acc, "client_flops_per_sample": flops,
+                                                          "bytes_total": int(flops * 1e6) + seed * 200_000}))
         return tmp_path / name
 
     ref = group("ref", {10: 0.20, 11: 0.30, 12: 0.25}, 100.0)
@@ -107,5 +108,5 @@ def test_compare_pairs_groups_from_different_folders_on_their_common_seeds(tmp_p
     assert p["n"] == 2 and p["wins"] == 1 and np.isclose(p["mean"], (0.05 - 0.02) / 2)
     assert np.isclose(p["se"], np.std([0.05, -0.02], ddof=1) / np.sqrt(2))
     text = _load("compare").markdown(seeds, rows)
-    assert "| other | 26.50 ± 2.12 | +1.50 ± 3.50 (1/2) | 25.00, 28.00 | 1.50 ± 0.00 |" in text
-    assert "| ref | 25.00 ± 7.07 | 0 (reference) |" in text
+    assert "| other | 26.50 ± 2.12 | +1.50 ± 3.50 (1/2) | 25.00, 28.00 | 1.50 ± 0.00 | 152.1 |" in text
+    assert "| ref | 25.00 ± 7.07 | 0 (reference) |" in text and "| 1.00 ± 0.00 | 102.1 |" in text

@@ -3,7 +3,8 @@
 ``benchmarks/accuracy.py --tables-only`` tables the runs of one plan (one ``--out``, one set of run options).
 A diagnostic often sets one option apart (``--server-copies per-client`` in its own folder) and must be read
 against runs of the main plan: this pairs any groups by seed with the benchmark's own statistics (headline
-accuracy, paired difference to the first group with its standard error and wins, client FLOPs ratio).
+accuracy, paired difference to the first group with its standard error and wins, client FLOPs ratio, and the
+bytes a run put on the wire, both ways, weights included).
 
     python benchmarks/diagnostics/compare.py benchmarks/runs_cifar_balanced/static/dir0.1 \\
         benchmarks/runs_cifar_perclient/static/dir0.1 benchmarks/runs_cifar_balanced/fedavg/dir0.1
@@ -58,12 +59,15 @@ def markdown(seeds: list[int], rows: list[dict[str, Any]]) -> str:
     ref = rows[0]["runs"]
     lines = [f"Seeds {', '.join(map(str, seeds))}; headline % (mean ± std); Δ to {rows[0]['label']}, paired "
              "(mean ± SE, wins)", "",
-             "| runs | headline % | Δ, paired (wins) | per seed | client FLOPs / reference's |", "|---|---:|---:|---|---:|"]
+             "| runs | headline % | Δ, paired (wins) | per seed | client FLOPs / reference's | wire MB / run |",
+             "|---|---:|---:|---|---:|---:|"]
     for r in rows:
         delta = "0 (reference)" if r is rows[0] else _paired_cell(r["paired"])
         flops = _ratio(r["runs"], ref, lambda s: s.get("client_flops_per_sample"))
+        sent = [s["bytes_total"] for s in r["runs"] if s.get("bytes_total") is not None]
+        wire = f"{sum(sent) / len(sent) / 1e6:.1f}" if len(sent) == len(r["runs"]) else "-"
         lines.append(f"| {r['label']} | {_ms(r['per_seed'])} | {delta} | "
-                     f"{', '.join(f'{a * 100:.2f}' for a in r['per_seed'])} | {flops} |")
+                     f"{', '.join(f'{a * 100:.2f}' for a in r['per_seed'])} | {flops} | {wire} |")
     return "\n".join(lines)
 
 
