@@ -133,6 +133,21 @@ def test_fedgh_test_figure_is_the_devices_own_models_not_the_averaged_body(digit
     assert rec["test_acc_global"] == pytest.approx(glob, abs=1e-12)
 
 
+def test_fedgh_devices_bodies_survive_a_checkpoint(digits, tmp_path) -> None:
+    """A resumed coordinator scores the same device models (torch.save / weights_only load, as the service)."""
+    cfg = tiny_config("fedgh", rounds=2, clients=2, max_batches=1)
+    sim = Simulation(cfg, digits)
+    next(sim.rounds())
+    torch.save(sim.coordinator.checkpoint_state(), tmp_path / "ck.pt")
+    other = Simulation(cfg, digits)
+    assert other.coordinator.strategy.test_models() == []
+    other.coordinator.restore(torch.load(tmp_path / "ck.pt", weights_only=True))
+    a, b = sim.coordinator.strategy.test_models(), other.coordinator.strategy.test_models()
+    assert len(a) == len(b) == 2
+    for (wa, sa), (wb, sb) in zip(a, b):
+        assert wa == wb and sa.keys() == sb.keys() and all(torch.equal(sa[n], sb[n]) for n in sa)
+
+
 def test_fedgh_refuses_malformed_class_means(digits) -> None:
     sim = Simulation(tiny_config("fedgh", rounds=1, clients=2), digits)
     s = sim.coordinator.strategy
