@@ -47,11 +47,10 @@ class ServerCopy:
         # a head module may name sub-modules with a base rate of their own (``head.rates``: FedSGA's
         # --harmonizer-lr); every other parameter takes the server's
         rates = {name: r for name, r in getattr(head, "rates", {}).items() if r is not None}
-        own = {id(p): r for name, r in rates.items() for p in head.get_submodule(name).parameters()}
+        own = {id(p) for name in rates for p in head.get_submodule(name).parameters()}
         groups = [{"params": list(model.parameters()) + [p for p in head.parameters() if id(p) not in own],
                    "base_lr": self.base_lr}]
-        for name, r in rates.items():
-            groups.append({"params": list(head.get_submodule(name).parameters()), "base_lr": r})
+        groups += [{"params": list(head.get_submodule(name).parameters()), "base_lr": r} for name, r in rates.items()]
         for g in groups:
             g["lr"] = g["base_lr"] * lr_scale
         self.opt = torch.optim.SGD(groups, lr=self.base_lr * lr_scale, momentum=tc.momentum,
