@@ -155,6 +155,26 @@ def test_the_splitfed_v1_preset_is_the_cifar_regime_with_per_client_server_copie
         assert {k for k in da if da[k] != db[k]} == {"server_copies", "server_lr"}
 
 
+def test_the_office_v1_preset_is_the_office_regime_with_per_client_copies_and_table_2s_eleven_methods(bench):
+    def configs(preset: str, methods: str = "static,fedavg") -> list:
+        p = bench.resolve(bench.build_parser().parse_args(["--preset", preset, "--methods", methods]))
+        return [r["config"] for r in bench.plan(p, "digits", None)]
+
+    v1, shared = configs("office-v1"), configs("office")
+    assert [c.server_copies for c in v1] == ["per_client"] * len(v1)
+    assert all(c.server_lr == c.train.lr == 0.1 for c in v1)
+    for a, b in zip(v1, shared):  # the pair measures the server side alone
+        da, db = a.to_dict(), b.to_dict()
+        assert {k for k in da if da[k] != db[k]} == {"server_copies", "server_lr"}
+    preset = bench.PRESETS["office-v1"]
+    assert sorted(preset.methods) == sorted(["fedavg", "fedprox", "fedbabu", "fedgh", "fedas", "static", "mergesfl",
+                                             "fedmut", "musplitfed", "multisfl", "fedsga"])
+    assert preset.partitions == ["domain0.5"] and preset.seeds == [10, 11, 12]
+    # MergeSFL's one merged server step keeps its shared copy whatever the preset says (its method line)
+    merge = configs("office-v1", "mergesfl")
+    assert {c.server_copies for c in merge} == {"shared"}
+
+
 def test_schedule_reaches_every_run_of_the_plan(bench, tmp_path):
     preset = bench.resolve(bench.build_parser().parse_args(["--preset", "cpu"]))
     assert {r["config"].schedule for r in bench.plan(preset, "digits", None)} == {"round_robin"}
