@@ -398,15 +398,23 @@ def headline_rounds(rounds: int, p: Preset) -> list[int]:
 def full_eval(sim: Any, bundle: Any) -> dict[str, Any]:
     """Accuracy and loss on the full test set, as the final round's evaluation records them."""
     result = sim.coordinator.evaluate(bundle.test, bundle.mean, bundle.std)
-    return {"test_acc_full": result["test_acc"], "test_loss_full": result["test_loss"],
-            "test_pred_share_full": result["test_pred_share"]}
+    out = {"test_acc_full": result["test_acc"], "test_loss_full": result["test_loss"],
+           "test_pred_share_full": result["test_pred_share"], "test_acc_by_split_full": result["test_acc_by_split"]}
+    if "test_acc_depth_mean" in result:  # several depth heads (FedSGA's harmonizer): their averaged softmax
+        out["test_acc_depth_mean_full"] = result["test_acc_depth_mean"]
+    return out
 
 
 def headline(records: list[dict[str, Any]], window: list[int]) -> dict[str, Any]:
     """``headline_acc``: the mean full-test accuracy over the window's rounds (the last is ``final_acc``)."""
     accs = [r.get("test_acc", r.get("test_acc_full")) for r in records if r["round"] in window]
     accs = [a for a in accs if a is not None]
-    return {"headline_acc": float(np.mean(accs)) if accs else None, "headline_rounds": window}
+    out = {"headline_acc": float(np.mean(accs)) if accs else None, "headline_rounds": window}
+    # several depth heads (FedSGA's harmonizer): the same window scored by their averaged softmax, beside it
+    means = [r.get("test_acc_depth_mean", r.get("test_acc_depth_mean_full")) for r in records if r["round"] in window]
+    if accs and len(means) == len(accs) and None not in means:
+        out["headline_acc_depth_mean"] = float(np.mean(means))
+    return out
 
 
 def acc_of(summary: dict[str, Any]) -> float | None:

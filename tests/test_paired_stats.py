@@ -48,3 +48,10 @@ def test_headline_window_averages_the_last_full_evaluations(bench):
     records = [{"round": t, "test_acc_full": 0.1 * t} for t in range(1, 10)] + [{"round": 10, "test_acc": 0.5}]
     h = bench.headline(records, [6, 8, 10])
     assert h["headline_acc"] == pytest.approx((0.6 + 0.8 + 0.5) / 3)
+    assert "headline_acc_depth_mean" not in h  # one head: no depth-mean figure
+    for r in records:  # several depth heads: the same window of their averaged-softmax figure, beside the headline
+        r["test_acc_depth_mean" if "test_acc" in r else "test_acc_depth_mean_full"] = 0.05 * r["round"]
+    h = bench.headline(records, [6, 8, 10])
+    assert h["headline_acc_depth_mean"] == pytest.approx(0.05 * 8) and h["headline_acc"] == pytest.approx(0.6333, abs=1e-4)
+    records[-1].pop("test_acc_depth_mean")  # a window with a round missing the figure has none
+    assert "headline_acc_depth_mean" not in bench.headline(records, [6, 8, 10])

@@ -344,3 +344,34 @@ def test_the_envelope_alone_refuses_strangers_odd_kinds_and_other_rounds() -> No
                                    ("a", "gradient", 1, "does not send"), ("a", "activation", 2**64 - 1, "round 1 is running")):
         with pytest.raises(RoundError, match=why):
             rs.check_envelope(sender, kind, rnd, devices)
+
+
+
+def test_the_depth_mean_figure_is_the_averaged_softmax_of_the_depth_heads() -> None:
+    """Two depth heads that each get one of two samples wrong, by a small margin, and the other right by a
+    large one: their averaged softmax gets both right. A strategy with one head (key 0) has no such figure."""
+    from types import SimpleNamespace
+
+    from fedsga_edge.coordinator.evaluation import evaluate
+
+    heads = {1: torch.tensor([[3.0, 0.0], [0.1, 0.0]]),   # sample 0 (class 0) right, sample 1 (class 1) wrong
+             2: torch.tensor([[0.0, 0.1], [0.0, 3.0]])}   # sample 0 wrong, sample 1 right
+
+    class Images:
+        labels = np.array([0, 1])
+
+        def __len__(self) -> int:
+            return 2
+
+        def get_batch(self, idx: np.ndarray) -> np.ndarray:
+            return np.zeros((len(idx), 2, 2, 3), np.uint8)
+
+    model = SimpleNamespace(num_splits=2, eval=lambda: None, features=lambda x: x)
+    for by_k, expect in ((heads, 1.0), ({0: heads[1]}, None)):
+        strategy = SimpleNamespace(eval_logits=lambda m, f, by_k=by_k: by_k)
+        rec = evaluate(model, torch.nn.Identity(), strategy, 1, 2, Images(), (0.0,) * 3, (1.0,) * 3, torch.device("cpu"))
+        assert rec["test_acc"] == 0.5
+        if expect is None:
+            assert "test_acc_depth_mean" not in rec
+        else:
+            assert rec["test_acc_by_split"] == {"1": 0.5, "2": 0.5} and rec["test_acc_depth_mean"] == expect
