@@ -110,3 +110,22 @@ def test_compare_pairs_groups_from_different_folders_on_their_common_seeds(tmp_p
     text = _load("compare").markdown(seeds, rows)
     assert "| other | 26.50 ± 2.12 | +1.50 ± 3.50 (1/2) | 25.00, 28.00 | 1.50 ± 0.00 | 152.1 |" in text
     assert "| ref | 25.00 ± 7.07 | 0 (reference) |" in text and "| 1.00 ± 0.00 | 102.1 |" in text
+
+
+def test_compare_tables_each_depth_head_with_the_headline_one_in_bold(tmp_path) -> None:
+    runs = {("heads", 10): {"headline_acc": 0.4, "final_acc_by_split": {"1": 0.30, "2": 0.41, "3": 0.35},
+                            "eval_split": 3, "headline_acc_depth_mean": 0.42},
+            ("heads", 11): {"headline_acc": 0.5, "final_acc_by_split": {"3": 0.50, "1": 0.48, "2": 0.49},
+                            "eval_split": 1, "headline_acc_depth_mean": 0.52},
+            ("one", 10): {"headline_acc": 0.45, "final_acc_by_split": {"1": 0.45, "2": 0.45, "3": 0.45}, "eval_split": None},
+            ("one", 11): {"headline_acc": 0.47, "final_acc_by_split": {"1": 0.47, "2": 0.47, "3": 0.47}, "eval_split": None}}
+    for (name, seed), summary in runs.items():
+        (tmp_path / name / f"seed{seed}").mkdir(parents=True)
+        (tmp_path / name / f"seed{seed}" / "summary.json").write_text(json.dumps(summary))
+    mod = _load("compare")
+    text = mod.depth_heads(*mod.compare([("one", tmp_path / "one"), ("heads", tmp_path / "heads")]))
+    # heads in depth order, the headline's in bold; spread (11 + 2) / 2 = 6.5; depth-mean beside the headline
+    assert "| heads | 30.0 / 41.0 / **35.0** | **48.0** / 49.0 / 50.0 | 6.5 | 45.00 ± 7.07 | 47.00 ± 7.07 |" in text
+    assert "| one | one head | one head | 0.0 | 46.00 ± 1.41 | - |" in text
+    assert "depth-mean" not in mod.main([str(tmp_path / "one"), str(tmp_path / "heads")])  # only when asked
+    assert "| heads | 30.0" in mod.main(["--depth-heads", f"one={tmp_path / 'one'}", f"heads={tmp_path / 'heads'}"])

@@ -71,6 +71,32 @@ def markdown(seeds: list[int], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def depth_heads(seeds: list[int], rows: list[dict[str, Any]]) -> str:
+    """The last round's accuracy under each depth head (FedSGA's harmonizer: one depth embedding per split), the
+    headline's head in bold, and the mean spread between heads; with ``headline_acc_depth_mean`` in the summaries
+    (runs since stop 32), the headline window scored by the heads' averaged softmax beside the headline."""
+    lines = ["", "Last round, % under each depth head (the headline's in bold); spread = max - min, mean over seeds", "",
+             "| runs | " + " | ".join(f"seed {s}" for s in seeds) + " | mean spread | headline % | depth-mean % |",
+             "|---|" + "---|" * len(seeds) + "---:|---:|---:|"]
+    for r in rows:
+        cells, spreads = [], []
+        for run in r["runs"]:
+            by = run.get("final_acc_by_split") or {}
+            vals = {k: v for k, v in sorted(by.items(), key=lambda kv: int(kv[0]))}
+            if len(set(vals.values())) <= 1:
+                cells.append("one head" if vals else "-")
+                spreads.append(0.0)
+                continue
+            shown = str(run.get("eval_split"))
+            cells.append(" / ".join(f"**{v * 100:.1f}**" if k == shown else f"{v * 100:.1f}" for k, v in vals.items()))
+            spreads.append((max(vals.values()) - min(vals.values())) * 100)
+        means = [run.get("headline_acc_depth_mean") for run in r["runs"]]
+        dm = _ms(means) if None not in means else "-"
+        lines.append(f"| {r['label']} | " + " | ".join(cells) + f" | {sum(spreads) / len(spreads):.1f} | "
+                     f"{_ms(r['per_seed'])} | {dm} |")
+    return "\n".join(lines)
+
+
 def parse_group(arg: str) -> tuple[str, Path]:
     label, sep, folder = arg.partition("=")
     path = Path(folder if sep else arg)
@@ -82,10 +108,13 @@ def parse_group(arg: str) -> tuple[str, Path]:
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("groups", nargs="+", help="[NAME=]FOLDER of seed<s>/ runs; the first is the reference")
+    ap.add_argument("--depth-heads", action="store_true",
+                    help="also table each run's last-round accuracy under every depth head (FedSGA's harmonizer)")
     args = ap.parse_args(argv)
     if len(args.groups) < 2:
         ap.error("give a reference group and at least one to compare with it")
-    text = markdown(*compare([parse_group(g) for g in args.groups]))
+    seeds, rows = compare([parse_group(g) for g in args.groups])
+    text = markdown(seeds, rows) + (depth_heads(seeds, rows) + "\n" if args.depth_heads else "")
     print(text)
     return text
 
