@@ -346,7 +346,6 @@ def test_the_envelope_alone_refuses_strangers_odd_kinds_and_other_rounds() -> No
             rs.check_envelope(sender, kind, rnd, devices)
 
 
-
 def test_the_depth_mean_figure_is_the_averaged_softmax_of_the_depth_heads() -> None:
     """Two depth heads that each get one of two samples wrong, by a small margin, and the other right by a
     large one: their averaged softmax gets both right. A strategy with one head (key 0) has no such figure."""

@@ -82,7 +82,7 @@ def depth_heads(seeds: list[int], rows: list[dict[str, Any]]) -> str:
         cells, spreads = [], []
         for run in r["runs"]:
             by = run.get("final_acc_by_split") or {}
-            vals = {k: v for k, v in sorted(by.items(), key=lambda kv: int(kv[0]))}
+            vals = dict(sorted(by.items(), key=lambda kv: int(kv[0])))
             if len(set(vals.values())) <= 1:
                 cells.append("one head" if vals else "-")
                 spreads.append(0.0)
