@@ -41,7 +41,7 @@ _MESSAGE_BYTES = 256
 _MARGIN = 1.01
 # FedSGA settings the coordinator alone reads: a device sees their effect in its own round-start fields
 # ("deadline", "margin": device_fields), and a round start without them is what devices that predate them accept
-_SERVER_ONLY = ("deadline_aware", "label_memory", "harmonizer_lr")
+_SERVER_ONLY = ("deadline_aware", "label_memory", "harmonizer_lr", "harmonizer_form")
 
 
 def _batches(n: int, batch_size: int, max_batches: int) -> int:
@@ -100,7 +100,7 @@ def predicted_split_s(cls: Any, costs: Any, num_samples: int, cfg: RunConfig, ca
     return out
 
 
-def _server_head(model: Any, num_classes: int, harmonizer: bool, dim: int, harmonizer_lr: float | None = None) -> Any:
+def _server_head(model: Any, num_classes: int, fed: Any) -> Any:
     """What follows the pooled features on the server: harmonizer + G, or nothing (the model's head);
     ``rates``: the harmonizer's own base rate (--harmonizer-lr; None: the server's)."""
     from torch import nn
@@ -110,9 +110,11 @@ def _server_head(model: Any, num_classes: int, harmonizer: bool, dim: int, harmo
     class ServerHead(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.harmonizer = Harmonizer(model.feature_dim, model.num_splits, dim=dim) if harmonizer else None
-            self.G = nn.Linear(dim, num_classes) if harmonizer else None
-            self.rates = {"harmonizer": harmonizer_lr} if harmonizer else {}
+            on = fed.harmonizer
+            self.harmonizer = Harmonizer(model.feature_dim, model.num_splits, dim=fed.proto_dim,
+                                         residual=fed.harmonizer_form == "residual") if on else None
+            self.G = nn.Linear(self.harmonizer.dim, num_classes) if on else None
+            self.rates = {"harmonizer": fed.harmonizer_lr} if on else {}
 
     return ServerHead()
 
@@ -244,8 +246,8 @@ class FedSGA(Strategy):
         co, fed = coordinator, self.cfg.fedsga
         self.co = co
         model, dev = co.model, co.device
-        self.head = _server_head(model, co.num_classes, fed.harmonizer, fed.proto_dim, fed.harmonizer_lr).to(dev)
-        self.proto_dim = fed.proto_dim if fed.harmonizer else model.feature_dim
+        self.head = _server_head(model, co.num_classes, fed).to(dev)
+        self.proto_dim = self.head.harmonizer.dim if fed.harmonizer else model.feature_dim
         self.prototypes = Prototypes(co.num_classes, self.proto_dim, fed.mu_proto).to(dev)
         self._h1_dim = model.phi_input_dim  # the pooled p_1 features each activation carries
         self.phi_s = ShallowHead(self._h1_dim, self.proto_dim).to(dev)

@@ -24,10 +24,16 @@ class Harmonizer(nn.Module):
     backbones: the server always runs to the final pooled features). A dict {k: width} is also
     accepted for backbones where it differs; narrower features are then zero-padded to the widest
     one (our choice: one shared MLP, the depth embedding tells depths apart).
+
+    ``residual`` (our variant, ``--harmonizer-form residual``): Z = pooled + MLP([pooled, e(k)]) in the pooled
+    space (``dim`` is then the MLP's hidden width), the last layer at zero so that Z starts as the pooled
+    features and every depth starts with one head. Why: averaged per-client copies of the paper's MLP cost
+    FedSGA 3-10 points under label skew, and its K depth heads drift apart (docs/method.md, "Server side").
     """
 
     def __init__(
-        self, in_dims: dict[int, int] | int, num_depths: int, dim: int = 128, depth_dim: int = 16
+        self, in_dims: dict[int, int] | int, num_depths: int, dim: int = 128, depth_dim: int = 16,
+        residual: bool = False,
     ) -> None:
         super().__init__()
         if num_depths < 1:
@@ -39,11 +45,12 @@ class Harmonizer(nn.Module):
         else:
             self.in_dims = {k: int(in_dims) for k in range(1, num_depths + 1)}
         self.num_depths = num_depths
-        self.dim = dim
         self.in_width = max(self.in_dims.values())
+        self.residual = residual
+        self.dim = self.in_width if residual else dim  # Z's width
         self.depth_embedding = nn.Embedding(num_depths, depth_dim)
         self.mlp = nn.Sequential(
-            nn.Linear(self.in_width + depth_dim, dim), nn.ReLU(inplace=True), nn.Linear(dim, dim)
+            nn.Linear(self.in_width + depth_dim, dim), nn.ReLU(inplace=True), nn.Linear(dim, self.dim)
         )
         # Variance-preserving init: with torch's default Linear init every layer shrinks the
         # signal (~1/3 of the variance), so the two extra layers before the head starved the
@@ -51,6 +58,8 @@ class Harmonizer(nn.Module):
         for layer in (self.mlp[0], self.mlp[2]):
             nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
             nn.init.zeros_(layer.bias)
+        if residual:  # the correction starts at zero: the identity, one head for every depth
+            nn.init.zeros_(self.mlp[2].weight)
 
     def forward(self, pooled: Tensor, depth_index: int | Tensor) -> Tensor:
         """Map pooled server features (B, F) entered at split k (int or (B,) tensor) to Z (B, dim)."""
@@ -72,7 +81,8 @@ class Harmonizer(nn.Module):
             raise ValueError(f"pooled width {pooled.shape[1]} does not match in_dims {widths}")
         if pooled.shape[1] < self.in_width:
             pooled = F.pad(pooled, (0, self.in_width - pooled.shape[1]))
-        return self.mlp(torch.cat([pooled, self.depth_embedding(k - 1)], dim=1))
+        out = self.mlp(torch.cat([pooled, self.depth_embedding(k - 1)], dim=1))
+        return pooled + out if self.residual else out
 
 
 def alignment_loss(Z: Tensor, labels: Tensor, prototypes: Tensor, tau_a: float = 0.5) -> Tensor:
