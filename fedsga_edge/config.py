@@ -87,7 +87,8 @@ class FedSGAConfig:
     estimator: bool = opt(True, "Ablation: every client at --split (the benchmark's ablation row: p_ref).", flag="--no-estimator", negated=True)
     harmonizer: bool = opt(True, "Ablation: pooled features straight to the head.", flag="--no-harmonizer",
                            negated=True)
-    proto_dim: int = opt(128, "Harmonizer / prototype space.", ge=1, le=4096, cli=False)  # not a flag today
+    proto_dim: int = opt(128, "Harmonizer / prototype space (the residual form: its MLP's hidden width).", ge=1,
+                         le=4096, cli=False)  # not a flag today
     harmonizer_form: str = opt(
         "mlp", "mlp: the paper's Z = MLP(pool(u), e(k)) into a 128-d space; residual: Z = pool(u) + MLP(pool(u), e(k)) "
         "in the pooled space, the MLP's last layer at zero, so the harmonizer starts as the identity and every depth's head "
