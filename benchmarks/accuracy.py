@@ -192,8 +192,8 @@ PRESETS: dict[str, Preset] = {
     # The domain-skew column of Tables 2 and 5 (issue 19): ``office`` with SplitFed's own server side, as
     # ``cifar-v1`` is ``cifar`` with it: each device trains its own server copy at the devices' rate (0.1), the
     # copies averaged at the round's end. Nothing else differs, so the pair measures the server side alone. Its
-    # methods are the paper's eleven (Table 2). Not yet measured at the time of writing: a later stop's
-    # RESULTS.md section says what it gave, on which seeds.
+    # methods are the paper's eleven (Table 2). Measured (stop 33): 4-6 minutes a run with both cores busy,
+    # MultiSFL and FedAS longer; RESULTS.md, "Table 2's domain column", has what it gave on seeds 10-12.
     "office-v1": Preset(data=str(OFFICE31_NPZ), run=OFFICE_RUN | dict(server_copies="per-client", server_lr=0.1),
                         eval_every=4, eval_subset=0, last_evals=3, seeds=[10, 11, 12], partitions=["domain0.5"],
                         methods=TABLE2_METHODS),
