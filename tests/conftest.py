@@ -61,11 +61,18 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # files, longest first, lead; the rest keep pytest's order. A file missing here just runs later.
 # test_backward_graph builds the train export (the slowest fixture) for the other three files that use
 # it (test_onnx_device, test_device_runtime, test_profile); they come after it so that they rarely wait.
-# (Seconds per file on 2 workers, 5 engineers sharing the cores: simulation 140, backward_graph 95,
-# backbones 90, trial 86, rounds 70, resume 70, faults 62, hostile 60; the rest under 30 each.)
-RUN_FIRST = ("test_backward_graph.py", "test_simulation.py", "test_backbones.py", "test_trial.py",
-             "test_rounds.py", "test_resume.py", "test_faults.py", "test_hostile.py", "test_onnx_device.py",
-             "test_field.py", "test_fuzz.py")
+# Seconds per file on 3 workers on the 2 cores (stop 35, 1,386 s of tests in all): trial 138, simulation
+# 115, local_data 90, backward_graph 78, accuracy_bench 64, backbones 63, hostile 63, rounds 59, faults 56,
+# fleet_trial 50, resume 50, fleet 47, strategies 46, baselines_fedgh_fedas 42, onnx_device 39, diagnostics
+# 37, method_calibration 30, models 29, baselines_split 26, field 22; the rest under 20 each. With only the
+# first eleven listed, one worker ran 512 s of tests while the other two ran 435-440 (the long unlisted
+# files came last): longest first is what keeps the workers level.
+RUN_FIRST = ("test_backward_graph.py", "test_trial.py", "test_simulation.py", "test_local_data.py",
+             "test_accuracy_bench.py", "test_backbones.py", "test_hostile.py", "test_rounds.py", "test_faults.py",
+             "test_fleet_trial.py", "test_resume.py", "test_fleet.py", "test_strategies.py",
+             "test_baselines_fedgh_fedas.py", "test_onnx_device.py", "test_diagnostics.py",
+             "test_method_calibration.py", "test_models.py", "test_baselines_split.py", "test_field.py",
+             "test_baselines.py", "test_fuzz.py", "test_label_memory.py")
 # (test_strategies.py's throwaway strategy no longer leaks its option into later apps: runflags builds a
 # new command function each time, so it needs no place in this order.)
 

@@ -72,6 +72,29 @@ def test_digits_is_the_stratified_sklearn_set_at_32px(digits: DatasetBundle) -> 
     assert 0.25 < digits.mean[0] < 0.35 and 0.25 < digits.std[0] < 0.4
 
 
+def test_digits_is_sklearns_split_and_loading_it_imports_no_sklearn(digits: DatasetBundle) -> None:
+    """The stored split (fedsga_edge/data/digits_split.py) is scikit-learn's own call, the images are its
+    load_digits images upscaled, and a process that loads digits never imports scikit-learn."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    from fedsga_edge.data.digits_split import split_indices
+
+    ref = load_digits()
+    train_idx, test_idx = train_test_split(np.arange(len(ref.target)), test_size=0.2, stratify=ref.target,
+                                           random_state=0)
+    stored_train, stored_test = split_indices()
+    assert np.array_equal(stored_train, train_idx) and np.array_equal(stored_test, test_idx)
+    assert np.array_equal(digits.train.labels, ref.target[train_idx])
+    assert np.array_equal(digits.test.labels, ref.target[test_idx])
+    eight = load_dataset("digits", image_size=8)  # bilinear 8 -> 8 is the identity: the raw 0..16 values, scaled
+    raw = np.rint(ref.images[test_idx] * (255.0 / 16.0)).astype(np.uint8)
+    assert np.array_equal(eight.test.images[..., 0], raw)
+    code = "import sys; from fedsga_edge.data import load_dataset as f; f('digits'); print('sklearn' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr[-1000:]
+
+
 def test_digits_split_is_deterministic_and_resizable(digits: DatasetBundle) -> None:
     small = load_dataset("digits", image_size=16, root="/nonexistent")  # root is ignored
     assert np.array_equal(small.train.labels, digits.train.labels)

@@ -1,7 +1,8 @@
 """load_dataset: every supported dataset from its official on-disk layout, as one DatasetBundle.
 
-Heavy dependencies are imported inside the loader that needs them (scikit-learn for digits,
-torchvision for CIFAR, Pillow for resizing and image files), so importing this module costs numpy only.
+Heavy dependencies are imported inside the loader that needs them (torchvision for CIFAR, Pillow for
+resizing and image files; digits reads its file from the scikit-learn install without importing it), so
+importing this module costs numpy only.
 
 Normalisation statistics: CIFAR-10/100 use their standard published values; digits and npz
 files are measured exactly on their train split at the returned image_size (a histogram pass,
@@ -107,21 +108,35 @@ def _load_digits(image_size: int | None) -> DatasetBundle:
 
     Each image is resized once from 8x8 straight to S x S with PIL's bilinear filter on the float
     0..16 values, then scaled to 0..255, rounded and replicated to three channels. The 80/20 split
-    is stratified by label with seed 0, so it is identical on every machine.
+    is stratified by label with seed 0, so it is identical on every machine: scikit-learn's
+    ``train_test_split``, stored (``digits_split``). The data file is read from the scikit-learn install
+    without importing scikit-learn (about a CPU-second per process, every agent of a digits run).
     """
-    from PIL import Image
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    import gzip
+    import importlib.util
 
+    from PIL import Image
+
+    from .digits_split import split_indices
+
+    spec = importlib.util.find_spec("sklearn")
+    where = next(iter(spec.submodule_search_locations or ()), None) if spec is not None else None
+    csv = Path(where) / "datasets" / "data" / "digits.csv.gz" if where else None
+    if csv is None or not csv.is_file():
+        raise DatasetError("digits ships with scikit-learn, which is not installed: pip install scikit-learn")
+    with gzip.open(csv) as f:
+        table = np.loadtxt(f, delimiter=",")  # what sklearn.datasets.load_digits reads: 64 pixels, then the label
     size = image_size or 32
-    digits = load_digits()
-    gray = np.empty((len(digits.images), size, size), dtype=np.uint8)
-    for row, image in enumerate(digits.images):
+    gray = np.empty((len(table), size, size), dtype=np.uint8)
+    for row, flat in enumerate(table[:, :-1]):
+        image = flat.reshape(8, 8)
         upscaled = np.asarray(Image.fromarray(image.astype(np.float32)).resize((size, size), Image.Resampling.BILINEAR))
         gray[row] = np.clip(np.rint(upscaled * (255.0 / 16.0)), 0, 255)
     images = np.repeat(gray[..., None], 3, axis=3)
-    labels = digits.target.astype(np.int64)
-    train_idx, test_idx = train_test_split(np.arange(len(labels)), test_size=0.2, stratify=labels, random_state=0)
+    labels = table[:, -1].astype(np.int64)
+    train_idx, test_idx = split_indices()
+    if len(labels) != len(train_idx) + len(test_idx):
+        raise DatasetError(f"{csv} holds {len(labels)} digits, the stored split {len(train_idx) + len(test_idx)}")
     train = ArrayImageSet(images[train_idx], labels[train_idx])
     test = ArrayImageSet(images[test_idx], labels[test_idx])
     return _array_bundle("digits", train, test, [str(d) for d in range(10)], None)
