@@ -61,11 +61,11 @@ def split_methods() -> list[str]:
     """FedAvg and every main method whose strategy trains a prefix on the device (not the whole model), in the
     registry's order: the strategy's own assignment decides, so a new split baseline joins with no edit here."""
     from fedsga_edge.config import RunConfig
-    from fedsga_edge.coordinator.strategy import get_strategy
+    from fedsga_edge.coordinator.strategy import all_methods, get_strategy
 
     cfg, K = RunConfig(), 3
     out = []
-    for method, (strategy, spec) in acc.REGISTERED.items():
+    for method, (strategy, spec) in all_methods().items():  # the registry as it is now, not at import
         if spec.group != "main":
             continue
         assigned = get_strategy(strategy)(cfg, K, ["a", "b"], {k: 1 for k in range(K + 1)}).assign(1, ["a", "b"])

@@ -5,6 +5,7 @@ in a field run (coordinator service + device agents), and a throwaway strategy d
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -77,11 +78,16 @@ class Shallowest(Strategy):
 
 @pytest.fixture
 def throwaway() -> Iterator[type[Strategy]]:
+    """The strategy registered for one test; benchmark modules imported meanwhile (their method lists are read
+    from the registry at import) are dropped with it, so a later test in this process never sees it."""
+    cached = {k for k in sys.modules if k.endswith("_bench")}
     register_strategy(Shallowest)
     try:
         yield Shallowest
     finally:
         unregister_strategy(Shallowest.name)
+        for key in [k for k in sys.modules if k.endswith("_bench") and k not in cached]:
+            del sys.modules[key]
 
 
 def test_a_new_strategy_appears_in_help_benchmark_and_report(throwaway, digits, tmp_path) -> None:
