@@ -105,6 +105,8 @@ class Preset:
     threads: int = 1
     # --wire-formats: each run once per format, in its own folder; None: one format (the run's wire_format)
     wire_formats: list[str] | None = None
+    # --out's default, relative to benchmarks/ (None: runs_<preset>): where the preset's kept records live
+    out: str | None = None
 
     def settings(self) -> dict[str, Any]:
         """Every run option the plan does not set: declared default < BENCH_RUN < the preset's."""
@@ -177,7 +179,8 @@ PRESETS: dict[str, Preset] = {
     # two). One shared copy at 0.015 (``cifar``) left every split method 15-17 points under FedAvg under
     # Dirichlet(0.1); per-client copies closed the gap (RESULTS.md, "SplitFed's own server side").
     "cifar-v1": Preset(data=str(DEFAULT_NPZ), run=CIFAR_RUN | dict(server_copies="per-client", server_lr=0.2),
-                       eval_every=2, eval_subset=2000, last_evals=3, seeds=[10, 11, 12, 13, 14]),
+                       eval_every=2, eval_subset=2000, last_evals=3, seeds=[10, 11, 12, 13, 14],
+                       out="runs_cifar_perclient"),  # its records kept their first folder's name
     # The first cut of that regime (width 0.25, crop + flip): FedAvg IID 53.51 % on seed 10, but ~40 CPU-minutes a
     # run. Kept for the figures RESULTS.md measured on it (the wire formats' seed-10 pair, FedAvg seed 10).
     "cifar-w25": Preset(data=str(DEFAULT_NPZ), run=dict(width=0.25, clients=10, rounds=14, local_epochs=1,
@@ -783,7 +786,8 @@ def _tables(g: dict, partitions: list[str], methods: list[str]) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    ap.add_argument("--out", type=Path, default=None, help="Output folder (default benchmarks/runs_<preset>).")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="Output folder (default: the preset's records, benchmarks/runs_<preset> unless it names one).")
     ap.add_argument("--data", default=None, help="An .npz path (x_train,y_train,x_test,y_test; d_train,d_test,domains for "
                                                  "domain partitions) or a dataset spec (digits, cifar10, npz:PATH).")
     ap.add_argument("--data-root", default=None, help="Root for dataset specs that read an official layout (cifar10 ...).")
@@ -868,7 +872,7 @@ def resolve(args: argparse.Namespace) -> Preset:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     p = resolve(args)
-    out: Path = args.out or REPO / "benchmarks" / f"runs_{args.preset}"
+    out: Path = args.out or REPO / "benchmarks" / (PRESETS[args.preset].out or f"runs_{args.preset}")
     spec = data_spec(p.data)
     runs = plan(p, spec, args.data_root)
     argv = list(argv if argv is not None else sys.argv[1:])
@@ -994,10 +998,13 @@ def record_differs(run_dir: Path, cfg: Any) -> list[str]:
         return []
     from fedsga_edge.config import RECORD_BEFORE
 
+    from fedsga_edge.coordinator.strategy import get_strategy
+
     have = _defaults() | RECORD_BEFORE | _flat(json.loads(path.read_text()))
     want = _flat(json.loads(json.dumps(cfg.to_dict())))  # through JSON: tuples as lists, like the record
+    unread = set(_NOT_COMPARED) | set(get_strategy(cfg.strategy).ignores_options)  # FedAvg: no server side
     return [f"{k} {have.get(k)!r}, plan {want[k]!r}" for k in want
-            if k not in _NOT_COMPARED and want[k] is not None and have.get(k) != want[k]]
+            if k not in unread and want[k] is not None and have.get(k) != want[k]]
 
 
 def check_records(out: Path, runs: list[dict[str, Any]]) -> None:

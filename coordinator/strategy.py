@@ -139,6 +139,10 @@ class Strategy:
     # Run options only this strategy reads: RunConfig keys, or a group of them ("fedsga": --rho, --deadline-aware
     # ...). Set off its default under another --strategy, such an option is refused instead of silently ignored.
     owns_options: ClassVar[tuple[str, ...]] = ()
+    # Run options this strategy never reads (RunConfig keys): FedAvg's devices train the whole model, so no server
+    # option reaches its training. A benchmark record that differs from its plan only in these still stands for
+    # it (benchmarks/accuracy.py); tests/test_strategies.py checks each declaration by training both ways.
+    ignores_options: ClassVar[tuple[str, ...]] = ()
     # In an evaluation round its whole-model devices also report a fine-tuned figure (``eval_loss_finetuned``,
     # ``eval_acc_finetuned``: FedBABU's personalised accuracy); the coordinator requires it then, and refuses it
     # from every other strategy's devices (coordinator/evaluation.py)

@@ -137,3 +137,52 @@ def test_a_config_the_strategy_cannot_run_is_refused_before_the_cost_table(name,
     monkeypatch.setattr(models, "CostTable", measured)
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         run_simulation(tiny_config(name, clients=2, rounds=1, **bad), tmp_path, bundle=digits)
+
+
+# -- options a strategy declares it never reads --------------------------------------------------------
+_OFF_DEFAULT = {"server_copies": "per_client", "server_bn": "round", "server_lr": 0.7, "server_bn_context": 2}
+
+
+def _ignoring() -> list[str]:
+    return [n for n in list_strategies() if registry.get_strategy(n).ignores_options]
+
+
+def test_whole_model_strategies_declare_the_server_side_unread() -> None:
+    assert {"fedavg", "fedprox", "fedbabu", "fedgh", "fedas", "fedmut"} <= set(_ignoring())
+    assert not {"static", "fedsga", "random", "mergesfl"} & set(_ignoring())
+
+
+@pytest.mark.parametrize("name", _ignoring())
+def test_an_ignored_option_changes_nothing_the_run_trains(name: str, digits) -> None:
+    """The declaration lets the benchmark table a record made under other values of these options as the
+    plan's run (benchmarks/accuracy.py, record_differs); so every ignored option, set off its default, must
+    leave the run bit-identical: its losses, accuracies and final weights."""
+    import torch
+
+    from fedsga_edge.simulation import Simulation
+
+    def run(**kw: object) -> tuple[list[tuple[object, ...]], dict[str, torch.Tensor]]:
+        sim = Simulation(tiny_config(name, clients=2, rounds=2, max_batches=1, eval_every=2, **kw), digits)
+        recs = [(r["train_loss"], r.get("test_acc"), r.get("test_loss")) for r in sim.rounds()]
+        return recs, {k: v.clone() for k, v in sim.model.state_dict().items()}
+
+    ignored = registry.get_strategy(name).ignores_options
+    assert set(ignored) <= set(_OFF_DEFAULT), f"{name}: give the test a non-default value for {ignored}"
+    base_recs, base_state = run()
+    # server_bn_context applies to the shared copy only; the rest together on per-client copies
+    together = {k: v for k, v in _OFF_DEFAULT.items() if k in ignored and k != "server_bn_context"}
+    for kw in [together] + ([{"server_bn_context": 2}] if "server_bn_context" in ignored else []):
+        recs, state = run(**kw)
+        assert recs == base_recs, (name, kw)
+        assert all(torch.equal(state[k], base_state[k]) for k in base_state), (name, kw)
+
+
+def test_a_read_option_is_caught_by_the_same_check(digits) -> None:
+    """The check above can fail: static reads the server's rate, and its losses move with it."""
+    from fedsga_edge.simulation import Simulation
+
+    def losses(**kw: object) -> list[float]:
+        return [r["train_loss"] for r in Simulation(tiny_config("static", clients=2, rounds=2, max_batches=1, **kw),
+                                                       digits).rounds()]
+
+    assert losses() != losses(server_lr=0.7)
