@@ -27,7 +27,8 @@ static splits at p_1, p_ref and p_K, random splits, FedAvg and FedSGA without it
 Every run writes ``OUT/<method>/<partition>/seed<s>/{config,metrics.jsonl,summary}.json``; a
 run whose ``summary.json`` exists is skipped, so a killed benchmark continues where it stopped. A finished
 run whose ``config.json`` differs from the plan's (a preset default that changed since, a flag left off) is
-refused by name instead: its figures would be tabled as this plan's.
+refused by name instead: its figures would be tabled as this plan's. Options the run's strategy declares it
+never reads (``Strategy.ignores_options``: FedAvg has no server side) are not compared.
 ``--wire-formats`` runs every (method, partition, seed) once per format into ``.../seed<s>/<format>``
 (same seed: same partition and initial weights, so the formats are paired) and adds a table of
 each format's accuracy and bytes against fp32's; ``--wire-format`` alone keeps the plain layout.
