@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from _runs import tiny_config
 
@@ -67,6 +68,9 @@ def test_calibration_signal_ranks_devices_within_a_round_and_pools_relative_to_i
     assert "| fedsga/iid/seed0 | 3 | 2 | 0.50 | 0.00 |" in out and "| fedsga/iid/seed0 | 4 | 2 | 1.00 | - |" in out
     # pooled: round 1 says a ranks up, round 3 down; about each round's mean they cancel (round 4 has one label)
     assert "3 calibration rounds, 2 with both labels" in out and "AUC a 0.50" in out and "AUC m_prev 0.12" in out
+    assert "one r for every device (spread < 0.01) in 0 of the 1 rounds after a calibration" in out  # 0.3 vs 0.8
+    mod.main([str(tmp_path / "fedsga")])  # one method's folder alone
+    assert "3 calibration rounds, 2 with both labels" in capsys.readouterr().out
 
 
 def test_bn_recalibration_at_every_evaluation_reproduces_the_run_and_puts_the_statistics_back(tmp_path, digits) -> None:
@@ -102,7 +106,7 @@ def test_compare_pairs_groups_from_different_folders_on_their_common_seeds(tmp_p
 
     ref = group("ref", {10: 0.20, 11: 0.30, 12: 0.25}, 100.0)
     other = group("other", {10: 0.25, 11: 0.28, 13: 0.9}, 150.0)  # seed 12 unfinished, 13 not in ref
-    seeds, rows = _load("compare").compare([("ref", ref), ("other", other)])
+    seeds, rows = _load("compare").compare([("ref", (ref,)), ("other", (other,))])
     assert seeds == [10, 11]
     p = rows[1]["paired"]
     assert p["n"] == 2 and p["wins"] == 1 and np.isclose(p["mean"], (0.05 - 0.02) / 2)
@@ -110,6 +114,11 @@ def test_compare_pairs_groups_from_different_folders_on_their_common_seeds(tmp_p
     text = _load("compare").markdown(seeds, rows)
     assert "| other | 26.50 ± 2.12 | +1.50 ± 3.50 (1/2) | 25.00, 28.00 | 1.50 ± 0.00 | 152.1 |" in text
     assert "| ref | 25.00 ± 7.07 | 0 (reference) |" in text and "| 1.00 ± 0.00 | 102.1 |" in text
+    # one group from several folders (reported and fresh seeds kept apart): their seeds joined, never one twice
+    fresh = group("fresh", {12: 0.35}, 150.0)
+    assert _load("compare").compare([("ref", (ref,)), ("other", (other, fresh))])[0] == [10, 11, 12]
+    with pytest.raises(SystemExit, match="seed 10 is in more than one"):
+        _load("compare").compare([("ref", (ref, ref)), ("other", (other,))])
 
 
 def test_compare_tables_each_depth_head_with_the_headline_one_in_bold(tmp_path) -> None:
@@ -123,7 +132,7 @@ def test_compare_tables_each_depth_head_with_the_headline_one_in_bold(tmp_path) 
         (tmp_path / name / f"seed{seed}").mkdir(parents=True)
         (tmp_path / name / f"seed{seed}" / "summary.json").write_text(json.dumps(summary))
     mod = _load("compare")
-    text = mod.depth_heads(*mod.compare([("one", tmp_path / "one"), ("heads", tmp_path / "heads")]))
+    text = mod.depth_heads(*mod.compare([("one", (tmp_path / "one",)), ("heads", (tmp_path / "heads",))]))
     # heads in depth order, the headline's in bold; spread (11 + 2) / 2 = 6.5; depth-mean beside the headline
     assert "| heads | 30.0 / 41.0 / **35.0** | **48.0** / 49.0 / 50.0 | 6.5 | 45.00 ± 7.07 | 47.00 ± 7.07 |" in text
     assert "| one | one head | one head | 0.0 | 46.00 ± 1.41 | - |" in text

@@ -77,10 +77,12 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     pooled: dict[str, list[float]] = {k: [] for k in ("s", *COLUMNS)}
     rounds = mixed = 0
-    for path in sorted(args.out.glob("*/*/seed*/metrics.jsonl")):
+    spreads: list[float] = []
+    for path in sorted(args.out.glob("**/seed*/metrics.jsonl")):  # OUT, or one method's folder in it
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         for cal in calibration_rounds(rows):
             spread = [hi - lo for lo, hi in cal["r_after"]]
+            spreads += spread
             rounds += 1
             mixed += bool(0 < cal["s"].mean() < 1)
             print(f"| {path.parent.relative_to(args.out)} | {cal['round']} | {len(cal['s'])} | {cal['s'].mean():.2f} | "
@@ -93,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     s = np.array(pooled["s"])
     print(f"\n{rounds} calibration rounds, {mixed} with both labels; pooled over those, each input relative to its "
           f"round's mean ({len(s)} device-rounds, s = 1 share {s.mean() if len(s) else float('nan'):.2f}): "
-          + ", ".join(f"AUC {k} {_fmt(auc(np.array(pooled[k]), s))}" for k in COLUMNS))
+          + ", ".join(f"AUC {k} {_fmt(auc(np.array(pooled[k]), s))}" for k in COLUMNS)
+          + f"; one r for every device (spread < 0.01) in {sum(x < 0.01 for x in spreads)} of the {len(spreads)} "
+          f"rounds after a calibration")
 
 
 if __name__ == "__main__":

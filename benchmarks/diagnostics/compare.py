@@ -9,7 +9,8 @@ bytes a run put on the wire, both ways, weights included).
     python benchmarks/diagnostics/compare.py benchmarks/runs_cifar_balanced/static/dir0.1 \\
         benchmarks/runs_cifar_perclient/static/dir0.1 benchmarks/runs_cifar_balanced/fedavg/dir0.1
 
-Each argument is a folder of ``seed<s>/summary.json`` (NAME=FOLDER labels a row); the first is the reference.
+Each argument is a folder of ``seed<s>/summary.json`` (NAME=FOLDER labels a row; FOLDER,FOLDER joins the seeds of
+several, e.g. reported and fresh seeds kept apart); the first is the reference.
 Only seeds every group finished are compared, so the rows stand on the same seeds.
 """
 
@@ -25,23 +26,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from accuracy import _ms, _paired_cell, _ratio, acc_of, paired  # noqa: E402  (the benchmark's own statistics and cells)
 
 
-def load_group(folder: Path) -> dict[int, dict[str, Any]]:
-    """seed -> summary for every finished run (one with summary.json) in ``folder/seed<s>``."""
+def load_group(folders: tuple[Path, ...]) -> dict[int, dict[str, Any]]:
+    """seed -> summary for every finished run (one with summary.json) in ``folder/seed<s>`` of each folder (one
+    group's seeds may live in several: the reported ones and fresh ones in their own folder)."""
     runs: dict[int, dict[str, Any]] = {}
-    for path in sorted(folder.glob("seed*/summary.json")):
-        try:
-            seed = int(path.parent.name.removeprefix("seed"))
-        except ValueError:
-            continue
-        runs[seed] = json.loads(path.read_text()) | {"_seed": seed}
+    for folder in folders:
+        for path in sorted(folder.glob("seed*/summary.json")):
+            try:
+                seed = int(path.parent.name.removeprefix("seed"))
+            except ValueError:
+                continue
+            if seed in runs:
+                raise SystemExit(f"seed {seed} is in more than one of {', '.join(map(str, folders))}")
+            runs[seed] = json.loads(path.read_text()) | {"_seed": seed}
     return runs
 
 
-def compare(groups: list[tuple[str, Path]]) -> tuple[list[int], list[dict[str, Any]]]:
+def compare(groups: list[tuple[str, tuple[Path, ...]]]) -> tuple[list[int], list[dict[str, Any]]]:
     """(the common seeds, one row per group: label, its runs on those seeds, per-seed headlines, the paired
     difference to the first group)."""
-    loaded = [(label, load_group(folder)) for label, folder in groups]
-    empty = [str(folder) for (label, folder), (_, runs) in zip(groups, loaded) if not runs]
+    loaded = [(label, load_group(folders)) for label, folders in groups]
+    empty = [",".join(map(str, folders)) for (label, folders), (_, runs) in zip(groups, loaded) if not runs]
     if empty:
         raise SystemExit(f"no finished runs (seed<s>/summary.json) under: {', '.join(empty)}")
     seeds = sorted(set.intersection(*(set(runs) for _, runs in loaded)))
@@ -97,17 +102,19 @@ def depth_heads(seeds: list[int], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def parse_group(arg: str) -> tuple[str, Path]:
-    label, sep, folder = arg.partition("=")
-    path = Path(folder if sep else arg)
-    if not path.is_dir():
-        raise SystemExit(f"{path}: not a folder of seed<s>/ runs")
-    return (label if sep else str(path)), path
+def parse_group(arg: str) -> tuple[str, tuple[Path, ...]]:
+    label, sep, folders = arg.partition("=")
+    paths = tuple(Path(f) for f in (folders if sep else arg).split(","))
+    for path in paths:
+        if not path.is_dir():
+            raise SystemExit(f"{path}: not a folder of seed<s>/ runs")
+    return (label if sep else arg), paths
 
 
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("groups", nargs="+", help="[NAME=]FOLDER of seed<s>/ runs; the first is the reference")
+    ap.add_argument("groups", nargs="+",
+                    help="[NAME=]FOLDER[,FOLDER...] of seed<s>/ runs; the first is the reference")
     ap.add_argument("--depth-heads", action="store_true",
                     help="also table each run's last-round accuracy under every depth head (FedSGA's harmonizer)")
     args = ap.parse_args(argv)
