@@ -998,7 +998,6 @@ def record_differs(run_dir: Path, cfg: Any) -> list[str]:
     if not path.exists():
         return []
     from fedsga_edge.config import RECORD_BEFORE
-
     from fedsga_edge.coordinator.strategy import get_strategy
 
     have = _defaults() | RECORD_BEFORE | _flat(json.loads(path.read_text()))
