@@ -6,7 +6,7 @@ like the paper's Table 2 (accuracy, mean ± std over seeds), Table 4 (ablations)
 against probing all K depths every round (the O(|T_cal|) vs O(KT) claim), as markdown.
 
     python benchmarks/accuracy.py                       # --preset cpu: about an hour on 2 cores
-    python benchmarks/accuracy.py --preset paper --device auto --out benchmarks/runs_paper
+    python benchmarks/accuracy.py --preset paper --device auto   # records in benchmarks/records/paper
     python benchmarks/accuracy.py --preset paper --dry-run   # print the plan only
     python benchmarks/accuracy.py --preset domain       # Office-31 domain skew, 12 runs
     python benchmarks/accuracy.py --preset gpu          # one GPU, ~8 min: FedSGA vs static, Dir(0.1), width 1.0
@@ -106,12 +106,16 @@ class Preset:
     threads: int = 1
     # --wire-formats: each run once per format, in its own folder; None: one format (the run's wire_format)
     wire_formats: list[str] | None = None
-    # --out's default, relative to benchmarks/ (None: runs_<preset>): where the preset's kept records live
-    out: str | None = None
 
     def settings(self) -> dict[str, Any]:
         """Every run option the plan does not set: declared default < BENCH_RUN < the preset's."""
         return {o.param: o.command_line_default() for o in bench_options()} | BENCH_RUN | self.run
+
+
+def records_dir(preset: str) -> Path:
+    """Where a preset's kept records live (``--out``'s default): ``benchmarks/records/<preset>``, one folder per
+    preset, so a table's command needs no folder and a reader finds every preset's runs in one place."""
+    return REPO / "benchmarks" / "records" / preset
 
 
 def bench_options() -> list[Any]:
@@ -180,8 +184,7 @@ PRESETS: dict[str, Preset] = {
     # two). One shared copy at 0.015 (``cifar``) left every split method 15-17 points under FedAvg under
     # Dirichlet(0.1); per-client copies closed the gap (RESULTS.md, "SplitFed's own server side").
     "cifar-v1": Preset(data=str(DEFAULT_NPZ), run=CIFAR_RUN | dict(server_copies="per-client", server_lr=0.2),
-                       eval_every=2, eval_subset=2000, last_evals=3, seeds=[10, 11, 12, 13, 14],
-                       out="runs_cifar_perclient"),  # its records kept their first folder's name
+                       eval_every=2, eval_subset=2000, last_evals=3, seeds=[10, 11, 12, 13, 14]),
     # The first cut of that regime (width 0.25, crop + flip): FedAvg IID 53.51 % on seed 10, but ~40 CPU-minutes a
     # run. Kept for the figures RESULTS.md measured on it (the wire formats' seed-10 pair, FedAvg seed 10).
     "cifar-w25": Preset(data=str(DEFAULT_NPZ), run=dict(width=0.25, clients=10, rounds=14, local_epochs=1,
@@ -788,7 +791,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     ap.add_argument("--out", type=Path, default=None,
-                    help="Output folder (default: the preset's records, benchmarks/runs_<preset> unless it names one).")
+                    help="Output folder (default: the preset's records, benchmarks/records/<preset>).")
     ap.add_argument("--data", default=None, help="An .npz path (x_train,y_train,x_test,y_test; d_train,d_test,domains for "
                                                  "domain partitions) or a dataset spec (digits, cifar10, npz:PATH).")
     ap.add_argument("--data-root", default=None, help="Root for dataset specs that read an official layout (cifar10 ...).")
@@ -873,7 +876,7 @@ def resolve(args: argparse.Namespace) -> Preset:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     p = resolve(args)
-    out: Path = args.out or REPO / "benchmarks" / (PRESETS[args.preset].out or f"runs_{args.preset}")
+    out: Path = args.out or records_dir(args.preset)
     spec = data_spec(p.data)
     runs = plan(p, spec, args.data_root)
     argv = list(argv if argv is not None else sys.argv[1:])

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--deadline", type=float, default=None,
                     help="Round deadline in fleet seconds for every method (--round-timeout); 0 = none. With one, "
                          f"{DEADLINE_METHOD} runs too (preset: small 5, cifar 0).")
-    ap.add_argument("--out", type=Path, default=None, help="Output folder (default benchmarks/runs_fleet_<preset>).")
+    ap.add_argument("--out", type=Path, default=None, help="Output folder (default benchmarks/records/fleet-<preset>).")
     ap.add_argument("--data", default=None, help="Dataset spec or .npz (accuracy.py's --data).")
     ap.add_argument("--data-root", default=None)
     ap.add_argument("--methods", default=None, help="Comma-separated (default: every split method, FedAvg and, "
@@ -174,7 +174,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, float, float, dict[str, Any]
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     p, target, deadline, flags = resolve(args)
-    out: Path = args.out or REPO / "benchmarks" / f"runs_fleet_{args.preset}"
+    out: Path = args.out or acc.records_dir(f"fleet-{args.preset}")
     spec = acc.data_spec(p.data)
     runs = acc.plan(p, spec, args.data_root, **flags)
     command = "python benchmarks/fleet.py " + " ".join(
