@@ -6,7 +6,7 @@ like the paper's Table 2 (accuracy, mean ± std over seeds), Table 4 (ablations)
 against probing all K depths every round (the O(|T_cal|) vs O(KT) claim), as markdown.
 
     python benchmarks/accuracy.py                       # --preset cpu: about an hour on 2 cores
-    python benchmarks/accuracy.py --preset paper --device auto   # records in benchmarks/records/paper
+    python benchmarks/accuracy.py --preset paper --device auto   # records in benchmarks/records/<preset>
     python benchmarks/accuracy.py --preset paper --dry-run   # print the plan only
     python benchmarks/accuracy.py --preset domain       # Office-31 domain skew, 12 runs
     python benchmarks/accuracy.py --preset gpu          # one GPU, ~8 min: FedSGA vs static, Dir(0.1), width 1.0
@@ -63,7 +63,7 @@ HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 DEFAULT_NPZ = Path.home() / ".cache" / "fedsga-edge" / "cifar10.npz"
 # Where the project's own data checkout keeps its copies, beside the repository. A clone without it
-# passes --data (an npz in the layout README.md "Data" describes, or a torchvision dataset).
+# passes --data (an npz in the layout README.md, "Commands", gives for ``npz:PATH``, or a torchvision dataset).
 MATERIALIZE = REPO.parent / "shared" / "data" / "cifar10" / "materialize.py"
 # Real Office-31 at 32 px with domain ids (d_train, d_test, domains).
 OFFICE31_NPZ = REPO.parent / "shared" / "data" / "office31" / "office31_32.npz"
@@ -171,11 +171,11 @@ PRESETS: dict[str, Preset] = {
     # and 14. Reported seeds 10-14: seeds 0-9 tuned the server rate, the BatchNorm context and this regime.
     # Cosine rate (every SGD rate decays over the rounds): chosen on tuning seeds 0-4 under IID, where it took
     # static at p_ref from 43.64 +- 4.72 % (seeds 0-2, constant rate) to 52.72 +- 1.53 % (seeds 0-4) and kept FedAvg
-    # at 50.10 +- 1.13 % (RESULTS.md, "The cifar preset with a decaying rate"); ``--lr-schedule constant`` gives the
+    # at 50.10 +- 1.13 % (RESULTS.md, "A rate that decays over the rounds"); ``--lr-schedule constant`` gives the
     # regime before. The devices' rate 0.2 (the paper's 0.1 elsewhere): chosen on tuning seeds 0-4 under IID (stop
     # 27), where it took FedAvg from 50.10 +- 1.13 % to 54.66 +- 1.29 % (+4.57 +- 0.16 paired) and static at p_ref
     # from 53.78 to 55.24 % (seeds 0-1): each device's copy takes 39 steps a round, too few at 0.1 (RESULTS.md,
-    # "The devices' rate"); ``--lr 0.1`` gives the regime before. The server's 0.015 is unchanged.
+    # "A rate that decays over the rounds"); ``--lr 0.1`` gives the regime before. The server's 0.015 is unchanged.
     "cifar": Preset(data=str(DEFAULT_NPZ), run=CIFAR_RUN, eval_every=2, eval_subset=2000, last_evals=3,
                     seeds=[10, 11, 12, 13, 14]),
     # The same regime with the server side of the paper's SplitFed baseline (Thapa et al.'s SFLV1): each device
@@ -200,7 +200,7 @@ PRESETS: dict[str, Preset] = {
     # ``cifar-v1`` is ``cifar`` with it: each device trains its own server copy at the devices' rate (0.1), the
     # copies averaged at the round's end. Nothing else differs, so the pair measures the server side alone. Its
     # methods are the paper's eleven (Table 2). Measured (stop 33): 4-6 minutes a run with both cores busy,
-    # MultiSFL and FedAS longer; RESULTS.md, "Table 2's domain column", has what it gave on seeds 10-12.
+    # MultiSFL and FedAS longer; RESULTS.md, "Table 2 under domain skew", has what it gave on seeds 10-12.
     "office-v1": Preset(data=str(OFFICE31_NPZ), run=OFFICE_RUN | dict(server_copies="per-client", server_lr=0.1),
                         eval_every=4, eval_subset=0, last_evals=3, seeds=[10, 11, 12], partitions=["domain0.5"],
                         methods=TABLE2_METHODS),
@@ -253,8 +253,8 @@ def ensure_data(spec: str) -> None:
         return
     if path.name == OFFICE31_NPZ.name:  # not CIFAR: materialising CIFAR-10 under this name would mislead
         raise SystemExit(f"--data: {path} does not exist; the domain preset reads Office-31 at 32 px as an npz "
-                         "with domain ids (x_train, y_train, x_test, y_test, d_train, d_test, domains: README.md, "
-                         "\"Data\"): pass --data npz:PATH to yours")
+                         "with domain ids (x_train, y_train, x_test, y_test, d_train, d_test, domains; "
+                         "README.md, \"Commands\"): pass --data npz:PATH to yours")
     if MATERIALIZE.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         print(f"materialising CIFAR-10 into {path} (about 10 s)", file=sys.stderr)

@@ -1,6 +1,6 @@
 """Accuracy against client FLOPs/sample, one panel per partition, from ``accuracy.py``'s results.json.
 
-    python benchmarks/plot_accuracy.py benchmarks/runs_cpu/results.json --out benchmarks/runs_cpu/accuracy_vs_flops.png
+    python benchmarks/plot_accuracy.py benchmarks/records/cifar-v1/results.json --out benchmarks/records/cifar-v1/accuracy_vs_flops.png
 
 Each point is one method (mean over seeds), with the seeds' standard deviation as error bars.
 """

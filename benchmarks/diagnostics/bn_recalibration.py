@@ -1,6 +1,6 @@
-"""Is a run's accuracy held back by its BatchNorm running statistics? (RESULTS.md, "Thirty rounds").
+"""Is a run's accuracy held back by its BatchNorm running statistics? (RESULTS.md, "BatchNorm context").
 
-    python benchmarks/diagnostics/bn_recalibration.py benchmarks/runs_cpu_r30_static/static/dir0.1/seed2
+    python benchmarks/diagnostics/bn_recalibration.py benchmarks/records/cifar/tuning/lr0.1-cosine/fedavg/iid/seed4
 
 Re-runs the simulation a finished benchmark run describes (its ``config.json``; same seed, same
 result), then evaluates the final global model (a) as it is, (b) on the training images it was

@@ -15,7 +15,7 @@ better), which asks whether a device's label is a property of the device that pe
 the next. Then the same pooled over all runs' calibration rounds, each round's labels and inputs taken relative
 to that round (so a round's base rate and the features' drift over rounds do not count as device signal).
 
-    python benchmarks/diagnostics/calibration_signal.py benchmarks/runs_office
+    python benchmarks/diagnostics/calibration_signal.py benchmarks/records/office-v1/fedsga
 """
 
 from __future__ import annotations

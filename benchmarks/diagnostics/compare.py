@@ -6,8 +6,8 @@ against runs of the main plan: this pairs any groups by seed with the benchmark'
 accuracy, paired difference to the first group with its standard error and wins, client FLOPs ratio, and the
 bytes a run put on the wire, both ways, weights included).
 
-    python benchmarks/diagnostics/compare.py benchmarks/runs_cifar_balanced/static/dir0.1 \\
-        benchmarks/runs_cifar_perclient/static/dir0.1 benchmarks/runs_cifar_balanced/fedavg/dir0.1
+    python benchmarks/diagnostics/compare.py benchmarks/records/cifar/static/dir0.1 \\
+        benchmarks/records/cifar-v1/static/dir0.1 benchmarks/records/cifar-v1/fedavg/dir0.1
 
 Each argument is a folder of ``seed<s>/summary.json`` (NAME=FOLDER labels a row; FOLDER,FOLDER joins the seeds of
 several, e.g. reported and fresh seeds kept apart); the first is the reference.

@@ -1,6 +1,6 @@
-"""Does the shared server copy fit the devices' own prefixes better than their average? (RESULTS.md, "Thirty rounds").
+"""Does the shared server copy fit the devices' own prefixes better than their average? (RESULTS.md, "BatchNorm context").
 
-    python benchmarks/diagnostics/prefix_mismatch.py benchmarks/runs_cpu_r30_slr/static/dir0.1/seed4 --every 5
+    python benchmarks/diagnostics/prefix_mismatch.py benchmarks/records/cifar/static/dir0.1/seed10 --every 5
 
 During a round the shared server copy trains on activations from every device's *locally trained*
 prefix; at round end the prefixes are averaged and the server copy is kept as it is, so the model

@@ -5,7 +5,7 @@ writes them): the mean absolute change of the test accuracy between consecutive 
 set where a round has it, else the benchmark's fixed subset), the largest drop, the training
 loss's rounds that went up, and the largest class's share of the last evaluation's predictions.
 
-    python benchmarks/diagnostics/swings.py benchmarks/runs_office
+    python benchmarks/diagnostics/swings.py benchmarks/records/office-v1
 """
 
 from __future__ import annotations
