@@ -148,7 +148,7 @@ PRESETS: dict[str, Preset] = {
     "paper": Preset(data=str(DEFAULT_NPZ), run=dict(width=1.0, clients=20, rounds=100, local_epochs=5, train_subset=0,
                                                     device="auto"), eval_every=5, eval_subset=0, seeds=[0, 1, 2], threads=0),
     # One GPU, about 8 minutes: FedSGA against static at p_ref under Dirichlet(0.1) on all of CIFAR-10
-    # at width 1.0. Sized by estimate, not measured (no GPU was lent to the session that wrote it):
+    # at width 1.0. Sized by estimate, not measured on a GPU:
     # ~25 ms per device batch with its wire round trip (8 MB activations at p_ref), 782 batches an
     # epoch, so ~25 s a round and 8 rounds a run. Record its figures in RESULTS.md with the wall time.
     "gpu": Preset(data=str(DEFAULT_NPZ), run=dict(width=1.0, clients=10, rounds=8, local_epochs=1, train_subset=0,
@@ -172,8 +172,8 @@ PRESETS: dict[str, Preset] = {
     # Cosine rate (every SGD rate decays over the rounds): chosen on tuning seeds 0-4 under IID, where it took
     # static at p_ref from 43.64 +- 4.72 % (seeds 0-2, constant rate) to 52.72 +- 1.53 % (seeds 0-4) and kept FedAvg
     # at 50.10 +- 1.13 % (RESULTS.md, "A rate that decays over the rounds"); ``--lr-schedule constant`` gives the
-    # regime before. The devices' rate 0.2 (the paper's 0.1 elsewhere): chosen on tuning seeds 0-4 under IID (stop
-    # 27), where it took FedAvg from 50.10 +- 1.13 % to 54.66 +- 1.29 % (+4.57 +- 0.16 paired) and static at p_ref
+    # regime before. The devices' rate 0.2 (the paper's 0.1 elsewhere): chosen on tuning seeds 0-4 under IID, where it
+    # took FedAvg from 50.10 +- 1.13 % to 54.66 +- 1.29 % (+4.57 +- 0.16 paired) and static at p_ref
     # from 53.78 to 55.24 % (seeds 0-1): each device's copy takes 39 steps a round, too few at 0.1 (RESULTS.md,
     # "A rate that decays over the rounds"); ``--lr 0.1`` gives the regime before. The server's 0.015 is unchanged.
     "cifar": Preset(data=str(DEFAULT_NPZ), run=CIFAR_RUN, eval_every=2, eval_subset=2000, last_evals=3,
@@ -199,7 +199,7 @@ PRESETS: dict[str, Preset] = {
     # The domain-skew column of Tables 2 and 5 (issue 19): ``office`` with SplitFed's own server side, as
     # ``cifar-v1`` is ``cifar`` with it: each device trains its own server copy at the devices' rate (0.1), the
     # copies averaged at the round's end. Nothing else differs, so the pair measures the server side alone. Its
-    # methods are the paper's eleven (Table 2). Measured (stop 33): 4-6 minutes a run with both cores busy,
+    # methods are the paper's eleven (Table 2). Measured: 4-6 minutes a run with both cores busy,
     # MultiSFL and FedAS longer; RESULTS.md, "Table 2 under domain skew", has what it gave on seeds 10-12.
     "office-v1": Preset(data=str(OFFICE31_NPZ), run=OFFICE_RUN | dict(server_copies="per-client", server_lr=0.1),
                         eval_every=4, eval_subset=0, last_evals=3, seeds=[10, 11, 12], partitions=["domain0.5"],

@@ -79,7 +79,7 @@ def markdown(seeds: list[int], rows: list[dict[str, Any]]) -> str:
 def depth_heads(seeds: list[int], rows: list[dict[str, Any]]) -> str:
     """The last round's accuracy under each depth head (FedSGA's harmonizer: one depth embedding per split), the
     headline's head in bold, and the mean spread between heads; with ``headline_acc_depth_mean`` in the summaries
-    (runs since stop 32), the headline window scored by the heads' averaged softmax beside the headline."""
+    (runs that record it), the headline window scored by the heads' averaged softmax beside the headline."""
     lines = ["", "Last round, % under each depth head (the headline's in bold); spread = max - min, mean over seeds", "",
              "| runs | " + " | ".join(f"seed {s}" for s in seeds) + " | mean spread | headline % | depth-mean % |",
              "|---|" + "---|" * len(seeds) + "---:|---:|---:|"]
