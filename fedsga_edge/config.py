@@ -24,7 +24,7 @@ DEVICE_ORDERS = ("shuffled", "fixed")
 # Activations / gradients on the wire (weights stay fp32): runbuild.WIRE_FORMATS maps them to codecs.
 WIRE_FORMATS = ("fp32", "fp16", "int8", "int4")
 # Options whose default changed after runs were recorded: a run record (config.json, a checkpoint) that lacks
-# the key ran with this value, not today's default (docs/method.md, "Batches": every run before stop 29 cut
+# the key ran with this value, not today's default (docs/method.md, "Batches": every run before the option cut
 # its epochs with the tail rule). ``RunConfig.from_record`` applies it; so does the benchmark's record check.
 RECORD_BEFORE: dict[str, Any] = {"train.batching": "tail"}
 

@@ -61,7 +61,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # files, longest first, lead; the rest keep pytest's order. A file missing here just runs later.
 # test_backward_graph builds the train export (the slowest fixture) for the other three files that use
 # it (test_onnx_device, test_device_runtime, test_profile); they come after it so that they rarely wait.
-# Seconds per file on 3 workers on the 2 cores (stop 35, 1,386 s of tests in all): trial 138, simulation
+# Seconds per file on 3 workers on the 2 cores (1,386 s of tests in all): trial 138, simulation
 # 115, local_data 90, backward_graph 78, accuracy_bench 64, backbones 63, hostile 63, rounds 59, faults 56,
 # fleet_trial 50, resume 50, fleet 47, strategies 46, baselines_fedgh_fedas 42, onnx_device 39, diagnostics
 # 37, method_calibration 30, models 29, baselines_split 26, field 22; the rest under 20 each. With only the
