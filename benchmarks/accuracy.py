@@ -1,4 +1,4 @@
-"""Accuracy of FedSGA against its baselines and ablations on real CIFAR-10 (issues 2 and 3).
+"""Accuracy of FedSGA against its baselines and ablations on real CIFAR-10.
 
 Runs every (method, partition, seed) as one in-process simulation, then prints tables shaped
 like the paper's Table 2 (accuracy, mean ± std over seeds), Table 4 (ablations) and Table 5
@@ -14,7 +14,7 @@ against probing all K depths every round (the O(|T_cal|) vs O(KT) claim), as mar
     python benchmarks/accuracy.py --preset office --methods fedsga,static                     # ... under domain skew
     python benchmarks/accuracy.py --preset office-v1 --jobs 2   # Table 2's domain column: eleven methods, seeds 10-12
     python benchmarks/accuracy.py --preset cifar --methods static --partitions dir0.1 --seeds 10 \
-        --wire-formats fp32,fp16,int8,int4      # the wire formats side by side, paired by seed (issue 20)
+        --wire-formats fp32,fp16,int8,int4      # the wire formats side by side, paired by seed
 
 The ``domain`` preset is the paper's motivating case, domain skew: real Office-31 (amazon, dslr,
 webcam at 32 px, an npz with domain ids), 9 clients, 3 per domain (``--partition domain``),
@@ -162,7 +162,7 @@ PRESETS: dict[str, Preset] = {
     "domain": Preset(data=str(OFFICE31_NPZ), run=dict(width=0.25, clients=9, rounds=6, local_epochs=1, train_subset=0,
                                                       augment=True), eval_every=3, eval_subset=0, partitions=["domain0.5"],
                      methods=["fedsga", "static", "static-p1", "random", "fedavg", "fedsga-no-harmonizer"]),
-    # The regime where methods can separate (issue 16; RESULTS.md, "A regime where methods separate"): 25,000
+    # The regime where methods can separate (RESULTS.md, "A regime where methods separate"): 25,000
     # CIFAR-10 images over 10 devices, 14 rounds, momentum 0.5, width 0.125, no augmentation. Chosen on tuning
     # seed 0, FedAvg IID, one thread of the shared 2-core machine: 712 CPU-s a run and a headline of 51.53 %
     # (53.88 % at round 14); with crop + flip 49.30 % at 752 CPU-s; at width 0.25 (``cifar-w25``) 2,375 CPU-s,
@@ -196,7 +196,7 @@ PRESETS: dict[str, Preset] = {
     "office": Preset(data=str(OFFICE31_NPZ), run=OFFICE_RUN,
                      eval_every=4, eval_subset=0, last_evals=3, seeds=[10, 11, 12, 13, 14], partitions=["domain0.5"],
                      methods=["fedsga", "static", "static-p1", "random", "fedavg", "fedsga-no-harmonizer"]),
-    # The domain-skew column of Tables 2 and 5 (issue 19): ``office`` with SplitFed's own server side, as
+    # The domain-skew column of Tables 2 and 5: ``office`` with SplitFed's own server side, as
     # ``cifar-v1`` is ``cifar`` with it: each device trains its own server copy at the devices' rate (0.1), the
     # copies averaged at the round's end. Nothing else differs, so the pair measures the server side alone. Its
     # methods are the paper's eleven (Table 2). Measured: 4-6 minutes a run with both cores busy,

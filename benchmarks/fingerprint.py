@@ -9,9 +9,9 @@ the same machine give the same hashes. Run it before and after a change and comp
 Bit-identity holds on one machine and torch build (CPU kernels may differ elsewhere).
 
 Every run takes its devices in the fixed order (``--device-order fixed``), the only order before the
-per-round shuffled one became the default (issue 16): so the eight runs' weights stay comparable with
+per-round shuffled one became the default: so the eight runs' weights stay comparable with
 ``fingerprint_before.json`` (their metrics hashes changed when the records gained the client cost's parts,
-issue 16 item 5; the six runs other than FedSGA's kept their weights hashes). ``shuffled`` is the default
+the six runs other than FedSGA's kept their weights hashes). ``shuffled`` is the default
 order's run (static); it has no line there.
 """
 

@@ -1,4 +1,4 @@
-"""Time to accuracy on a mixed fleet (issue 20 item 6): every split method and FedAvg on a virtual clock.
+"""Time to accuracy on a mixed fleet: every split method and FedAvg on a virtual clock.
 
 The paper compares methods in client FLOPs; a deployment asks how many seconds until the model is good on
 *its* devices and links. This runs every registered split method (each strategy that trains a prefix on the

@@ -1,4 +1,4 @@
-"""int8 prefixes on a trained model: size, output deviation, speed and test accuracy change (issue 4).
+"""int8 prefixes on a trained model: size, output deviation, speed and test accuracy change.
 
 Trains the model centrally for a few epochs (plain SGD + cross-entropy through the full model with
 one fixed prompt set, saved in the checkpoint), then runs the export with ``--int8`` on that
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-SECTION = "## int8 prefixes: size, deviation, speed, accuracy (issue 4)"
+SECTION = "### int8 prefixes: size, deviation, speed, accuracy"
 
 
 def train(args: argparse.Namespace) -> tuple[Path, float]:

@@ -1,4 +1,4 @@
-"""Latency per split depth: onnxruntime vs torch eager, batch 1 and 32, 1 and 2 threads (issue 4).
+"""Latency per split depth: onnxruntime vs torch eager, batch 1 and 32, 1 and 2 threads.
 
 Each (runtime, threads) pair is profiled in its own process: the two runtimes' thread pools
 interfere when they share one. The floor of each prefix is its forward FLOPs divided by the peak
@@ -9,10 +9,10 @@ fp32 matmul FLOP/s this machine reaches with that many threads (torch.mm on 1024
         [--width 1.0] [--int8 --calib-data digits] [--batches 1,32] [--threads 1,2] [--iters 30] \
         [--results benchmarks/RESULTS.md]
 
-With ``--results`` the markdown table replaces the section "## Latency per split depth (issue 4)"
+With ``--results`` the markdown table replaces the section "### Latency per split depth"
 of that file (other sections are left as they are).
 
-``--train`` (issue 8) measures one local training step instead, side by side: the torch-free device
+``--train`` measures one local training step instead, side by side: the torch-free device
 step (``PrefixRunner.train_forward`` + ``train_step``: onnxruntime + numpy SGD) against torch eager
 (forward + backward + SGD on the same prefix), per width and split, at the same batch and threads::
 
@@ -30,12 +30,13 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-SECTION = "## Latency per split depth (issue 4)"
+SECTION = "### Latency per split depth"
 HERE = Path(__file__).resolve()
 
 
@@ -274,14 +275,15 @@ def markdown(args: argparse.Namespace, manifest: dict, runs: dict, peaks: dict[i
 
 
 def write_section(path: Path, text: str, heading: str = SECTION) -> None:
-    """Replaces the section ``heading`` of RESULTS.md (up to the next '## ' heading), or appends it."""
-    body = path.read_text() if path.exists() else "# Benchmark results\n"
+    """Replaces the section ``heading`` of RESULTS.md (up to the next heading of its level or above), or appends it."""
+    body = path.read_text() if path.exists() else "# Results\n"
     start = body.find(heading)
     if start < 0:
         body = body.rstrip("\n") + "\n\n" + text
     else:
-        nxt = body.find("\n## ", start + len(heading))
-        body = body[:start] + text + ("" if nxt < 0 else "\n" + body[nxt + 1 :])
+        level = len(heading) - len(heading.lstrip("#"))
+        nxt = re.search(r"\n#{1,%d} " % level, body[start + len(heading):])
+        body = body[:start] + text + ("" if nxt is None else body[start + len(heading) + nxt.start():])
     path.write_text(body)
 
 
@@ -358,7 +360,7 @@ def train_main(args: argparse.Namespace, command: str) -> None:
         write_section(args.results, text, TRAIN_SECTION)
 
 
-TRAIN_SECTION = "## Training step: torch-free ONNX vs torch (issue 8)"
+TRAIN_SECTION = "### Torch-free training step vs torch"
 
 
 def train_markdown(args: argparse.Namespace, rows: list, peaks: dict[int, float], command: str) -> str:

@@ -1,4 +1,4 @@
-"""What the wire costs (issue 8): every figure a ratio of two things measured side by side in one run.
+"""What the wire costs: every figure a ratio of two things measured side by side in one run.
 
 1. codec: ``wire.encode`` + ``wire.decode`` of an ``activation`` message vs a memcpy of the same bytes
    (raw fp32, and the codec's lossy fp16 / int8 tensor encodings).
@@ -14,7 +14,7 @@
    ``simulate`` per format and strategy (digits, 4 clients, 3 rounds, width 0.25, seed 0; static at
    split 2 and FedSGA), side by side. simulate is deterministic for a seed, so the accuracy
    difference to fp32 is the encoding's alone.
-6. the formats on real tensors (issue 20 item 5): resnet18_cifar width 0.25 after a short warm-up on
+6. the formats on real tensors: resnet18_cifar width 0.25 after a short warm-up on
    CIFAR-10, the activation z and its gradient dz of consecutive batches at each split: the encoded
    message's bytes against fp32's, the reconstruction error, and what error feedback (the sender keeps
    the residual it could not send and adds it to its next message) does to the parameter gradient
@@ -533,7 +533,7 @@ def _int4_candidate(a: np.ndarray, rng: np.random.Generator, *, stochastic: bool
 
 def bench_int4_rounding(steps: int = 1500, batches: int = 16, local_steps: int = 100, split: int = 2,
                         seed: int = 0) -> dict[str, Any]:
-    """Is int4's nearest-level rounding biased on the gradients of a model late in training (issue 20 item 5)?
+    """Is int4's nearest-level rounding biased on the gradients of a model late in training?
 
     resnet18_cifar width 0.25 trained ``steps`` SGD steps (batch 64, lr 0.05, momentum 0.5) on CIFAR-10; then at
     ``split`` (static's p_ref) for ``batches`` consecutive batches, once IID and once on a two-class device after

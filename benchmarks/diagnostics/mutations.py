@@ -1,4 +1,4 @@
-"""Revert each of issue 16's method fixes in a scratch copy and show that the test guarding it fails.
+"""Revert each of the method's fixes in a scratch copy and show that the test guarding it fails.
 
 A test that passes whatever the code does guards nothing. For each fix below this script copies the
 working tree (tracked files, with their uncommitted edits) to a scratch folder, installs it editable into
