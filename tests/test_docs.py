@@ -146,3 +146,24 @@ def test_the_layer_map_lists_every_module() -> None:
     stale = [f"{folder}{name}.py" for folder, names in listed.items() for name in names
              if not (ROOT / folder / f"{name}.py").exists()]
     assert not stale, "docs/architecture.md, \"Layers\" lists modules that do not exist:\n  " + "\n  ".join(stale)
+
+
+def test_the_sections_the_benchmarks_write_are_results_headings() -> None:
+    """latency.py and int8_accuracy.py ``--results`` replace a section of RESULTS.md by its heading: a heading
+    renamed in RESULTS.md would make them append a second copy instead."""
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text().splitlines()
+    written = [(path.name, h) for path in SCRIPTS
+               for h in re.findall(r'^\w*SECTION = "(#+ [^"]+)"', path.read_text(), re.MULTILINE)]
+    assert len(written) >= 3
+    missing = [f"{name}: {h}" for name, h in written if h not in results]
+    assert not missing, "sections the benchmarks write that RESULTS.md lacks:\n  " + "\n  ".join(missing)
+
+
+def test_a_written_section_replaces_its_own_subsection_only(tmp_path) -> None:
+    from _bench import load_bench
+
+    latency = load_bench("latency")
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Results\n\n## Latency\n\n### Latency per split depth\n\nold\n\n### int8\n\nkept\n\n## Faults\n")
+    latency.write_section(path, "### Latency per split depth\n\nnew\n")
+    assert path.read_text() == "# Results\n\n## Latency\n\n### Latency per split depth\n\nnew\n\n### int8\n\nkept\n\n## Faults\n"
