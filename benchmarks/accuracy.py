@@ -186,7 +186,7 @@ PRESETS: dict[str, Preset] = {
     "cifar-v1": Preset(data=str(DEFAULT_NPZ), run=CIFAR_RUN | dict(server_copies="per-client", server_lr=0.2),
                        eval_every=2, eval_subset=2000, last_evals=3, seeds=[10, 11, 12, 13, 14]),
     # The first cut of that regime (width 0.25, crop + flip): FedAvg IID 53.51 % on seed 10, but ~40 CPU-minutes a
-    # run. Kept for the figures RESULTS.md measured on it (the wire formats' seed-10 pair, FedAvg seed 10).
+    # run. Kept as the width-0.25 regime for whoever has the cores (its records are not kept).
     "cifar-w25": Preset(data=str(DEFAULT_NPZ), run=dict(width=0.25, clients=10, rounds=14, local_epochs=1,
                                                         train_subset=25000, momentum=0.5, server_lr=0.015),
                         eval_every=2, eval_subset=2000, last_evals=3, seeds=[10, 11, 12, 13, 14]),
