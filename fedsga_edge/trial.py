@@ -112,7 +112,7 @@ def run_trial(cfg: Any, s: TrialSettings) -> dict[str, Any]:
 def _plan(cfg: Any, s: TrialSettings) -> _Plan:
     """Check the flags against each other and the run config, write OUT/run_config.json and (``--backend
     onnx`` without ``--artifacts``) export the devices' train graphs."""
-    from fedsga_edge.simulation import validate_config
+    from fedsga_edge.runbuild import validate_config
 
     plan = _Plan(cfg, s, s.out / "run_config.json", threads=s.threads)
     _check_fleet(plan)
