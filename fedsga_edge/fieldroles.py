@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FIELD_DEADLINE_S", "FieldError", "read_classes", "redacted", "run_coordinator", "run_device",
-           "with_deadline"]
+__all__ = ["FIELD_DEADLINE_S", "FieldError", "read_classes", "run_coordinator", "run_device", "with_deadline"]
 
 FIELD_DEADLINE_S = 600.0
 
@@ -37,7 +36,7 @@ def with_deadline(cfg: Any) -> Any:
     return cfg
 
 
-def redacted(url: str) -> str:
+def _redacted(url: str) -> str:
     """The broker URL without its password: errors land in journals and CI logs."""
     from urllib.parse import urlsplit, urlunsplit
 
@@ -68,7 +67,7 @@ def _transport(broker: str, run: str, client_id: str, max_packet: int, request_t
         return MqttTransport.from_url(broker, run=run, client_id=client_id, max_packet=max_packet,
                                       request_timeout=request_timeout)
     except Exception as exc:  # a bad URL or an unreachable broker is the user's to fix, not a traceback
-        raise FieldError(f"cannot use broker {redacted(broker)}: {exc}", code=2) from None
+        raise FieldError(f"cannot use broker {_redacted(broker)}: {exc}", code=2) from None
 
 
 def run_coordinator(cfg: Any, broker: str, run_dir: Path, *, resume: bool, min_devices: int | None,
