@@ -29,8 +29,8 @@ __all__ = [
 ]
 
 _WHERE = {
-    "ExportConfig": "pipeline",
-    "ExportError": "pipeline",
+    "ExportConfig": "config",
+    "ExportError": "config",
     "export_prefixes": "pipeline",
     "export_prefix": "onnx_prefix",
     "validate_prefix": "onnx_prefix",

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from .pipeline import ExportConfig
+    from .config import ExportConfig
 
 __all__ = ["CalibData", "batches", "load_calib_data"]
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from fedsga_edge.models import SplitModel
 
-    from .pipeline import ExportConfig
+    from .config import ExportConfig
 
 __all__ = ["Log", "Prefix", "export_fp16", "export_int8", "export_train"]
 

@@ -1,5 +1,5 @@
 """trial's live table of devices (issue 20 item 4): built from coordinator.log's events and metrics.jsonl's
-records as the coordinator writes them, printed by ``_follow`` while the coordinator runs."""
+records as the coordinator writes them, printed by ``fedsga_edge.trial.follow`` while the coordinator runs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from fedsga_edge.cli.field_cmd import _follow
+from fedsga_edge.trial import follow
 from fedsga_edge.devicetable import DeviceTable, JsonTail
 
 EVENTS = [
@@ -83,12 +83,12 @@ def test_follow_prints_the_table_while_the_coordinator_runs(tmp_path: Path, caps
 
     th = threading.Thread(target=coordinator)
     th.start()
-    _follow(metrics, co, rounds=1, quiet=False, every=0.0, poll=0.05)
+    follow(metrics, co, rounds=1, quiet=False, every=0.0, poll=0.05)
     th.join()
     during, after = seen[0], capsys.readouterr().out
     assert "client-001" in during and "training" in during
     assert "fast" in after and "0.200" in after and "failed: missed" in after
     co2 = _Coordinator()
     co2.stop.set()
-    _follow(metrics, co2, rounds=1, quiet=True)
+    follow(metrics, co2, rounds=1, quiet=True)
     assert "client-000" not in capsys.readouterr().out  # --quiet: no table

@@ -175,6 +175,32 @@ def test_trial_with_an_unreachable_broker_says_so_before_starting_anything(tmp_p
     assert not (tmp_path / "run" / "logs" / "coordinator.out").exists()  # failed before spawning the roles
 
 
+def test_trial_flags_that_do_not_fit_are_refused_before_anything_is_written(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from fedsga_edge.cli.main import app
+    from fedsga_edge.config import RunConfig
+    from fedsga_edge.fieldroles import FieldError
+    from fedsga_edge.trial import TrialSettings, run_trial
+
+    out = tmp_path / "run"
+    (tmp_path / "profiles").mkdir()
+    for settings, message in [
+        (TrialSettings(out, classes=tmp_path / "c.json"), "--classes and --test-data go with --device-data"),
+        (TrialSettings(out, fleet_mode="emulated"), "--fleet-mode goes with --fleet"),
+        (TrialSettings(out, device_data=tmp_path), "has no dataset.json: give --classes"),
+        (TrialSettings(out, device_profiles=tmp_path / "profiles"), "has no client-NNN.json for any of the --clients 2"),
+        (TrialSettings(out, backend="tpu"), "--backend must be torch or onnx"),
+    ]:
+        with pytest.raises(FieldError, match=message) as refused:
+            run_trial(RunConfig(dataset="digits", clients=2, rounds=1), settings)
+        assert refused.value.usage
+    assert not out.exists()
+    res = CliRunner().invoke(app, ["trial", "--out", str(out), "--dataset", "digits", "--backend", "tpu"])
+    assert res.exit_code == 2 and "--backend must be torch or onnx (got 'tpu')" in res.output, res.output
+    assert not out.exists()
+
+
 _WILL_CHILD = """
 import sys, time
 from fedsga_edge.transport.mqtt import MqttTransport
