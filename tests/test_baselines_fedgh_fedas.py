@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from _coordinator import bodies
 from _runs import tiny_config
 
 from fedsga_edge.device.methods import FedASDevice, FedGHDevice
@@ -305,7 +306,7 @@ def test_the_torch_free_device_refuses_them_with_its_reason(digits, strategy: st
     from fedsga_edge.wire import Message
 
     sim = Simulation(tiny_config(strategy, rounds=1, clients=1), digits)
-    body = sim.coordinator.begin_round(1)["client-000"]
+    body = bodies(sim.coordinator.begin_round(1))["client-000"]
     assert body["method"]["name"] == strategy and body["full"]
     sent: list = []
     peer = SimpleNamespace(send=lambda dst, kind, t, b: sent.append((kind, b)), call=None)
