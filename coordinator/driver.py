@@ -40,9 +40,20 @@ from .checkpoint import CheckpointWriter
 from .clock import Clock
 from .scheduling import Scheduler
 
-__all__ = ["Driven", "RoundDriver", "Summarize"]
+__all__ = ["CoordinatorBug", "Driven", "RoundDriver", "Summarize"]
 
 Summarize = Callable[[list[dict[str, Any]], float], dict[str, Any]]
+
+
+class CoordinatorBug(BaseException):
+    """An exception of ours out of the Coordinator while it handled a device's message. In ``simulate``
+    the device's own code sits between the coordinator and the driver (a loopback call runs the handler
+    in the device's step) and takes any ``Exception`` for the device's failure; this carries the error
+    past it, and ``run_round`` raises the original: the run fails with it instead of refusing anyone."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 class Driven(Protocol):
@@ -86,8 +97,12 @@ class RoundDriver:
     def receive(self, msg: Any) -> Outgoing:
         """A device's message into the Coordinator at this clock's time (the Peer's handler, or the
         service's for round messages): the deadline is applied on the same clock as it was set. What it
-        returns goes back to the Peer, which sends the reply to ``msg`` and answers the other requests."""
-        return self.co.receive(msg, self.clock.now())
+        returns goes back to the Peer, which sends the reply to ``msg`` and answers the other requests.
+        Any exception is our bug: it leaves as a ``CoordinatorBug``."""
+        try:
+            return self.co.receive(msg, self.clock.now())
+        except Exception as exc:
+            raise CoordinatorBug(exc) from exc
 
     def send(self, out: Outgoing) -> None:
         """Replies the coordinator emitted outside a device's message (a deadline, a failure, the round's
@@ -104,7 +119,14 @@ class RoundDriver:
 
     # -- one round ----------------------------------------------------------------------------------
     def run_round(self, t: int, devices: list[str] | None = None) -> dict[str, Any]:
-        """Start ``devices`` (default: the scheduler's), advance them, close and evaluate: the round's record."""
+        """Start ``devices`` (default: the scheduler's), advance them, close and evaluate: the round's record.
+        A bug of ours while the coordinator handled a device's message fails the round with that error."""
+        try:
+            return self._round(t, devices)
+        except CoordinatorBug as bug:
+            raise bug.error from None
+
+    def _round(self, t: int, devices: list[str] | None) -> dict[str, Any]:
         co, lock, cfg = self.co, self.scheduler.lock, self.co.cfg
         devices = self.scheduler.devices(t) if devices is None else devices
         stats = self.peer.transport.stats

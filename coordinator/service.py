@@ -33,6 +33,7 @@ coordinator/checkpoint.py's.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ from fedsga_edge.wire import Message, Outgoing
 
 from .checkpoint import RESUMABLE, CheckpointWriter, load_resume
 from .clock import MonotonicClock
-from .driver import RoundDriver
+from .driver import CoordinatorBug, RoundDriver
 from .fieldtiming import FieldTiming, timed_scheduler
 from .registry import Registry
 from .scheduling import MessageScheduler
@@ -106,6 +107,7 @@ class CoordinatorService:
         self.registry = Registry(coordinator, self.run_dir, self.log, local_data=local_data)
         self.summary: dict[str, Any] | None = None
         self.error: BaseException | None = None
+        self.bug: Exception | None = None  # ours, while handling a device's message: the run stops and fails with it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._round = 0
@@ -158,9 +160,12 @@ class CoordinatorService:
                     self.timing.heard(msg, t_in, time.time())
                 if msg.kind in ("update", "error"):
                     self._cond.notify_all()
-        except Exception as exc:  # our bug, not the device's: record it where the operator looks, then fail loudly
-            self.log.error("handler_crash", device=msg.sender, kind=msg.kind, error=f"{type(exc).__name__}: {exc}")
-            raise
+        except (CoordinatorBug, Exception) as exc:  # our bug, not the device's: logged, then the run fails with it
+            self.bug = exc.error if isinstance(exc, CoordinatorBug) else exc
+            self.log.error("handler_crash", device=msg.sender, kind=msg.kind,
+                           error=f"{type(self.bug).__name__}: {self.bug}")
+            self.stop()
+            raise self.bug from None
         reply = next((m for d, m in out if d == msg.sender and m.seq == msg.seq), None)  # None: held, or one-way
         if msg.kind == "update" and reply is not None and reply.kind == "ack":
             self.log.info("update", round=msg.round, device=msg.sender, split=msg.body.get("split"),
@@ -240,6 +245,8 @@ class CoordinatorService:
         started = time.perf_counter()
         self.files.write_config(self.run_info)
         summary = self.driver.run(self._make_summary, first=self.resumed_from + 1, files=self.files, started=started)
+        if self.bug is not None:
+            raise self.bug
         self.summary = summary
         self._say_bye()
         self.peer.flush_log()  # the rejections the log throttle held back: one summary line per sender
@@ -273,9 +280,8 @@ class CoordinatorService:
         (``remote_errors``, the whole run's after a resume), messages its Peer rejected (undecodable,
         wrong run, spoofed sender) and the transport's health counters (MQTT: garbage, spoofed,
         duplicates, rejected, no_handler, handler_errors, late_replies)."""
-        transport = self.peer.transport
         return {"remote_errors": self.co.remote_errors, "peer_errors": self.peer.errors,
-                "transport_counters": dict(getattr(transport, "counters", {}) or {})}
+                "transport_counters": dict(getattr(self.peer.transport, "counters", {}) or {})}
 
     def wait_for_devices(self, n: int, timeout: float) -> bool:
         """Block until ``n`` devices registered; on timeout go on with those there are (False: none)."""
@@ -346,10 +352,8 @@ class CoordinatorService:
     def close(self) -> None:
         """Stop serving the coordinator's address and close the log."""
         self.stop()
-        try:
+        with contextlib.suppress(Exception):
             self.peer.transport.unregister(self.peer.me)
-        except Exception:
-            pass
         self.log.close()
 
 
