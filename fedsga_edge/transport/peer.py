@@ -69,7 +69,7 @@ from ..wire import (
     decode,
     encode,
 )
-from .base import Handler, OpenRequest, PendingReply, Transport, check_address
+from .base import Handler, OpenRequest, PendingReply, Transport, TransportError, check_address
 from .replycache import CacheEntry, ReplyCache
 
 __all__ = ["LOSSY_FIELDS", "LOSSY_KINDS", "MessageHandler", "Peer", "PendingMessage"]
@@ -296,8 +296,11 @@ class Peer:
         for device, m in out:
             if own is None and (device, m.seq) == key:
                 own = m
-            else:
+                continue
+            try:
                 self.answer(device, m)
+            except TransportError as exc:  # its requester times out, as for any reply lost on the way
+                log.warning("%s: the reply to %r's request %d was not delivered: %s", self.me, device, m.seq, exc)
         return own
 
     def register(self, handler: MessageHandler) -> None:
