@@ -13,6 +13,7 @@ from _coordinator import bodies
 from _runs import tiny_config
 
 from fedsga_edge.simulation import Simulation
+from fedsga_edge.wire import RemoteProtocolError
 
 
 # -- MU-SplitFed: tau server steps per activation --------------------------------------------------------
@@ -356,11 +357,11 @@ def test_fedbabu_finetune_settings_and_figures_that_break_the_rules_are_refused(
     for bad_update in ({k: v for k, v in good.items() if k != "eval_acc_finetuned"},
                        dict(good, eval_acc_finetuned=1.5), dict(good, eval_loss_finetuned=float("nan")),
                        {"eval_acc_finetuned": 0.7, "eval_loss_finetuned": 1.0}):
-        with pytest.raises(ValueError, match="finetuned"):
+        with pytest.raises(RemoteProtocolError, match="finetuned"):
             fed.check_update("client-000", bad_update)
     avg_eval = avg.coordinator.fed_eval
-    with pytest.raises(ValueError, match="fine-tunes nothing"):
+    with pytest.raises(RemoteProtocolError, match="fine-tunes nothing"):
         avg_eval.check_update("client-000", dict(good, eval_count=avg_eval.expected["client-000"]))
     sim.coordinator.strategy.check_update({"method": {}})
-    with pytest.raises(ValueError, match="must be empty"):
+    with pytest.raises(RemoteProtocolError, match="must be empty"):
         sim.coordinator.strategy.check_update({"method": {"x": 1}})
