@@ -12,7 +12,8 @@ Every run takes its devices in the fixed order (``--device-order fixed``), the o
 per-round shuffled one became the default: so the eight runs' weights stay comparable with
 ``fingerprint_before.json`` (their metrics hashes changed when the records gained the client cost's parts,
 the six runs other than FedSGA's kept their weights hashes). ``shuffled`` is the default
-order's run (static); it has no line there.
+order's run (static); it has no line there, nor has ``mergesfl`` (held replies: one merged server step per
+step of the fleet).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ RUNS: dict[str, dict] = {
     "resource": {"strategy": "resource"},
     "fedsga_noharm": {"strategy": "fedsga", "fedsga": FedSGAConfig(cal_every=1, harmonizer=False)},
     "shuffled": {"strategy": "static", "device_order": "shuffled"},
+    "mergesfl": {"strategy": "mergesfl", "server_copies": "shared"},
 }
 
 

@@ -10,11 +10,12 @@ does one round around it the same way whatever the devices are:
 3. ``end_round`` (aggregation), the wire bytes each way, evaluation when
    ``t % eval_every == 0 or t == rounds``, the round's wall time.
 
-A request the coordinator holds (MergeSFL's merged step: ``Coordinator.holds``) is answered
-"later": ``receive`` returns a ``Deferred`` token, and ``flush`` sends every reply the coordinator
-released (``take_replies``) through ``Peer.answer``, after each message, each ``tick`` and ``fail``
-the scheduler makes (it sees the coordinator through ``_Releasing``) and after the round closes, so
-a held request always gets its gradient or, once the round is over, its refusal.
+Every call into the Coordinator returns what it wants sent (``Outgoing``: device, message). The
+round starts are new messages (``peer.send``); everything else answers a device's request. What a
+device's message returns goes back to the Peer as the handler's result: the reply to that message is
+sent as its reply, the others answer the open requests of other devices (MergeSFL's merged step,
+released by this message); what ``tick``, ``fail`` and ``end_round`` return goes out through ``send``
+(``Peer.answer``). So a held request always gets its gradient or, once the round is over, its refusal.
 
 ``run`` adds the run around the rounds: ``metrics.jsonl`` line by line, the checkpoint (after
 every round when it is resumable, else once at the end) and ``summary.json``.
@@ -32,15 +33,27 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from fedsga_edge.runfiles import JsonLog, RunFiles
-from fedsga_edge.transport import Deferred, Peer
+from fedsga_edge.transport import Peer
+from fedsga_edge.wire import Outgoing
 
 from .checkpoint import CheckpointWriter
 from .clock import Clock
 from .scheduling import Scheduler
 
-__all__ = ["Driven", "RoundDriver", "Summarize"]
+__all__ = ["CoordinatorBug", "Driven", "RoundDriver", "Summarize"]
 
 Summarize = Callable[[list[dict[str, Any]], float], dict[str, Any]]
+
+
+class CoordinatorBug(BaseException):
+    """An exception of ours out of the Coordinator while it handled a device's message. In ``simulate``
+    the device's own code sits between the coordinator and the driver (a loopback call runs the handler
+    in the device's step) and takes any ``Exception`` for the device's failure; this carries the error
+    past it, and ``run_round`` raises the original: the run fails with it instead of refusing anyone."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 class Driven(Protocol):
@@ -51,12 +64,13 @@ class Driven(Protocol):
     clients: dict[str, int]  # device -> partition size, in partition order
     round: Any  # RoundState: calibrate, waiting
 
-    def begin_round(self, t: int, now: float | None = None,
-                    devices: list[str] | None = None) -> dict[str, dict[str, Any]]: ...
-    def receive(self, msg: Any, now: float | None = None) -> Any: ...
-    def tick(self, now: float | None = None) -> bool: ...
-    def fail(self, device: str, reason: str) -> None: ...
-    def end_round(self, now: float | None = None) -> dict[str, Any]: ...
+    def begin_round(self, t: int, now: float | None = None, devices: list[str] | None = None) -> Outgoing: ...
+    def receive(self, msg: Any, now: float | None = None) -> Outgoing: ...
+    def tick(self, now: float | None = None) -> Outgoing: ...
+    def fail(self, device: str, reason: str) -> Outgoing: ...
+    def end_round(self, now: float | None = None) -> tuple[dict[str, Any], Outgoing]: ...
+    @property
+    def round_complete(self) -> bool: ...
     def evaluate(self, images: Any, mean: tuple, std: tuple) -> dict[str, Any]: ...
 
 
@@ -80,25 +94,23 @@ class RoundDriver:
         """Wall seconds of the whole run so far, including a resumed run's earlier processes."""
         return self.elapsed0 + time.perf_counter() - self.started
 
-    def receive(self, msg: Any) -> Any:
+    def receive(self, msg: Any) -> Outgoing:
         """A device's message into the Coordinator at this clock's time (the Peer's handler, or the
-        service's for round messages): the deadline is applied on the same clock as it was set. A
-        request the coordinator holds gets a ``Deferred`` (its reply goes out with ``flush``)."""
-        reply = self.co.receive(msg, self.clock.now())
-        if reply is None and msg.kind != "error" and getattr(self.co, "holds", _never)(msg.sender):
-            reply = Deferred(msg.sender, msg.seq)
-        self.flush()
-        return reply
+        service's for round messages): the deadline is applied on the same clock as it was set. What it
+        returns goes back to the Peer, which sends the reply to ``msg`` and answers the other requests.
+        Any exception is our bug: it leaves as a ``CoordinatorBug``."""
+        try:
+            return self.co.receive(msg, self.clock.now())
+        except Exception as exc:
+            raise CoordinatorBug(exc) from exc
 
-    def flush(self) -> None:
-        """Send the replies the coordinator released for requests it held (call under the scheduler's lock).
+    def send(self, out: Outgoing) -> None:
+        """Replies the coordinator emitted outside a device's message (a deadline, a failure, the round's
+        close): each answers its device's open request (call under the scheduler's lock).
 
         A reply that cannot be delivered is logged: the device's own request times out, as for any
         reply lost on the way."""
-        take = getattr(self.co, "take_replies", None)
-        if take is None:
-            return
-        for device, reply in take():
+        for device, reply in out:
             try:
                 self.peer.answer(device, reply)
             except Exception as exc:
@@ -107,7 +119,14 @@ class RoundDriver:
 
     # -- one round ----------------------------------------------------------------------------------
     def run_round(self, t: int, devices: list[str] | None = None) -> dict[str, Any]:
-        """Start ``devices`` (default: the scheduler's), advance them, close and evaluate: the round's record."""
+        """Start ``devices`` (default: the scheduler's), advance them, close and evaluate: the round's record.
+        A bug of ours while the coordinator handled a device's message fails the round with that error."""
+        try:
+            return self._round(t, devices)
+        except CoordinatorBug as bug:
+            raise bug.error from None
+
+    def _round(self, t: int, devices: list[str] | None) -> dict[str, Any]:
         co, lock, cfg = self.co, self.scheduler.lock, self.co.cfg
         devices = self.scheduler.devices(t) if devices is None else devices
         stats = self.peer.transport.stats
@@ -115,14 +134,14 @@ class RoundDriver:
         up0 = {c: stats.bytes_sent(src=c) for c in co.clients}
         down0 = stats.bytes_sent(src=self.peer.me)
         with lock:
-            bodies = co.begin_round(t, self.clock.now(), devices=devices)
+            starts = co.begin_round(t, self.clock.now(), devices=devices)
             calibrate = co.round.calibrate
         self.log.info("round_begin", round=t, devices=devices, calibrate=calibrate, round_timeout=cfg.round_timeout)
-        self._start_devices(t, bodies)
+        self._start_devices(starts)
         with lock:
-            self.scheduler.advance(_Releasing(co, self.flush), self.clock)
-            rec = co.end_round(self.clock.now())
-            self.flush()  # what the closed round still held: refused, not left waiting
+            self.scheduler.advance(co, self.clock, self.send)
+            rec, out = co.end_round(self.clock.now())
+            self.send(out)  # what the closed round still held: refused, not left waiting
             fields = getattr(self.scheduler, "round_fields", None)  # a fleet's fleet_s and per-device timing
             if fields is not None:
                 rec.update(fields())
@@ -140,17 +159,17 @@ class RoundDriver:
                      wall_s=rec["wall_s"], bytes_up_by_device={c: n for c, n in up_by.items() if n > 0})
         return rec
 
-    def _start_devices(self, t: int, bodies: dict[str, dict[str, Any]]) -> None:
-        """``round_start`` to each device, never under the lock: a loopback send runs the device's handler."""
-        for cid, body in bodies.items():
+    def _start_devices(self, starts: Outgoing) -> None:
+        """Each ``round_start`` (new messages: this Peer numbers them), never under the lock: a loopback
+        send runs the device's handler."""
+        for cid, msg in starts:
             try:
-                self.peer.send(cid, "round_start", t, body)
+                self.peer.send(cid, msg.kind, msg.round, msg.body)
             except Exception as exc:  # an unreachable device must not stop the round
                 reason = f"round_start not delivered: {type(exc).__name__}: {exc}"
                 with self.scheduler.lock:
-                    self.co.fail(cid, reason)
-                    self.flush()
-                self.log.warning("round_start_failed", round=t, device=cid, reason=reason[:300])
+                    self.send(self.co.fail(cid, reason))
+                self.log.warning("round_start_failed", round=msg.round, device=cid, reason=reason[:300])
 
     # -- the run ------------------------------------------------------------------------------------
     def rounds(self, first: int = 1, last: int | None = None, files: RunFiles | None = None) -> Iterator[dict[str, Any]]:
@@ -199,27 +218,3 @@ class RoundDriver:
         with self.scheduler.lock:
             self.checkpoints.write(self.co, t, self.records, self.elapsed())
         self.log.info("checkpoint", round=t, path=str(self.checkpoints.path))
-
-
-def _never(device: str) -> bool:
-    return False
-
-
-class _Releasing:
-    """The coordinator as a scheduler sees it: each ``tick`` or ``fail`` may release held requests (a
-    deadline, a device that left a merged step), whose replies go out at once."""
-
-    def __init__(self, co: Any, flush: Callable[[], None]) -> None:
-        self._co, self._flush = co, flush
-
-    def tick(self, now: float | None = None) -> bool:
-        done = self._co.tick(now)
-        self._flush()
-        return done
-
-    def fail(self, device: str, reason: str) -> None:
-        self._co.fail(device, reason)
-        self._flush()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._co, name)

@@ -15,6 +15,7 @@ from torch import nn
 
 from fedsga_edge.method import reference_index
 from fedsga_edge.tensors import image_batch
+from fedsga_edge.wire import RemoteProtocolError
 
 __all__ = ["FederatedEvaluation", "headline_split", "evaluate", "evaluate_models"]
 
@@ -158,19 +159,19 @@ class FederatedEvaluation:
         """An ``evaluate`` request: checked like an activation, run through the round-start copy."""
         co = self.co
         if not self.active:
-            raise ValueError(f"round {co.round.t} is not an evaluation round")
+            raise RemoteProtocolError(f"round {co.round.t} is not an evaluation round")
         k = msg.body.get("split")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= co.model.num_splits:
-            raise ValueError(f"split {k!r:.40} out of range 1..{co.model.num_splits}")
+            raise RemoteProtocolError(f"split {k!r:.40} out of range 1..{co.model.num_splits}")
         z, y = co.check_activation(msg.body, "z", k)
         have = self.tally.get(msg.sender, [0, 0.0, 0])
         limit = self.expected.get(msg.sender)
         if limit is not None and have[0] + len(y) > limit:
-            raise ValueError(f"{have[0] + len(y)} evaluation samples this round, more than the {limit} "
+            raise RemoteProtocolError(f"{have[0] + len(y)} evaluation samples this round, more than the {limit} "
                              f"{msg.sender} holds out")
         loss, correct = self._score(z, y, k)
         if not math.isfinite(loss):
-            raise ValueError("the evaluation loss is not finite")
+            raise RemoteProtocolError("the evaluation loss is not finite")
         self.tally[msg.sender] = [have[0] + len(y), have[1] + loss, have[2] + correct]
         return "eval_result", {"loss": loss, "correct": correct, "count": int(len(y))}
 
@@ -195,29 +196,30 @@ class FederatedEvaluation:
         return loss, int((logits.argmax(1) == y).sum())
 
     def check_update(self, device: str, body: dict[str, Any]) -> None:
-        """A whole-model device's own figures, checked before the update is accepted (ValueError)."""
+        """A whole-model device's own figures, checked before the update is accepted (RemoteProtocolError)."""
         tuned = [k for k in self.FINETUNED if k in body]
         if "eval_count" not in body:
             if tuned:
-                raise ValueError(f"{tuned[0]} without eval_count")
+                raise RemoteProtocolError(f"{tuned[0]} without eval_count")
             return
         n = body.get("eval_count")
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.MAX_COUNT:
-            raise ValueError(f"eval_count must be an integer in 1..{self.MAX_COUNT}")
+            raise RemoteProtocolError(f"eval_count must be an integer in 1..{self.MAX_COUNT}")
         limit = self.expected.get(device)
         if limit is not None and n != limit:
-            raise ValueError(f"eval_count {n} is not the {limit} samples {device} holds out")
+            raise RemoteProtocolError(f"eval_count {n} is not the {limit} samples {device} holds out")
         if self.finetuned and len(tuned) != len(self.FINETUNED):
-            raise ValueError(f"{self.co.strategy.name} evaluates a fine-tuned model too: the update must carry "
+            raise RemoteProtocolError(f"{self.co.strategy.name} evaluates a fine-tuned model too: the update must "
+                                      "carry "
                              f"{' and '.join(self.FINETUNED)}")
         if tuned and not self.finetuned:
-            raise ValueError(f"{tuned[0]}: {self.co.strategy.name} fine-tunes nothing for evaluation")
+            raise RemoteProtocolError(f"{tuned[0]}: {self.co.strategy.name} fine-tunes nothing for evaluation")
         for name in ("eval_loss", "eval_acc", *tuned):
             v, top = body.get(name), 1.0 if name.startswith("eval_acc") else 1e6
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= top:
-                raise ValueError(f"{name} must be a finite number in [0, {top:g}]")
+                raise RemoteProtocolError(f"{name} must be a finite number in [0, {top:g}]")
         if not self.active:
-            raise ValueError(f"round {self.t} is not an evaluation round")
+            raise RemoteProtocolError(f"round {self.t} is not an evaluation round")
 
     def end_round(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
         """The round's federated figures into its record: weighted by each device's count."""

@@ -109,8 +109,8 @@ def timed_scheduler(scheduler: Any, timing: FieldTiming) -> Any:
     fields (``round_fields``, as FleetScheduler does)."""
     advance = scheduler.advance
 
-    def timed_advance(co: Any, clock: Any) -> None:
-        advance(co, clock)
+    def timed_advance(co: Any, clock: Any, send: Any) -> None:
+        advance(co, clock, send)
         timing.end()
 
     scheduler.advance = timed_advance

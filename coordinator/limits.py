@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from fedsga_edge.wire import RemoteProtocolError
+
 __all__ = ["MAX_ABS_VALUE", "REPORT_FIELDS", "check_values", "all_finite", "check_report"]
 
 # Largest |value| accepted in an activation, h1 or weight. Honest ones are O(1)-O(1e3); anything this
@@ -22,10 +24,11 @@ def check_values(arr: np.ndarray, what: str) -> None:
     if arr.size == 0 or arr.dtype.kind not in "fc":
         return
     if not np.isfinite(arr).all():
-        raise ValueError(f"{what} holds non-finite values")
+        raise RemoteProtocolError(f"{what} holds non-finite values")
     peak = float(np.abs(arr).max())
     if peak > MAX_ABS_VALUE:
-        raise ValueError(f"{what} holds |values| up to {peak:.3g}, over the {MAX_ABS_VALUE:g} any honest device sends")
+        raise RemoteProtocolError(f"{what} holds |values| up to {peak:.3g}, over the {MAX_ABS_VALUE:g} any honest "
+                                  "device sends")
 
 
 def all_finite(tensors: Any) -> bool:
@@ -38,12 +41,12 @@ def check_report(body: dict[str, Any]) -> None:
     """The update's own numbers go into metrics.jsonl and end_round's sums: finite numbers only."""
     loss = body.get("train_loss")
     if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
-        raise ValueError("train_loss must be a finite number")
+        raise RemoteProtocolError("train_loss must be a finite number")
     for key in REPORT_FIELDS:
         v = body.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                               or abs(v) > MAX_ABS_VALUE):
-            raise ValueError(f"{key} must be a finite number, got {type(v).__name__}")
+            raise RemoteProtocolError(f"{key} must be a finite number, got {type(v).__name__}")
     for key in ("probe_samples", "obs_samples"):  # counts that FLOPs are multiplied by
         if body.get(key) is not None and (not isinstance(body[key], int) or body[key] < 0):
-            raise ValueError(f"{key} must be a non-negative integer")
+            raise RemoteProtocolError(f"{key} must be a non-negative integer")

@@ -15,8 +15,10 @@ over to its scheduler:
   arrive on transport threads; it waits on the service's Condition, which updates and errors
   notify, so a round ends as soon as its last device is done, or at the deadline.
 
-Either way the scheduler reads ``Coordinator.tick(clock.now())``, which applies the deadline, and
-its ``lock`` is held around every call into the Coordinator (which is not thread-safe).
+Either way the scheduler calls ``Coordinator.tick(clock.now())``, which applies the deadline, reads
+``round_complete``, and hands what ``tick`` and ``fail`` return to the driver's ``send`` (the replies
+to held requests they released); its ``lock`` is held around every call into the Coordinator (which
+is not thread-safe).
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ import numpy as np
 
 from fedsga_edge.runfiles import device_timing
 from fedsga_edge.transport import PendingReply
+from fedsga_edge.wire import Outgoing
 
 from .clock import Clock
 
 __all__ = ["Scheduler", "InProcessScheduler", "MessageScheduler", "FleetScheduler", "DEVICE_ORDER_STREAM",
-           "FLEET_STREAM", "round_order", "step_flops", "server_flops"]
+           "FLEET_STREAM", "Send", "round_order", "step_flops", "server_flops"]
+
+Send = Callable[[Outgoing], None]  # the driver's: replies the coordinator emitted outside a device's message
 
 # The device order's own random stream: np.random.default_rng([seed, t, DEVICE_ORDER_STREAM]). Its
 # own stream, so drawing an order moves no other random draw (the random schedule's, the strategies').
@@ -62,8 +67,15 @@ class Scheduler(Protocol):
     def devices(self, t: int) -> list[str]:
         """The devices to start in round ``t``, in partition order; none ends the run."""
 
-    def advance(self, co: Any, clock: Clock) -> None:
-        """Advance devices until ``co.tick(clock.now())`` says round is over (called under ``lock``)."""
+    def advance(self, co: Any, clock: Clock, send: Send) -> None:
+        """Advance devices until the round is over (``co.round_complete`` after ``co.tick(clock.now())``),
+        handing what ``tick`` and ``fail`` return to ``send`` (called under ``lock``)."""
+
+
+def over(co: Any, now: float, send: Send) -> bool:
+    """Apply the deadline at ``now`` (its refusals of held requests go to ``send``): whether the round is over."""
+    send(co.tick(now))
+    return co.round_complete
 
 
 class InProcessScheduler:
@@ -92,9 +104,9 @@ class InProcessScheduler:
     def devices(self, t: int) -> list[str]:
         return [c.cid for c in self.clients]
 
-    def advance(self, co: Any, clock: Clock) -> None:
+    def advance(self, co: Any, clock: Clock, send: Send) -> None:
         active = [c for c in self.turn_order(co.round.t) if c.busy]
-        while active and not co.tick(clock.now()):
+        while active and not over(co, clock.now(), send):
             # a device whose request the coordinator holds (MergeSFL's merged step) waits for its reply:
             # it takes no turn until the step's last device has sent
             ready = [c for c in active if not getattr(c, "waiting", False)]
@@ -110,7 +122,7 @@ class InProcessScheduler:
                 active.remove(client)
                 active.append(client)
             started = time.perf_counter()
-            more = self._step(co, client)
+            more = self._step(co, client, send)
             clock.advance(time.perf_counter() - started)
             if not more:
                 active.remove(client)
@@ -118,15 +130,15 @@ class InProcessScheduler:
             client.abort()
 
     @staticmethod
-    def _step(co: Any, client: Any) -> bool:
+    def _step(co: Any, client: Any, send: Send) -> bool:
         try:
             more = client.step()
         except Exception as exc:  # a broken device must not stop the round
             client.abort()
-            co.fail(client.cid, f"{type(exc).__name__}: {exc}")
+            send(co.fail(client.cid, f"{type(exc).__name__}: {exc}"))
             return False
         if not more and client.last_error:
-            co.fail(client.cid, client.last_error)
+            send(co.fail(client.cid, client.last_error))
         return more
 
 
@@ -139,11 +151,11 @@ class MessageScheduler:
         self._cond, self._stop, self.poll_s = cond, stop, poll_s
         self.ready, self.devices = ready, devices
 
-    def advance(self, co: Any, clock: Clock) -> None:
-        while not co.tick(clock.now()):
+    def advance(self, co: Any, clock: Clock, send: Send) -> None:
+        while not over(co, clock.now(), send):
             if self._stop.is_set():
                 for d in co.round.waiting:
-                    co.fail(d, "coordinator stopped")
+                    send(co.fail(d, "coordinator stopped"))
                 break
             self._cond.wait(self.poll_s)
 
@@ -375,38 +387,19 @@ class FleetScheduler:
         """The last round's ``fleet_s`` and ``timing`` (added to its metrics record by the driver)."""
         return self._fields
 
-    def advance(self, co: Any, clock: Clock) -> None:
+    def advance(self, co: Any, clock: Clock, send: Send) -> None:
         t0 = clock.now()
         t = co.round.t
         rank = {c.cid: i for i, c in enumerate(self.turn_order(t))}
         started = {c.cid for c in self.clients if c.busy}
         timing: dict[str, dict[str, Any]] = {}
         events: list[tuple[float, int, int, str]] = []  # (time, 0 arrival | 1 compute start, rank, device)
-        missed = self.missed(t) & started
-        deadline = co.cfg.round_timeout
-        for client in self.clients:
-            cid = client.cid
-            if cid not in started:
-                continue
-            cls = self.classes[cid]
-            rs = self._round_start_bytes(client)
-            timing[cid] = {"class": cls.name, "compute_s": 0.0, "wire_s": 0.0, "wait_s": 0.0, "bytes_up": 0,
-                           "bytes_down": rs, "split": None}
-            if cid in missed:
-                timing[cid]["missed"] = True
-                client.abort()  # it never heard the round start: silent until the deadline
-                if deadline <= 0:  # nobody would ever close the round: the coordinator is told at once
-                    co.fail(cid, "missed the round (fleet availability)")
-                continue
-            wire = cls.down_s(rs) + cls.rtt_ms / 2e3
-            timing[cid]["wire_s"] = wire
-            self._lanes[cid] = _Lane(client, lambda c, co=co: InProcessScheduler._step(co, c))
-            heapq.heappush(events, (t0 + wire, 1, rank[cid], cid))
+        self._start_lanes(co, send, t0, started, rank, timing, events)
         server_free = t0
         pending: dict[str, tuple[float, float, float, int]] = {}  # device -> its request in flight
         held: set[str] = set()  # devices whose request the coordinator holds (MergeSFL's merged step)
         try:
-            while events and not co.tick(clock.now()):
+            while events and not over(co, clock.now(), send):
                 when, kind, _, cid = heapq.heappop(events)
                 lane, cls, tm = self._lanes[cid], self.classes[cid], timing[cid]
                 if kind == 1:  # the device computes its next request from ``when`` on
@@ -429,7 +422,7 @@ class FleetScheduler:
                 dl = co.round.deadline
                 if dl is not None and when >= dl:  # it would arrive too late: the round closes at its deadline
                     clock.set(dl)
-                    co.tick(dl)
+                    send(co.tick(dl))
                     break
                 clock.set(when)  # the request arrives: the coordinator sees it at this time
                 _, c, up, nbytes = pending.pop(cid)
@@ -460,34 +453,43 @@ class FleetScheduler:
                     tm["tail"] = down  # its last reply (the update's ack): may come after the round closed
                     continue
                 heapq.heappush(events, (when + serve + down, 1, rank[cid], cid))
-            if not co.tick(clock.now()) and co.round.deadline is not None:  # only silent devices left
+            if not over(co, clock.now(), send) and co.round.deadline is not None:  # only silent devices left
                 clock.set(max(clock.now(), co.round.deadline))
-                co.tick(clock.now())
+                send(co.tick(clock.now()))
         finally:
             for cid, lane in self._lanes.items():
                 if lane.thread.is_alive():
                     lane.drop()
                     lane.client.abort()
             self._lanes = {}
-        end = clock.now()
-        for cid, (start, c, up, _) in pending.items():  # cut by the deadline: the part done before it
-            busy = max(0.0, end - start)
-            timing[cid]["compute_s"] += min(c, busy)
-            timing[cid]["wire_s"] += min(up, max(0.0, busy - c))
-        for tm in timing.values():  # the round is [t0, end]: an ack still on its way at the close is not in it
-            if "tail" in tm:
-                tm["wire_s"] -= min(tm.pop("tail"), max(0.0, t0 + tm["done_s"] - end))
-        out = {}
-        for cid, tm in timing.items():
-            missed = bool(tm.get("missed"))
-            wait = 0.0 if missed else max(0.0, end - t0 - tm["compute_s"] - tm["wire_s"])
-            out[cid] = device_timing(split=tm["split"], compute_s=tm["compute_s"], wire_s=tm["wire_s"], wait_s=wait,
-                                     bytes_up=tm["bytes_up"], bytes_down=tm["bytes_down"], done_s=tm.get("done_s"),
-                                     cls=tm["class"], missed=missed)
-        self._fields = {"fleet_s": end - t0, "timing": out}
+        self._fields = _round_timing(timing, pending, t0, clock.now())
 
     def turn_order(self, t: int) -> list[Any]:
         return [self.clients[i] for i in round_order(len(self.clients), t, self.seed, self.order)]
+
+    def _start_lanes(self, co: Any, send: Send, t0: float, started: set[str], rank: dict[str, int],
+                     timing: dict[str, dict[str, Any]], events: list[tuple[float, int, int, str]]) -> None:
+        """Each started device's round start crosses its link (a device that misses the round never hears
+        it) and its lane is ready to compute its first request."""
+        missed = self.missed(co.round.t) & started
+        for client in self.clients:
+            cid = client.cid
+            if cid not in started:
+                continue
+            cls = self.classes[cid]
+            rs = self._round_start_bytes(client)
+            timing[cid] = {"class": cls.name, "compute_s": 0.0, "wire_s": 0.0, "wait_s": 0.0, "bytes_up": 0,
+                           "bytes_down": rs, "split": None}
+            if cid in missed:
+                timing[cid]["missed"] = True
+                client.abort()  # it never heard the round start: silent until the deadline
+                if co.cfg.round_timeout <= 0:  # nobody would ever close the round: the coordinator is told at once
+                    send(co.fail(cid, "missed the round (fleet availability)"))
+                continue
+            wire = cls.down_s(rs) + cls.rtt_ms / 2e3
+            timing[cid]["wire_s"] = wire
+            self._lanes[cid] = _Lane(client, lambda c, co=co: InProcessScheduler._step(co, c, send))
+            heapq.heappush(events, (t0 + wire, 1, rank[cid], cid))
 
     def _wake(self, held: set[str], at: float, events: list[tuple[float, int, int, str]],
               timing: dict[str, dict[str, Any]], rank: dict[str, int]) -> None:
@@ -514,3 +516,24 @@ class FleetScheduler:
         rs = total - self._down_seen[client.cid]
         self._down_seen[client.cid] = total
         return rs
+
+
+def _round_timing(timing: dict[str, dict[str, Any]], pending: dict[str, tuple[float, float, float, int]],
+                  t0: float, end: float) -> dict[str, Any]:
+    """The round's ``fleet_s`` and per-device ``timing`` once it ended at ``end``: requests the deadline cut
+    count the part done before it; an ack still on its way at the close is not in the round."""
+    for cid, (start, c, up, _) in pending.items():
+        busy = max(0.0, end - start)
+        timing[cid]["compute_s"] += min(c, busy)
+        timing[cid]["wire_s"] += min(up, max(0.0, busy - c))
+    for tm in timing.values():
+        if "tail" in tm:
+            tm["wire_s"] -= min(tm.pop("tail"), max(0.0, t0 + tm["done_s"] - end))
+    out = {}
+    for cid, tm in timing.items():
+        missed = bool(tm.get("missed"))
+        wait = 0.0 if missed else max(0.0, end - t0 - tm["compute_s"] - tm["wire_s"])
+        out[cid] = device_timing(split=tm["split"], compute_s=tm["compute_s"], wire_s=tm["wire_s"], wait_s=wait,
+                                 bytes_up=tm["bytes_up"], bytes_down=tm["bytes_down"], done_s=tm.get("done_s"),
+                                 cls=tm["class"], missed=missed)
+    return {"fleet_s": end - t0, "timing": out}

@@ -12,16 +12,20 @@
   (docs/method.md, "Baselines beyond the paper's own").
 * ``branches`` (MultiSFL): one copy per branch model, kept by the strategy across rounds, with
   knowledge replay from helper devices (the strategy's ``server_side`` hook builds it).
+* ``merged`` (MergeSFL): the shared copy, one step per merged batch of every training device's
+  activation; it holds activations until their step is complete (``MergedServer``).
 
-Each is a ``ServerSide``: the coordinator asks it for the copy a device trains, lets it take the
-step, tells it when a device is done and when the round ends. A new variant (the merged batch of
-MergeSFL, say) is a subclass registered in ``SERVER_SIDES``.
+Each is a ``ServerSide``: the coordinator ``submit``s each accepted activation and gets back what
+became of it (stepped now, or nothing yet while held), asks ``release`` after every event that can
+complete a held step, tells it when a device is done and when the round ends. A new variant is a
+subclass registered in ``SERVER_SIDES`` or built by its strategy's ``server_side`` hook.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -29,12 +33,41 @@ from torch import Tensor, nn
 
 from fedsga_edge.config import RunConfig
 from fedsga_edge.tensors import round_average_bn
+from fedsga_edge.wire import RemoteProtocolError
 
 from .influence import clip_updates
 from .limits import all_finite
 
 __all__ = ["ServerCopy", "ServerSide", "SharedServer", "ContextServer", "PerClientServer",
            "BranchServer", "MergedServer", "SERVER_SIDES", "make_server_side"]
+
+
+@dataclass
+class Activation:
+    """An accepted activation, validated whole: its request and what its server step needs."""
+
+    msg: Any  # the request (a Message): its reply answers it
+    k: int
+    z: Tensor
+    y: Tensor
+    scale: Any  # the influence bound's scaling (None: unscaled)
+    clipped: int
+    norms: Any
+    extra: Any  # what the strategy's check_activation returned
+
+
+@dataclass
+class Stepped:
+    """What became of one activation: stepped (``grad``, ``loss``; ``Z`` for the strategy's after_step),
+    ``refused`` (its batch is at fault: a counted refusal) or ``dropped`` (never stepped: the round closed
+    or its device left before its merged step)."""
+
+    act: Activation
+    grad: Tensor | None = None
+    loss: float = 0.0
+    Z: Tensor | None = None
+    refused: str | None = None
+    dropped: str | None = None
 
 
 class ServerCopy:
@@ -66,8 +99,6 @@ class ServerSide:
     """Base: one shared copy; subclasses change which copy a device trains and what a batch sees."""
 
     name: ClassVar[str] = ""
-    # the coordinator holds each activation until every training device of the step has sent (MergeSFL)
-    merges: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float]) -> None:
         self.cfg = cfg
@@ -99,9 +130,20 @@ class ServerSide:
     def remember(self, device: str, k: int, z: Tensor) -> None:
         """An accepted activation (after its step)."""
 
+    def submit(self, act: Activation, strategy: Any) -> list[Stepped]:
+        """An accepted activation: stepped now (a side that holds, MergedServer: once its step is complete,
+        from ``release``). A non-finite step raises RemoteProtocolError with nothing changed."""
+        loss, Z = self.step(act.msg.sender, act.z, act.y, act.k, strategy)
+        return [Stepped(act, act.z.grad, float(loss.detach()), Z)]
+
+    def release(self, waiting: set[str], closed: bool, strategy: Any) -> list[Stepped]:
+        """Held activations whose fate is decided now that ``waiting`` are the devices still training
+        (``closed``: the round is over): none unless this side holds them."""
+        return []
+
     def step(self, device: str, z: Tensor, y: Tensor, k: int, strategy: Any) -> tuple[Tensor, Tensor | None]:
         """``steps`` server steps on the device's activation; fills ``z.grad``. A non-finite loss or gradient
-        in any of them raises ValueError with nothing changed.
+        in any of them raises RemoteProtocolError (the device's batch is at fault) with nothing changed.
 
         With ``steps`` tau > 1 (MU-SplitFed's unbalanced update) the device's gradient is the first step's:
         the gradient of the loss its forward was matched with, as in SplitFed; the tau - 1 further steps
@@ -118,7 +160,7 @@ class ServerSide:
         try:
             for _ in range(self.steps - 1):
                 self._step(device, z.detach().clone(), y, k, strategy)
-        except ValueError:
+        except RemoteProtocolError:
             side.model.load_state_dict(saved[0])
             side.head.load_state_dict(saved[1])
             side.opt.load_state_dict(saved[2])
@@ -127,7 +169,7 @@ class ServerSide:
 
     def _step(self, device: str, z: Tensor, y: Tensor, k: int, strategy: Any) -> tuple[Tensor, Tensor | None]:
         """One server step on the device's activation; fills ``z.grad``. A non-finite loss or gradient
-        undoes the forward's BatchNorm statistics and raises ValueError: nothing changes."""
+        undoes the forward's BatchNorm statistics and raises RemoteProtocolError: nothing changes."""
         side = self.copy_for(device)
         z.requires_grad_(True)
         side.model.train()
@@ -148,7 +190,7 @@ class ServerSide:
                 for b, old in zip(buffers, saved):
                     b.copy_(old)
             side.opt.zero_grad(set_to_none=True)
-            raise ValueError("the activation gives a non-finite loss or gradient: refused, nothing changed")
+            raise RemoteProtocolError("the activation gives a non-finite loss or gradient: refused, nothing changed")
         side.opt.step()
         self.remember(device, k, z)
         return loss, Z
@@ -353,7 +395,7 @@ class BranchServer(ServerSide):
         self._force = b
         try:
             ServerSide.step(self, d, z.clone(), y, k, strategy)
-        except ValueError:  # a non-finite replay changes nothing (ServerSide.step restored the statistics)
+        except RemoteProtocolError:  # a non-finite replay changes nothing (ServerSide.step restored the statistics)
             return
         finally:
             self._force = None
@@ -374,19 +416,70 @@ class MergedServer(SharedServer):
     scaled by (merged size / its size) so that it is the gradient of the mean loss over its own samples
     (as the reference code dispatches it). The batch's BatchNorm statistics are the merged batch's.
 
-    ``merges`` tells the coordinator to hold each activation until the step's last device has sent
-    (coordinator/server.py); ``step`` of one activation stays the shared copy's (the fallback when a
-    merged step is refused).
+    It holds each accepted activation (``submit`` steps nothing) until every device still training has
+    sent one; ``release``, which the coordinator calls after every event that can complete or break a
+    step, then takes the merged step and hands back every device's result, so each held request is
+    answered through the coordinator's ordinary return value. A device that left the round (failed, gave
+    up, sent its update) is dropped from the step; a closed round drops every held activation.
     """
 
     name = "merged"
-    merges = True
+
+    def __init__(self, model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float]) -> None:
+        super().__init__(model, head, cfg, weight)
+        self._held: dict[str, Activation] = {}  # device -> its activation waiting for the step, in arrival order
+
+    def begin_round(self, snapshot: dict[str, Tensor]) -> None:
+        super().begin_round(snapshot)
+        self._held = {}
+
+    def submit(self, act: Activation, strategy: Any) -> list[Stepped]:
+        self._held[act.msg.sender] = replace(act, z=act.z.detach())  # stepped with the rest of its step
+        return []
+
+    def release(self, waiting: set[str], closed: bool, strategy: Any) -> list[Stepped]:
+        """The merged step once every device in ``waiting`` holds an activation; activations at different
+        splits merge per split. A merged step refused as non-finite falls back to one step per device, so
+        one device's batch cannot cost the others their step: a device whose own step is refused gets the
+        refusal."""
+        out: list[Stepped] = []
+        why = "the round closed" if closed else "the device left the round"
+        for d in [d for d in self._held if d not in waiting]:
+            out.append(Stepped(self._held.pop(d), dropped=f"activation not stepped: {why} before its merged step"))
+        if not self._held or any(d not in self._held for d in waiting):
+            return out
+        held, self._held = self._held, {}
+        by_split: dict[int, list[tuple[str, Activation]]] = {}
+        for d, a in held.items():  # arrival order within a split
+            by_split.setdefault(a.k, []).append((d, a))
+        for k, group in sorted(by_split.items()):
+            out += self._step_group(group, k, strategy)
+        return out
+
+    def _step_group(self, group: list[tuple[str, Activation]], k: int, strategy: Any) -> list[Stepped]:
+        """One merged step of ``group``, or one step per device if the merged batch is refused (the
+        refusals first, then the stepped, each in arrival order)."""
+        try:
+            loss, grads = self.step_merged([(d, a.z, a.y) for d, a in group], k, strategy)
+            return [Stepped(a, grads[d], float(loss.detach())) for d, a in group]
+        except RemoteProtocolError:
+            pass
+        refused, stepped = [], []
+        for d, a in group:
+            z = a.z.detach().clone()
+            try:
+                one, _ = self.step(d, z, a.y, k, strategy)
+            except RemoteProtocolError as exc:
+                refused.append(Stepped(a, refused=f"bad activation: {exc}"))
+                continue
+            stepped.append(Stepped(a, z.grad, float(one.detach())))
+        return refused + stepped
 
     def step_merged(self, batches: list[tuple[str, Tensor, Tensor]], k: int,
                     strategy: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """One server step on the concatenation of ``batches`` ((device, z, y), all entering at split k);
         returns the merged loss and each device's gradient. A non-finite loss or gradient undoes the
-        forward's BatchNorm statistics and raises ValueError: nothing changes."""
+        forward's BatchNorm statistics and raises RemoteProtocolError: nothing changes."""
         side = self.shared
         z = torch.cat([b[1].detach() for b in batches]).requires_grad_(True)
         y = torch.cat([b[2] for b in batches])
@@ -404,7 +497,7 @@ class MergedServer(SharedServer):
                 for b, old in zip(buffers, saved):
                     b.copy_(old)
             side.opt.zero_grad(set_to_none=True)
-            raise ValueError("the merged batch gives a non-finite loss or gradient: refused, nothing changed")
+            raise RemoteProtocolError("the merged batch gives a non-finite loss or gradient: refused, nothing changed")
         side.opt.step()
         out: dict[str, Tensor] = {}
         start, total = 0, len(y)

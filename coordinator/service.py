@@ -5,11 +5,8 @@ run through the one round driver (coordinator/driver.py, which ``simulate`` uses
 monotonic clock, with a scheduler that waits for the devices' messages. This service adds what a
 field run needs around it, over whichever transport the Peer sits on:
 
-1. Devices register with ``hello`` (``backend``, ``num_samples``, ``capabilities``, optionally their
-   measured latency ``profile``) and get ``ack`` or ``error``. ``num_samples`` must equal the size of
-   that device's partition on this side: both sides derive partitions from the same seeded config, so a
-   mismatch means a different config or data set and the device is refused before it can train on the
-   wrong samples. The strategy hears of each registration (``Strategy.device_registered``).
+1. Devices register with ``hello`` and get ``ack`` or ``error`` (coordinator/registry.py says what a
+   hello must carry and who is registered).
 2. Once ``min_devices`` have registered (or ``register_timeout`` passed with at least one), each
    round starts every registered device at once (``round_start`` by ``peer.send``), then waits,
    applying the deadline with ``tick``, until every device has sent its update or failed.
@@ -36,22 +33,22 @@ coordinator/checkpoint.py's.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from fedsga_edge.latency import hello_profile_problem
-from fedsga_edge.logthrottle import Summary, Throttle
-from fedsga_edge.runfiles import JsonLog, RunFiles, atomic_write, summarize
+from fedsga_edge.logthrottle import ThrottledEvents
+from fedsga_edge.runfiles import JsonLog, RunFiles, summarize
 from fedsga_edge.transport import Peer
-from fedsga_edge.wire import Message
+from fedsga_edge.wire import Message, Outgoing
 
 from .checkpoint import RESUMABLE, CheckpointWriter, load_resume
 from .clock import MonotonicClock
-from .driver import RoundDriver
+from .driver import CoordinatorBug, RoundDriver
 from .fieldtiming import FieldTiming, timed_scheduler
+from .registry import Registry
 from .scheduling import MessageScheduler
 from .server import Coordinator
 
@@ -88,7 +85,6 @@ class CoordinatorService:
         self.cfg = cfg
         self.peer = peer
         self.description = description.to_wire() if description is not None else None
-        self.local_data = local_data
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.min_devices = len(coordinator.clients) if min_devices is None else int(min_devices)
@@ -103,14 +99,15 @@ class CoordinatorService:
             "message_rejected", device=sender[:140], kind=kind, reason=reason[:300])
         # The service's own lines about refused or failed requests: the first 10 per event and device a
         # minute, then one `log_suppressed` line with the count (fedsga_edge/logthrottle.py).
-        self._noise = Throttle()
+        self.events = ThrottledEvents(self.log)
         if peer.admit is None:  # who, what and which round, checked before a body (its tensors) is decoded
             peer.admit = lambda env: coordinator.round.check_envelope(env.sender, env.kind, env.round, coordinator.clients)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # notified on hello, update, device error, bye
-        self.registered: dict[str, dict[str, Any]] = {}  # device -> what its hello said
+        self.registry = Registry(coordinator, self.run_dir, self.log, local_data=local_data)
         self.summary: dict[str, Any] | None = None
         self.error: BaseException | None = None
+        self.bug: Exception | None = None  # ours, while handling a device's message: the run stops and fails with it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._round = 0
@@ -139,8 +136,14 @@ class CoordinatorService:
                       min_devices=self.min_devices, device=str(coordinator.device), resumed_from=self.resumed_from)
 
     # -- transport side (any thread) --------------------------------------------------------------
-    def _handle(self, msg: Message) -> Message | None:
-        """Every message for the coordinator's address; hello/bye are the service's, the rest the round's."""
+    @property
+    def registered(self) -> dict[str, dict[str, Any]]:
+        """Device -> what its hello said (coordinator/registry.py)."""
+        return self.registry.registered
+
+    def _handle(self, msg: Message) -> Message | Outgoing | None:
+        """Every message for the coordinator's address; hello/bye are the service's, the rest the round's
+        (what the coordinator returns goes to the Peer: the reply, and the answers to held requests)."""
         if msg.kind == "hello":
             return self._on_hello(msg)
         if msg.kind == "describe":
@@ -152,90 +155,50 @@ class CoordinatorService:
         t_in = time.time()
         try:
             with self._cond:
-                reply = self.driver.receive(msg)
+                out = self.driver.receive(msg)
                 if self.timing is not None:
                     self.timing.heard(msg, t_in, time.time())
                 if msg.kind in ("update", "error"):
                     self._cond.notify_all()
-        except Exception as exc:  # our bug, not the device's: record it where the operator looks, then fail loudly
-            self.log.error("handler_crash", device=msg.sender, kind=msg.kind, error=f"{type(exc).__name__}: {exc}")
-            raise
+        except (CoordinatorBug, Exception) as exc:  # our bug, not the device's: logged, then the run fails with it
+            self.bug = exc.error if isinstance(exc, CoordinatorBug) else exc
+            self.log.error("handler_crash", device=msg.sender, kind=msg.kind,
+                           error=f"{type(self.bug).__name__}: {self.bug}")
+            self.stop()
+            raise self.bug from None
+        reply = next((m for d, m in out if d == msg.sender and m.seq == msg.seq), None)  # None: held, or one-way
         if msg.kind == "update" and reply is not None and reply.kind == "ack":
             self.log.info("update", round=msg.round, device=msg.sender, split=msg.body.get("split"),
                           train_loss=msg.body.get("train_loss"))
         elif msg.kind == "error":
-            self._warn("device_gave_up", msg.sender, round=msg.round, reason=str(msg.body.get("reason"))[:300])
-        elif isinstance(reply, Message) and reply.kind == "error":  # (a Deferred: held, answered later)
-            self._warn("request_refused", msg.sender, round=msg.round, kind=msg.kind,
+            self.events.warn("device_gave_up", msg.sender, round=msg.round, reason=str(msg.body.get("reason"))[:300])
+        elif reply is not None and reply.kind == "error":
+            self.events.warn("request_refused", msg.sender, round=msg.round, kind=msg.kind,
                        reason=str(reply.body.get("reason"))[:300])
-        return reply
-
-    def _warn(self, event: str, device: str, **fields: Any) -> None:
-        """A line about a device's refused or failed message, through the throttle (a flood stays a few lines)."""
-        ok, due = self._noise.hit((event, device))
-        self._write_suppressed(due)
-        if ok:
-            self.log.warning(event, device=device, **fields)
-
-    def _write_suppressed(self, due: list[Summary]) -> None:
-        for s in due:
-            event, device = s.key if isinstance(s.key, tuple) else (str(s.key), "*")
-            self.log.warning("log_suppressed", of=event, device=device, count=s.suppressed,
-                             seconds=round(s.seconds, 1), keys=s.keys)
+        return out
 
     def _on_hello(self, msg: Message) -> Message:
-        body = msg.body
-        expected = self.co.clients.get(msg.sender)
-        problem = (_local_hello_problem(msg.sender, body, expected) if self.local_data
-                   else _hello_problem(msg.sender, body, expected)) or self._profile_problem(body.get("profile"))
+        problem = self.registry.problem(msg.sender, msg.body)
         if problem is not None:
-            self._warn("hello_refused", str(msg.sender)[:140], reason=problem)
+            self.events.warn("hello_refused", str(msg.sender)[:140], reason=problem)
             return self.peer.reply(msg, "error", {"reason": problem})
         with self._cond:
-            again = msg.sender in self.registered
-            if self.local_data:  # its own data: the size it reports weighs its updates (docs/protocol.md)
-                expected = self.co.clients[msg.sender] = body["num_samples"]
-                self.co.fed_eval.expected[msg.sender] = body.get("eval_samples", 0)
-            self.registered[msg.sender] = {"backend": body["backend"], "num_samples": expected, "since": time.time(),
-                                           "capabilities": dict(body.get("capabilities", {}))}
-            if self.local_data:
-                self.registered[msg.sender]["eval_samples"] = body.get("eval_samples", 0)
-            if body.get("profile") is not None:  # its measured latency per split (checked above)
-                self.registered[msg.sender]["profile"] = body["profile"]
-            self.co.strategy.device_registered(msg.sender, self.registered[msg.sender])
+            again = self.registry.add(msg.sender, msg.body)
             n = len(self.registered)
-            self._save_devices()
             self._cond.notify_all()
+        body = msg.body
         self.log.info("hello_ack", device=msg.sender, backend=body["backend"], again=again, registered=n,
                       capabilities=body.get("capabilities", {}), profile=body.get("profile"))
         return self.peer.reply(msg, "ack", {"rounds": self.cfg.rounds, "round": self._round,
                                             "round_timeout": self.cfg.round_timeout, "registered": n})
-
-    def _profile_problem(self, profile: Any) -> str | None:
-        """Why a hello's ``profile`` is refused (none: fine, a device need not report one)."""
-        if profile is None:
-            return None
-        return hello_profile_problem(profile, self.cfg.model, self.co.model.num_splits)
-
-    def _tell_strategy(self) -> None:
-        """A resumed run's restored devices, as their hellos would have: a profile no longer valid is dropped."""
-        for d, info in self.registered.items():
-            problem = self._profile_problem(info.get("profile"))
-            if problem is not None:
-                self.log.warning("restored_profile_dropped", device=d, reason=problem)
-                del info["profile"]
-            self.co.strategy.device_registered(d, info)
 
     def _on_bye(self, msg: Message) -> Message | None:
         """A device leaving on purpose: out of the running round now (no need to wait for the deadline)."""
         with self._cond:
             if msg.sender not in self.registered:
                 return self.peer.reply(msg, "error", {"reason": f"{msg.sender!r:.140} is not registered"})
-            del self.registered[msg.sender]
-            self.co.strategy.device_left(msg.sender)
-            self.co.fail(msg.sender, "device left (bye)")
-            self.driver.flush()  # a merged step no longer waits for it
-            self._save_devices()
+            self.registry.remove(msg.sender)
+            self.driver.send(self.co.fail(msg.sender, "device left (bye)"))  # a merged step no longer waits for it
             self._cond.notify_all()
         self.log.info("bye", device=msg.sender, reason=str(msg.body.get("reason", ""))[:200])
         return None
@@ -282,10 +245,12 @@ class CoordinatorService:
         started = time.perf_counter()
         self.files.write_config(self.run_info)
         summary = self.driver.run(self._make_summary, first=self.resumed_from + 1, files=self.files, started=started)
+        if self.bug is not None:
+            raise self.bug
         self.summary = summary
         self._say_bye()
         self.peer.flush_log()  # the rejections the log throttle held back: one summary line per sender
-        self._write_suppressed(self._noise.flush())
+        self.events.flush()
         self.log.info("run_end", rounds=len(self.records), final_acc=summary.get("final_acc"),
                       failures=summary.get("failures"), wall_s=summary.get("wall_s"), resumed_from=self.resumed_from,
                       **self.counters())
@@ -315,9 +280,8 @@ class CoordinatorService:
         (``remote_errors``, the whole run's after a resume), messages its Peer rejected (undecodable,
         wrong run, spoofed sender) and the transport's health counters (MQTT: garbage, spoofed,
         duplicates, rejected, no_handler, handler_errors, late_replies)."""
-        transport = self.peer.transport
         return {"remote_errors": self.co.remote_errors, "peer_errors": self.peer.errors,
-                "transport_counters": dict(getattr(transport, "counters", {}) or {})}
+                "transport_counters": dict(getattr(self.peer.transport, "counters", {}) or {})}
 
     def wait_for_devices(self, n: int, timeout: float) -> bool:
         """Block until ``n`` devices registered; on timeout go on with those there are (False: none)."""
@@ -339,10 +303,6 @@ class CoordinatorService:
             raise TimeoutError(f"no device registered within {timeout:g} s")
         return bool(have)
 
-    def run_round(self, t: int) -> dict[str, Any]:
-        """One round in real time: start every registered device, wait for them or the deadline."""
-        return self.driver.run_round(t)
-
     def _restore(self) -> None:
         """Load the checkpoint into the coordinator and this service; rewrite ``metrics.jsonl`` from it.
 
@@ -353,9 +313,7 @@ class CoordinatorService:
         path = self.run_dir / "checkpoint.pt"
         old_lines = _count_lines(self.files.metrics_path)
         if not path.exists():  # died before its first round ended: nothing to keep
-            self.registered = _restored_devices(self.run_dir, {}, self.co.clients)
-            self._restore_sizes()
-            self._tell_strategy()
+            self.registry.restore({})
             self.files.rewrite_metrics([])
             self.log.warning("resume", from_round=0, reason=f"no checkpoint in {self.run_dir}: starting at round 1",
                              dropped_metrics_lines=old_lines, registered=sorted(self.registered))
@@ -363,29 +321,12 @@ class CoordinatorService:
         back = load_resume(path, self.co, self.cfg)
         self.driver.records = back.records
         self.driver.elapsed0 = back.elapsed_s
-        self.registered = _restored_devices(self.run_dir, back.registered, self.co.clients)
-        self._restore_sizes()
-        self._tell_strategy()
+        self.registry.restore(back.registered)
         self._round = self.resumed_from = back.round
         self.files.rewrite_metrics(back.records)
         self.log.info("resume", from_round=self.resumed_from, next_round=self.resumed_from + 1,
                       metrics_lines=len(back.records), dropped_metrics_lines=max(old_lines - len(back.records), 0),
                       registered=sorted(self.registered))
-
-    def _restore_sizes(self) -> None:
-        """Devices with their own data told their sizes at hello: a resumed coordinator reads them back."""
-        if not self.local_data:
-            return
-        for d, info in self.registered.items():
-            n, e = info.get("num_samples"), info.get("eval_samples", 0)
-            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-                self.co.clients[d] = n
-            if isinstance(e, int) and not isinstance(e, bool) and e >= 0:
-                self.co.fed_eval.expected[d] = e
-
-    def _save_devices(self) -> None:
-        """``devices.json``: who is registered now (call under the lock); a resumed coordinator reads it."""
-        atomic_write(self.run_dir / "devices.json", json.dumps(self.registered, indent=2, default=str))
 
     def _make_summary(self, records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         summary = summarize(records, self.cfg, wall_s)
@@ -411,10 +352,8 @@ class CoordinatorService:
     def close(self) -> None:
         """Stop serving the coordinator's address and close the log."""
         self.stop()
-        try:
+        with contextlib.suppress(Exception):
             self.peer.transport.unregister(self.peer.me)
-        except Exception:
-            pass
         self.log.close()
 
 
@@ -423,50 +362,3 @@ def _count_lines(path: Path) -> int:
         return sum(1 for line in path.read_text().splitlines() if line.strip())
     except OSError:
         return 0
-
-
-def _hello_problem(sender: str, body: dict[str, Any], expected: int | None) -> str | None:
-    """Why a ``hello`` is refused (None: it is not); ``expected`` is the sender's partition size here."""
-    if expected is None:
-        return f"unknown device {sender!r:.140}: this run has no partition for it"
-    if not isinstance(body.get("backend"), str) or not body["backend"]:
-        return "hello must name the device's backend (a non-empty string)"
-    if not isinstance(body.get("num_samples"), int) or isinstance(body.get("num_samples"), bool):
-        return "hello must carry num_samples (an integer)"
-    if body["num_samples"] != expected:
-        return (f"num_samples {body['num_samples']} does not match this run's partition for {sender} "
-                f"({expected}): the device was built from a different config or data set (a device with its own "
-                "data, --data, needs a coordinator started with --classes)")
-    if not isinstance(body.get("capabilities", {}), dict):
-        return "capabilities must be a map"
-    return None
-
-
-MAX_LOCAL_SAMPLES = 10**9
-
-
-def _local_hello_problem(sender: str, body: dict[str, Any], known: int | None) -> str | None:
-    """Why a device with its own data is refused: its size is its word, but a number of samples it must be."""
-    if known is None:
-        return f"unknown device {sender!r:.140}: not a device of this run (--clients)"
-    if not isinstance(body.get("backend"), str) or not body["backend"]:
-        return "hello must name the device's backend (a non-empty string)"
-    for key, low in (("num_samples", 2), ("eval_samples", 0)):
-        v = body.get(key, 0 if key == "eval_samples" else None)
-        if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= MAX_LOCAL_SAMPLES:
-            return f"hello must carry {key}, an integer in {low}..{MAX_LOCAL_SAMPLES}"
-    if not isinstance(body.get("capabilities", {}), dict):
-        return "capabilities must be a map"
-    return None
-
-
-def _restored_devices(run_dir: Path, fallback: dict[str, Any], clients: dict[str, int]) -> dict[str, dict[str, Any]]:
-    """The devices registered when the last coordinator died (``devices.json``, else the checkpoint's):
-    they are still running and listening, so the resumed rounds include them without a new hello."""
-    try:
-        saved = json.loads((run_dir / "devices.json").read_text())
-    except (OSError, ValueError):
-        saved = fallback
-    if not isinstance(saved, dict):
-        saved = fallback
-    return {d: dict(info, restored=True) for d, info in saved.items() if d in clients and isinstance(info, dict)}

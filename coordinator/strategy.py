@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from fedsga_edge.config import RunConfig, TrainConfig
 from fedsga_edge.options import Opt, class_options, resolve_args
+from fedsga_edge.wire import RemoteProtocolError
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -250,7 +251,8 @@ class Strategy:
         return F.cross_entropy(logits, y)
 
     def check_activation(self, body: dict[str, Any], n: int) -> Any:
-        """Validate the method's extra activation fields (raise ValueError); returns what after_step needs."""
+        """Validate the method's extra activation fields (raise RemoteProtocolError: the device's fault; any
+        other exception is a bug and fails the run); returns what after_step needs."""
         return None
 
     def after_step(self, Z: "Tensor | None", y: "Tensor", extra: Any) -> None:
@@ -262,9 +264,9 @@ class Strategy:
 
     def check_update(self, body: dict[str, Any]) -> None:
         """Validate the method's fields of a device's update (``body["method"]``, from its device side,
-        device/methods.py) before the update is accepted; raise ValueError. The default accepts none."""
+        device/methods.py) before the update is accepted; raise RemoteProtocolError. The default accepts none."""
         if body.get("method") is not None:
-            raise ValueError(f"{self.name} takes no method fields in an update")
+            raise RemoteProtocolError(f"{self.name} takes no method fields in an update")
 
     def aggregation_weight(self, cid: str, update: dict[str, Any], weight: float) -> float:
         """Device ``cid``'s weight in this round's aggregation, given its accepted ``update`` and its

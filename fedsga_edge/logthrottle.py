@@ -19,8 +19,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Summary", "Throttle", "ThrottledLog", "describe"]
+__all__ = ["Summary", "Throttle", "ThrottledEvents", "ThrottledLog", "describe"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -148,4 +149,29 @@ class ThrottledLog:
 
     def flush(self) -> None:
         """Write every summary owed (on close)."""
+        self.write(self.throttle.flush())
+
+
+class ThrottledEvents:
+    """A JSON event log's warnings about one device behind a Throttle (key: event and device), each
+    summary written as one ``log_suppressed`` line: a flood of refusals stays a few lines."""
+
+    def __init__(self, log: Any, throttle: Throttle | None = None) -> None:
+        self.log = log  # anything with ``warning(event, **fields)`` (fedsga_edge.runfiles.JsonLog)
+        self.throttle = throttle if throttle is not None else Throttle()
+
+    def warn(self, event: str, device: str, **fields: Any) -> None:
+        ok, due = self.throttle.hit((event, device))
+        self.write(due)
+        if ok:
+            self.log.warning(event, device=device, **fields)
+
+    def write(self, due: list[Summary]) -> None:
+        for s in due:
+            event, device = s.key if isinstance(s.key, tuple) else (str(s.key), "*")
+            self.log.warning("log_suppressed", of=event, device=device, count=s.suppressed,
+                             seconds=round(s.seconds, 1), keys=s.keys)
+
+    def flush(self) -> None:
+        """Write every summary owed (at the end of a run)."""
         self.write(self.throttle.flush())

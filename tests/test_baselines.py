@@ -9,9 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from _coordinator import bodies
 from _runs import tiny_config
 
 from fedsga_edge.simulation import Simulation
+from fedsga_edge.wire import RemoteProtocolError
 
 
 # -- MU-SplitFed: tau server steps per activation --------------------------------------------------------
@@ -126,8 +128,8 @@ def _fedmut_round_two(digits, clients: int, **args) -> tuple[Simulation, dict[st
     sim = Simulation(tiny_config("fedmut", rounds=2, clients=clients, max_batches=1, strategy_args=args), digits)
     next(sim.rounds())
     before = {n: v.clone() for n, v in sim.coordinator.model.state_dict().items()}
-    bodies = sim.coordinator.begin_round(2)
-    copies = {cid: {n: from_numpy(a, "cpu") for n, a in b["weights"].items()} for cid, b in bodies.items()}
+    starts = bodies(sim.coordinator.begin_round(2))
+    copies = {cid: {n: from_numpy(a, "cpu") for n, a in b["weights"].items()} for cid, b in starts.items()}
     return sim, copies, before
 
 
@@ -196,7 +198,7 @@ def test_fedmut_mutation_state_survives_a_checkpoint(digits, tmp_path) -> None:
     torch.save(sim.coordinator.checkpoint_state(), tmp_path / "ck.pt")
     other = Simulation(cfg, digits)
     other.coordinator.restore(torch.load(tmp_path / "ck.pt", weights_only=True))
-    a, b = sim.coordinator.begin_round(3), other.coordinator.begin_round(3)
+    a, b = bodies(sim.coordinator.begin_round(3)), bodies(other.coordinator.begin_round(3))
     assert sim.coordinator.strategy.mutations == other.coordinator.strategy.mutations == 2
     for cid in a:
         assert a[cid]["weights"].keys() == b[cid]["weights"].keys()
@@ -328,10 +330,10 @@ def test_fedbabu_finetune_settings_and_figures_that_break_the_rules_are_refused(
 
     # the round start: only FedBABU's carries the setting (FedAvg's keeps its bytes); a device checks it
     sim = Simulation(tiny_config("fedbabu", rounds=1, clients=1, eval_holdout=0.2), digits)
-    body = sim.coordinator.begin_round(1)["client-000"]
+    body = bodies(sim.coordinator.begin_round(1))["client-000"]
     assert body["method"] == {"name": "fedbabu", "finetune_epochs": 5} and body["full"] and body["evaluate"]
     avg = Simulation(tiny_config("fedavg", rounds=1, clients=1, eval_holdout=0.2), digits)
-    assert "method" not in avg.coordinator.begin_round(1)["client-000"]
+    assert "method" not in bodies(avg.coordinator.begin_round(1))["client-000"]
     base = {"train": TrainConfig(freeze_head=True).to_wire(), "weights": {}, "full": True, "split": None}
     check_round_start(dict(base, method={"name": "fedbabu", "finetune_epochs": 0}))
     for spec in ({"name": "fedbabu"}, {"name": "fedbabu", "finetune_epochs": -1},
@@ -355,11 +357,11 @@ def test_fedbabu_finetune_settings_and_figures_that_break_the_rules_are_refused(
     for bad_update in ({k: v for k, v in good.items() if k != "eval_acc_finetuned"},
                        dict(good, eval_acc_finetuned=1.5), dict(good, eval_loss_finetuned=float("nan")),
                        {"eval_acc_finetuned": 0.7, "eval_loss_finetuned": 1.0}):
-        with pytest.raises(ValueError, match="finetuned"):
+        with pytest.raises(RemoteProtocolError, match="finetuned"):
             fed.check_update("client-000", bad_update)
     avg_eval = avg.coordinator.fed_eval
-    with pytest.raises(ValueError, match="fine-tunes nothing"):
+    with pytest.raises(RemoteProtocolError, match="fine-tunes nothing"):
         avg_eval.check_update("client-000", dict(good, eval_count=avg_eval.expected["client-000"]))
     sim.coordinator.strategy.check_update({"method": {}})
-    with pytest.raises(ValueError, match="must be empty"):
+    with pytest.raises(RemoteProtocolError, match="must be empty"):
         sim.coordinator.strategy.check_update({"method": {"x": 1}})

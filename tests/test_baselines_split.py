@@ -71,8 +71,8 @@ def test_multisfl_master_is_the_data_weighted_aggregate_of_its_branches(digits) 
         for name in floats:
             torch.testing.assert_close(st.branches[b][name].double(),
                                        0.75 * branch[b][name] + 0.25 * master[name].double(), rtol=1e-5, atol=1e-6)
-    bodies = co.begin_round(2)
-    for cid, body in bodies.items():
+    for cid, start in co.begin_round(2):
+        body = start.body
         b = st.dealt[cid]
         assert b != dealt[cid]  # the deal rotates
         for name, a in body["weights"].items():
@@ -217,14 +217,12 @@ def test_mergesfl_one_server_step_per_merged_batch_and_each_device_gets_its_slic
     count = _count_steps(co.server.shared.opt)
     sizes = {"client-000": 8, "client-001": 5, "client-002": 3}
     batches = {d: _batch(model, k, [i % 10 for i in range(n)], seed) for seed, (d, n) in enumerate(sizes.items())}
-    replies = {}
-    for seq, (d, (z, y)) in enumerate(batches.items(), start=1):
-        replies[d] = co.receive(_activation_msg(d, seq, z, y, k), now=1.0)
-    assert replies["client-000"] is None and replies["client-001"] is None  # held
-    assert replies["client-002"].kind == "gradient" and count["steps"] == 1
-    released = dict(co.take_replies())
-    assert sorted(released) == ["client-000", "client-001"] and co.take_replies() == []
-    replies.update(released)
+    out = [co.receive(_activation_msg(d, seq, z, y, k), now=1.0)
+           for seq, (d, (z, y)) in enumerate(batches.items(), start=1)]
+    assert out[0] == [] and out[1] == []  # held: nothing to send yet
+    # the last activation completes the step: every device's reply comes out of that one call
+    assert [(d, m.kind) for d, m in out[2]] == [(d, "gradient") for d in sizes] and count["steps"] == 1
+    replies = dict(out[2])
     # by hand: one forward/backward of the concatenation, one SGD step
     z = torch.cat([z for z, _ in batches.values()]).requires_grad_(True)
     y = torch.cat([y for _, y in batches.values()])
@@ -256,23 +254,24 @@ def test_mergesfl_releases_the_step_with_whoever_still_trains(digits) -> None:
     a, c = (_batch(co.model, k, [0, 1, 2, 3], s) for s in range(2))
     from fedsga_edge.wire import Message
 
-    assert co.receive(_activation_msg("client-000", 1, *a, k), now=1.0) is None
+    def kinds(out):
+        return [(d, m.kind) for d, m in out]
+
+    assert co.receive(_activation_msg("client-000", 1, *a, k), now=1.0) == []
     bad = co.receive(_activation_msg("client-001", 1, a[0][:, :1], a[1], k), now=1.0)
-    assert bad.kind == "error" and co.take_replies() == []  # refused, nothing released
-    assert co.receive(Message("error", "run", 1, 2, "client-001", {"reason": "gave up"}), now=1.0) is None
-    assert co.take_replies() == [] and count["steps"] == 0  # client-002 still trains
-    reply = co.receive(_activation_msg("client-002", 1, *c, k), now=1.0)
-    assert reply.kind == "gradient" and count["steps"] == 1
-    assert [d for d, m in co.take_replies() if m.kind == "gradient"] == ["client-000"]
+    assert kinds(bad) == [("client-001", "error")]  # refused, nothing released
+    assert co.receive(Message("error", "run", 1, 2, "client-001", {"reason": "gave up"}), now=1.0) == []
+    assert count["steps"] == 0  # client-002 still trains
+    out = co.receive(_activation_msg("client-002", 1, *c, k), now=1.0)
+    assert kinds(out) == [("client-000", "gradient"), ("client-002", "gradient")] and count["steps"] == 1
     # client-002 fails: client-000's next activation is stepped alone
-    assert co.receive(_activation_msg("client-002", 2, *c, k), now=1.0) is None  # held: client-000 trains on
-    co.fail("client-000", "transport broke")
-    assert [(d, m.kind) for d, m in co.take_replies()] == [("client-002", "gradient")] and count["steps"] == 2
+    assert co.receive(_activation_msg("client-002", 2, *c, k), now=1.0) == []  # held: client-000 trains on
+    assert kinds(co.fail("client-000", "transport broke")) == [("client-002", "gradient")] and count["steps"] == 2
     # the deadline: a held request is refused, not left waiting
     _, co2 = _merging(digits, clients=2, round_timeout=10.0)
-    assert co2.receive(_activation_msg("client-000", 1, *a, k), now=1.0) is None
-    assert co2.tick(11.0)
-    assert [(d, m.kind) for d, m in co2.take_replies()] == [("client-000", "error")]
+    assert co2.receive(_activation_msg("client-000", 1, *a, k), now=1.0) == []
+    out = co2.tick(11.0)
+    assert co2.round_complete and kinds(out) == [("client-000", "error")]
 
 
 # -- MergeSFL in simulate: held activations answered later over the loopback -----------------------------
@@ -376,9 +375,8 @@ def test_mergesfl_held_request_replayed_is_not_stepped_twice_and_a_closed_round_
     # the deadline closes the round with client-000's next activation held: it gets its refusal
     held = t.request("client-000", "coordinator", act("client-000", 2, a))
     assert isinstance(held, PendingReply) and not held.ready
-    assert co.tick(11.0)
-    sim.driver.flush()
-    assert held.ready and decode(held.wait()).kind == "error" and count["steps"] == 1
+    sim.driver.send(co.tick(11.0))
+    assert co.round_complete and held.ready and decode(held.wait()).kind == "error" and count["steps"] == 1
 
 
 def test_mergesfl_round_on_onnx_devices_matches_torch_devices(digits) -> None:

@@ -24,6 +24,7 @@ from fedsga_edge.coordinator.round import RoundState
 from fedsga_edge.coordinator.scheduling import InProcessScheduler, MessageScheduler
 from fedsga_edge.runfiles import RunFiles
 from fedsga_edge.transport import LoopbackTransport, Peer
+from fedsga_edge.wire import Message
 
 import numpy as np
 
@@ -39,30 +40,36 @@ class FakeCoordinator:
         self.evaluated: list[int] = []
         self.device = "cpu"
 
-    def begin_round(self, t: int, now: float, devices: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    def begin_round(self, t: int, now: float, devices: list[str] | None = None) -> list[tuple[str, Message]]:
         devices = list(self.clients) if devices is None else devices
         deadline = now + self.cfg.round_timeout if self.cfg.round_timeout > 0 else None
         self.round.begin(t, {d: 1 for d in devices}, False, deadline)
         self.started = now
-        return {d: {"split": 1} for d in devices}
+        return [(d, Message("round_start", "", t, 0, "coordinator", {"split": 1})) for d in devices]
 
-    def receive(self, msg: Any, now: float | None = None) -> None:
+    def receive(self, msg: Any, now: float | None = None) -> list[tuple[str, Message]]:
         if msg.kind == "update" and msg.sender in self.round.waiting and self.round.phase == "training":
             self.round.accept_update(msg.sender, {"split": 1, "train_loss": 1.0})
+        return []
 
-    def tick(self, now: float) -> bool:
-        self.round.expire(now)
+    @property
+    def round_complete(self) -> bool:
         return self.round.complete or self.round.phase == "closed"
 
-    def fail(self, device: str, reason: str) -> None:
-        self.round.fail(device, reason)
+    def tick(self, now: float) -> list[tuple[str, Message]]:
+        self.round.expire(now)
+        return []
 
-    def end_round(self, now: float) -> dict[str, Any]:
+    def fail(self, device: str, reason: str) -> list[tuple[str, Message]]:
+        self.round.fail(device, reason)
+        return []
+
+    def end_round(self, now: float) -> tuple[dict[str, Any], list[tuple[str, Message]]]:
         rs = self.round
         if rs.phase == "training":
             rs.close()
         return {"round": rs.t, "splits": {c: 1 for c in rs.updates}, "failures": dict(rs.failures),
-                "train_loss": 1.0, "round_s": now - self.started}
+                "train_loss": 1.0, "round_s": now - self.started}, []
 
     def evaluate(self, images: Any, mean: tuple, std: tuple) -> dict[str, Any]:
         self.evaluated.append(self.round.t)
@@ -186,5 +193,5 @@ def test_the_message_scheduler_waits_for_updates_and_stops_on_request() -> None:
 
     threading.Timer(0.05, later).start()
     with cond:
-        sched.advance(co, clock)
+        sched.advance(co, clock, lambda out: None)
     assert co.round.updates.keys() == {"a"} and co.round.failures == {"b": "coordinator stopped"}

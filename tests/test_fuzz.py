@@ -18,6 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from _coordinator import only_reply
 from _runs import tiny_config
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
@@ -456,8 +457,8 @@ def test_coordinator_receive_refuses_hostile_requests_and_changes_nothing(coordi
     serve = peer.serve(lambda m: co.receive(m, 0.0), sender_of=lambda: observed)
     before, errors, updates = _state(co), co.remote_errors, dict(co.round.updates)
     cal = len(co.strategy.cal_buffer)
-    reply = serve(raw)  # never raises: a refusal is a reply
-    rep = decode(reply) if reply is not None else None
+    reply = serve(raw)  # never raises: a refusal is a reply (a one-way ``error`` leaves nothing to answer)
+    rep = decode(reply) if isinstance(reply, bytes) else None
     event(f"{decode(raw).kind if rep is None or rep.kind != 'error' else 'refused'} -> {rep.kind if rep else None}: "
           f"{(rep.body.get('reason', '') if rep else '')[:34]}")
     if rep is None or rep.kind == "error":
@@ -490,14 +491,14 @@ def test_poisoned_activations_and_replays_are_refused_with_a_reason(digits) -> N
     ]
     for i, (reason, over) in enumerate(cases):
         before = _state(co)
-        rep = co.receive(_activation(co, 10 + i, k=k, **over), 0.0)
+        rep = only_reply(co.receive(_activation(co, 10 + i, k=k, **over), 0.0))
         assert rep.kind == "error" and reason in rep.body["reason"] and _same(before, _state(co)), (reason, rep.body)
-    assert co.receive(_activation(co, 20, k=k), 0.0).kind == "gradient"
+    assert only_reply(co.receive(_activation(co, 20, k=k), 0.0)).kind == "gradient"
     before = _state(co)
     for seq in (20, 19, 3):  # the same seq again (bytes changed, so the Peer handles it afresh) or older
-        rep = co.receive(_activation(co, seq, k=k), 0.0)
+        rep = only_reply(co.receive(_activation(co, seq, k=k), 0.0))
         assert rep.kind == "error" and "replay" in rep.body["reason"]
-    assert _same(before, _state(co)) and co.receive(_activation(co, 21, k=k), 0.0).kind == "gradient"
+    assert _same(before, _state(co)) and only_reply(co.receive(_activation(co, 21, k=k), 0.0)).kind == "gradient"
     # A finite activation can still blow up a server whose weights went bad: the step is refused and
     # BatchNorm's statistics, which the forward pass moved, are put back bit for bit.
     bn = [m for m in co.model.blocks[-1].modules() if isinstance(m, torch.nn.BatchNorm2d)][-1]  # server side
@@ -505,9 +506,9 @@ def test_poisoned_activations_and_replays_are_refused_with_a_reason(digits) -> N
         bn.weight.fill_(3e38)
         bn.bias.fill_(3e38)
     before = _state(co)
-    rep = co.receive(_activation(co, 22, k=k), 0.0)
+    rep = only_reply(co.receive(_activation(co, 22, k=k), 0.0))
     assert rep.kind == "error" and "non-finite loss" in rep.body["reason"] and _same(before, _state(co))
-    rec = co.end_round(0.0)
+    rec, _ = co.end_round(0.0)
     assert rec["remote_errors_count"] == len(cases) + 4 and len(rec["remote_errors"]) == len(cases) + 4
 
 
@@ -530,11 +531,11 @@ def test_a_malformed_update_is_refused_and_never_reaches_end_round(digits) -> No
         "num_samples": {"num_samples": 10**9},
     }
     for seq, (reason, over) in enumerate(bad.items(), start=1):
-        rep = co.receive(Message("update", RUN, 1, seq, "client-000", good | over), 0.0)
+        rep = only_reply(co.receive(Message("update", RUN, 1, seq, "client-000", good | over), 0.0))
         assert rep.kind == "error" and reason in rep.body["reason"], (reason, rep.body)
-    assert co.receive(Message("update", RUN, 1, 99, "client-000", good), 0.0).kind == "ack"
+    assert only_reply(co.receive(Message("update", RUN, 1, 99, "client-000", good), 0.0)).kind == "ack"
     co.fail("client-001", "test")
-    rec = co.end_round(0.0)
+    rec, _ = co.end_round(0.0)
     assert rec["splits"] == {"client-000": k} and all(torch.isfinite(v.float()).all() for v in co.model.state_dict().values())
 
 
@@ -547,7 +548,7 @@ def test_probe_observations_out_of_range_are_refused(digits) -> None:
     body = {"z1": np.zeros((b, *_interface(co, 1)), np.float32), "zref": np.zeros((b, *_interface(co, 2)), np.float32),
             "y": np.arange(b), "r_prev": 0.5}
     for o in ([math.nan, 0.0, 0.0], [0.5, 1e300, 0.0], [2.0, 0.0, 0.0], [0.5, -1.0, 0.0]):
-        rep = co.receive(Message("probe", RUN, 1, 10**9, "client-002", body | {"o": o}), 0.0)
+        rep = only_reply(co.receive(Message("probe", RUN, 1, 10**9, "client-002", body | {"o": o}), 0.0))
         assert rep.kind == "error" and ("finite" in rep.body["reason"] or "out of range" in rep.body["reason"])
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _coordinator import only_reply
 from _runs import tiny_config
 
 from fedsga_edge.coordinator.influence import ActivationBound, clip_updates
@@ -51,19 +52,19 @@ def test_a_hostile_activation_in_a_running_round_is_clipped_counted_and_its_grad
     rng = np.random.default_rng(0)
     honest = [rng.standard_normal((8, *shape)).astype(np.float32) for _ in range(3)]
     for i, z in enumerate(honest[:2]):
-        reply = co.receive(Message("activation", "sim-0", 1, 1, f"client-00{i}",
-                                   {"z": z, "y": np.arange(8, dtype=np.int64), "split": 2}))
+        reply = only_reply(co.receive(Message("activation", "sim-0", 1, 1, f"client-00{i}",
+                                              {"z": z, "y": np.arange(8, dtype=np.int64), "split": 2})))
         assert reply.kind == "gradient"
     typical = float(np.median(np.linalg.norm(honest[0].reshape(8, -1), axis=1)))
     evil = honest[2] * 100.0
-    reply = co.receive(Message("activation", "sim-0", 1, 1, "client-002",
-                               {"z": evil, "y": np.arange(8, dtype=np.int64), "split": 2}))
+    reply = only_reply(co.receive(Message("activation", "sim-0", 1, 1, "client-002",
+                                          {"z": evil, "y": np.arange(8, dtype=np.int64), "split": 2})))
     assert reply.kind == "gradient" and np.isfinite(reply.body["dz"]).all()
     limit = co.bounds.bound(2, fleet=3)
     assert limit is not None and limit < 10 * typical  # the bound is the fleet's, not the attacker's
     held = co.bounds.norms[2]["client-002"]
     assert max(held) <= limit * (1 + 1e-5)  # what entered the server step was clipped
-    rec = co.end_round()
+    rec, _ = co.end_round()
     assert rec["clipped"]["activations"] == {"client-002": 8}
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _export_artifacts import device_artifacts
+from _coordinator import only_reply
 from _runs import tiny_config
 from fedsga_edge.device.evaluate import hold_out
 from test_device_runtime import BLOCK_TORCH
@@ -190,22 +191,22 @@ def test_evaluate_requests_that_break_the_rules_are_refused_and_change_nothing(d
         "no y": {"z": good["z"], "split": k},
     }
     for seq, (name, body) in enumerate(bad.items(), start=1):
-        reply = co.receive(Message("evaluate", "sim-0", 1, seq, "client-000", body))
+        reply = only_reply(co.receive(Message("evaluate", "sim-0", 1, seq, "client-000", body)))
         assert reply.kind == "error", name
     held = co.fed_eval.expected["client-000"]
     co.fed_eval.expected["client-000"] = 3  # more samples than the device said it holds out
-    reply = co.receive(Message("evaluate", "sim-0", 1, 9, "client-000", good))
+    reply = only_reply(co.receive(Message("evaluate", "sim-0", 1, 9, "client-000", good)))
     assert reply.kind == "error" and "more than the 3" in reply.body["reason"]
     co.fed_eval.expected["client-000"] = held
     assert co.fed_eval.tally == {}
-    reply = co.receive(Message("evaluate", "sim-0", 1, 10, "client-000", good))
+    reply = only_reply(co.receive(Message("evaluate", "sim-0", 1, 10, "client-000", good)))
     assert reply.kind == "eval_result" and reply.body["count"] == 4
     co.end_round()
     co.begin_round(2)  # round 2 follows an evaluation round (eval_every 1): it evaluates too
     assert co.fed_eval.active
     sim2 = Simulation(tiny_config("static", clients=1, eval_holdout=0.25, rounds=3, eval_every=2), digits)
     sim2.coordinator.begin_round(2)  # after round 1, not an evaluation round
-    reply = sim2.coordinator.receive(Message("evaluate", "sim-0", 2, 1, "client-000", good))
+    reply = only_reply(sim2.coordinator.receive(Message("evaluate", "sim-0", 2, 1, "client-000", good)))
     assert reply.kind == "error" and "not an evaluation round" in reply.body["reason"]
 
 

@@ -212,21 +212,22 @@ def test_peer_numbers_its_messages():
         Peer(t, "client-1", RUN, tensor_format="bf16")
 
 
-# -- answering later (a Deferred: MergeSFL's merged step) ---------------------------------------------------
+# -- a request left open (its reply not emitted yet: MergeSFL's merged step) ----------------------------------
 
-def test_a_deferred_request_returns_a_pending_reply_that_answer_fills_once():
-    """The handler answers "later": the loopback request returns at once with a pending reply, which the
-    server's ``answer`` fills (its bytes counted as any reply's); a repeat of the held request is not
-    handled again meanwhile; once answered, the same bytes are handled afresh (the role's own guard)."""
-    from fedsga_edge.transport import Deferred, PendingMessage, PendingReply
+def test_an_open_request_returns_a_pending_reply_that_answer_fills_once():
+    """The handler's list of messages holds no reply to the request: the loopback request returns at once
+    with a pending reply, which the server's ``answer`` fills (its bytes counted as any reply's); a repeat of
+    the open request is not handled again meanwhile; once answered, the same bytes are handled afresh (the
+    role's own guard)."""
+    from fedsga_edge.transport import OpenRequest, PendingMessage, PendingReply
 
     t = LoopbackTransport()
     server, dev = Peer(t, "coordinator", RUN), Peer(t, "client-1", RUN)
     runs: list[int] = []
 
-    def handler(msg: Message) -> Message | Deferred:
+    def handler(msg: Message) -> list[tuple[str, Message]]:
         runs.append(msg.seq)
-        return Deferred(msg.sender, msg.seq)
+        return []  # nothing to send yet
 
     server.register(handler)
     pending = dev.call("coordinator", "activation", 1, {"z": np.ones((2, 3), np.float32), "y": np.arange(2),
@@ -248,7 +249,7 @@ def test_a_deferred_request_returns_a_pending_reply_that_answer_fills_once():
     assert t.stats.bytes_sent(src="client-1", dst="coordinator") == 2 * up
     assert isinstance(t.request("client-1", "coordinator", replay), PendingReply) and runs == [1, 1]
     # a reply that comes before its request's handler returned (another thread released it) is kept
-    t.reply("coordinator", Deferred("client-1", 7), encode(reply))
+    t.reply("coordinator", OpenRequest("client-1", 7), encode(reply))
     early = t.request("client-1", "coordinator", encode(Message("activation", RUN, 1, 7, "client-1", {
         "z": np.ones((2, 3), np.float32), "y": np.arange(2), "split": 1})))
     assert isinstance(early, PendingReply) and early.ready and decode(early.wait()).kind == "gradient"

@@ -169,24 +169,22 @@ def test_nested_request_from_a_handler_does_not_deadlock(
 def test_a_request_answered_later_gets_its_reply_on_its_own_correlation_id(
     broker: Broker, transports: Callable[..., MqttTransport]
 ) -> None:
-    """MergeSFL's merged step over MQTT: the coordinator holds client-1's activation (a ``Deferred``) until
-    client-2's arrives, answers client-2 directly and client-1 through ``answer``: client-1's request waits
-    for its reply on its own correlation id; both ends count the deferred reply's bytes once."""
-    from fedsga_edge.transport import Deferred
-
+    """MergeSFL's merged step over MQTT: the coordinator holds client-1's activation (its handler emits
+    nothing) until client-2's arrives, whose handling emits both replies: client-2's goes back as its reply,
+    client-1's answers its open request, which waits for it on its own correlation id; both ends count
+    that reply's bytes once."""
     ct = transports(broker, client_id="coord")
     dts = {d: transports(broker, client_id=d) for d in ("client-1", "client-2")}
     coord = Peer(ct, "coordinator", RUN)
     held: list[Message] = []
 
-    def on_coord(msg: Message) -> Message | Deferred:
+    def on_coord(msg: Message) -> list[tuple[str, Message]]:
         reply = coord.reply(msg, "gradient", {"dz": msg.body["z"] * 2, "loss": float(msg.seq)})
         reply = Message(reply.kind, reply.run, reply.round, msg.seq, reply.sender, reply.body)
         if not held:
             held.append(reply)
-            return Deferred(msg.sender, msg.seq)
-        coord.answer("client-1", held[0])  # released by the second device's activation
-        return reply
+            return []  # held: nothing to send yet
+        return [("client-1", held[0]), (msg.sender, reply)]  # released by the second device's activation
 
     coord.register(on_coord)
     got: dict[str, Message] = {}

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from fedsga_edge.wire import RemoteProtocolError
+from _coordinator import bodies, only_reply
 from _runs import tiny_config
 import torch
 
@@ -138,12 +139,12 @@ def test_requests_from_outside_the_round_are_refused_and_change_nothing(digits) 
                                                          "train_loss": 0.0}),
     ]
     for msg in bad:
-        reply = co.receive(msg)
+        reply = only_reply(co.receive(msg))
         assert reply is not None and reply.kind == "error", msg
     assert co.remote_errors == len(bad)
     for k, v in co.model.state_dict().items():
         assert torch.equal(v, state[k]), k
-    assert co.receive(Message("activation", "sim-0", 1, 7, "client-000", good)).kind == "gradient"
+    assert only_reply(co.receive(Message("activation", "sim-0", 1, 7, "client-000", good))).kind == "gradient"
 
 
 # -- calibration -------------------------------------------------------------------------------
@@ -171,7 +172,7 @@ def test_probe_with_equal_blocks_gives_equal_losses_and_changes_no_state(digits)
     co.begin_round(1)
     x, y = _digits_batch(digits)
     before = {k: v.clone() for k, v in co.model.state_dict().items()}
-    reply = co.receive(_probe_message(co, x, y, co.model))  # device blocks == the server's blocks
+    reply = only_reply(co.receive(_probe_message(co, x, y, co.model)))  # device blocks == the server's blocks
     assert reply.kind == "probe_result"
     assert reply.body["L1"] == pytest.approx(reply.body["Lref"], rel=1e-5) and reply.body["s"] == 1
     for k, v in co.model.state_dict().items():  # BatchNorm statistics included
@@ -277,9 +278,9 @@ def test_fedprox_config_uses_the_cli_default_mu(digits) -> None:
 
     cli_mu = inspect.signature(simulate).parameters["mu"].default.default
     sim = Simulation(tiny("fedprox", clients=1, rounds=1), digits)
-    bodies = sim.coordinator.begin_round(1)
-    assert bodies["client-000"]["train"]["mu"] == cli_mu == RunConfig().prox_mu > 0
-    static = Simulation(tiny("static", clients=1, rounds=1), digits).coordinator.begin_round(1)
+    starts = bodies(sim.coordinator.begin_round(1))
+    assert starts["client-000"]["train"]["mu"] == cli_mu == RunConfig().prox_mu > 0
+    static = bodies(Simulation(tiny("static", clients=1, rounds=1), digits).coordinator.begin_round(1))
     assert static["client-000"]["train"]["mu"] == 0.0
 
 

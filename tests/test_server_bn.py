@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _coordinator import only_reply
 from _runs import tiny_config
 
 from fedsga_edge.runbuild import validate_config
@@ -70,21 +71,22 @@ def test_bn_context_puts_other_devices_rows_in_the_batch_statistics_and_charges_
 
     # the first activation has no context: the plain gradient
     expect = _dz_by_hand(co, za, y, [])
-    reply = co.receive(_activation(co, "client-000", 1, za, y))
+    reply = only_reply(co.receive(_activation(co, "client-000", 1, za, y)))
     assert reply.kind == "gradient" and torch.allclose(torch.from_numpy(reply.body["dz"]), expect, atol=1e-6)
     # client-001's batch is normalised together with client-000's latest rows (one other device)
     with_context = _dz_by_hand(co, zb, y, [torch.from_numpy(za)])
     alone = _dz_by_hand(co, zb, y, [])
-    dz = torch.from_numpy(co.receive(_activation(co, "client-001", 1, zb, y)).body["dz"])
+    dz = torch.from_numpy(only_reply(co.receive(_activation(co, "client-001", 1, zb, y))).body["dz"])
     assert torch.allclose(dz, with_context, atol=1e-6) and not torch.allclose(dz, alone, atol=1e-3)
     # at most one other device: client-002 gets client-001's rows (the latest), not client-000's
     expect = _dz_by_hand(co, zc, y, [torch.from_numpy(zb)])
-    assert torch.allclose(torch.from_numpy(co.receive(_activation(co, "client-002", 1, zc, y)).body["dz"]), expect, atol=1e-6)
+    dz = torch.from_numpy(only_reply(co.receive(_activation(co, "client-002", 1, zc, y))).body["dz"])
+    assert torch.allclose(dz, expect, atol=1e-6)
     assert list(co.server.rows[2]) == ["client-001", "client-002"]  # n + 1 kept per split, most recent last
 
     # a refused activation changes nothing and never enters anyone's statistics
     held = {d: z.clone() for d, z in co.server.rows[2].items()}
-    bad = co.receive(_activation(co, "client-000", 2, np.full_like(za, np.nan), y))
+    bad = only_reply(co.receive(_activation(co, "client-000", 2, np.full_like(za, np.nan), y)))
     assert bad.kind == "error" and co.server.rows[2].keys() == held.keys()
     assert all(torch.equal(co.server.rows[2][d], z) for d, z in held.items())
 

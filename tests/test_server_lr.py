@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from _coordinator import bodies
 from _runs import tiny_config
 
 from fedsga_edge.runbuild import validate_config
@@ -99,11 +100,11 @@ def test_the_rounds_rate_reaches_the_devices_round_start_and_every_server_copy(d
         sim = Simulation(tiny_config("static", rounds=4, lr_schedule="cosine", server_lr=0.03, server_copies=copies),
                          digits)
         co = sim.coordinator
-        bodies = co.begin_round(t)
+        starts = bodies(co.begin_round(t))
         scale = sim.cfg.lr_scale(t)
-        assert [b["train"]["lr"] for b in bodies.values()] == pytest.approx([sim.cfg.train.lr * scale] * len(bodies))
+        assert [b["train"]["lr"] for b in starts.values()] == pytest.approx([sim.cfg.train.lr * scale] * len(starts))
         assert co.server.copy_for("client-000").opt.param_groups[0]["lr"] == pytest.approx(0.03 * scale)
         assert co.server.shared.opt.param_groups[0]["lr"] == pytest.approx(0.03 * scale)
     assert sim.cfg.train.lr == 0.1  # the run's own setting is untouched
-    constant = Simulation(tiny_config("static", rounds=4), digits).coordinator.begin_round(3)
+    constant = bodies(Simulation(tiny_config("static", rounds=4), digits).coordinator.begin_round(3))
     assert {b["train"]["lr"] for b in constant.values()} == {0.1}

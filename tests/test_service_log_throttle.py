@@ -26,7 +26,7 @@ def test_a_flood_of_refused_hellos_is_ten_lines_and_a_count(digits, tmp_path) ->
     transport = LoopbackTransport()
     service = coordinator_service(cfg, transport, tmp_path / "run", bundle=digits, min_devices=1)
     clock = Clock()
-    service._noise = Throttle(clock=clock)
+    service.events.throttle = Throttle(clock=clock)
     # a device of the run whose hello is wrong (its share is not 1 sample): refused by the service, not on the
     # envelope (an unknown sender would be, by the Peer, with its own throttle)
     intruder = Peer(transport, "client-000", "sim-0")

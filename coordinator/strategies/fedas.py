@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from fedsga_edge.options import Opt
+from fedsga_edge.wire import RemoteProtocolError
 
 from ..limits import check_values
 from ..strategy import register_strategy
@@ -48,10 +49,10 @@ class FedAS(FedAvg):
         m = body.get("method")
         f = m.get("fisher") if isinstance(m, dict) else None
         if isinstance(f, bool) or not isinstance(f, (int, float)):
-            raise ValueError("a FedAS update must carry its Fisher information (method.fisher, a number)")
+            raise RemoteProtocolError("a FedAS update must carry its Fisher information (method.fisher, a number)")
         check_values(np.array([f], dtype=np.float64), "method.fisher")  # finite, of a sane size
         if f < 0:
-            raise ValueError(f"method.fisher must be >= 0, got {f!r:.40}")
+            raise RemoteProtocolError(f"method.fisher must be >= 0, got {f!r:.40}")
 
     def aggregation_weight(self, cid: str, update: dict[str, Any], weight: float) -> float:
         return float(update["method"]["fisher"])  # in place of |D_i|: normalised over the round's devices

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedsga_edge.config import TrainConfig
 from fedsga_edge.options import Opt
+from fedsga_edge.wire import RemoteProtocolError
 
 from ..strategy import head_state, register_strategy
 from .fedavg import FedAvg
@@ -64,7 +65,7 @@ class FedBABU(FedAvg):
         """The device side reports nothing of its own (its figures are ``eval_*``, checked by the evaluation)."""
         m = body.get("method")
         if m is not None and not (isinstance(m, dict) and not m):
-            raise ValueError("a FedBABU update's method fields must be empty")
+            raise RemoteProtocolError("a FedBABU update's method fields must be empty")
 
     def begin_round(self, t: int, calibrate: bool) -> None:
         self._head = head_state(self._model)

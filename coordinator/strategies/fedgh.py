@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedsga_edge.options import Opt
+from fedsga_edge.wire import RemoteProtocolError
 
 from ..limits import check_values
 from ..strategy import head_state, register_strategy
@@ -88,21 +89,21 @@ class FedGH(FedAvg):
         """classes (n,) distinct labels, counts (n,) >= 1, means (n, D) finite with D the head's input."""
         m = body.get("method")
         if not isinstance(m, dict):
-            raise ValueError("a FedGH update must carry its class means (method)")
+            raise RemoteProtocolError("a FedGH update must carry its class means (method)")
         classes, counts, means = m.get("classes"), m.get("counts"), m.get("means")
         if not all(isinstance(a, np.ndarray) for a in (classes, counts, means)):
-            raise ValueError("method.classes, counts and means must be arrays")
+            raise RemoteProtocolError("method.classes, counts and means must be arrays")
         dim = int(self._model.head.in_features)
         n = len(classes) if classes.ndim == 1 else -1
         if classes.dtype.kind not in "iu" or counts.dtype.kind not in "iu" or means.dtype.kind != "f":
-            raise ValueError("method.classes and counts must be integers, means floating point")
+            raise RemoteProtocolError("method.classes and counts must be integers, means floating point")
         if n < 1 or counts.shape != (n,) or means.shape != (n, dim):
-            raise ValueError(f"method: classes {classes.shape}, counts {counts.shape}, means {means.shape} do "
+            raise RemoteProtocolError(f"method: classes {classes.shape}, counts {counts.shape}, means {means.shape} do "
                              f"not fit n classes and the head's {dim} inputs")
         if len(np.unique(classes)) != n or classes.min() < 0 or classes.max() >= self._num_classes:
-            raise ValueError(f"method.classes must be distinct labels in 0..{self._num_classes - 1}")
+            raise RemoteProtocolError(f"method.classes must be distinct labels in 0..{self._num_classes - 1}")
         if counts.min() < 1:
-            raise ValueError("method.counts must be positive")
+            raise RemoteProtocolError("method.counts must be positive")
         check_values(means, "method.means")
 
     def end_round(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:

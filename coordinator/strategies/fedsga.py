@@ -14,6 +14,7 @@ import numpy as np
 
 from fedsga_edge.config import RunConfig
 from fedsga_edge.method.policy import reference_index
+from fedsga_edge.wire import RemoteProtocolError
 
 from ..strategy import Method, Strategy, check_split, register_strategy, split_suffix
 
@@ -293,7 +294,7 @@ class FedSGA(Strategy):
             return None
         h1 = body["h1"]
         if not isinstance(h1, np.ndarray) or h1.shape != (n, self.phi_s.net[0].in_features):
-            raise ValueError("h1 must be pooled p_1 features, one row per sample")
+            raise RemoteProtocolError("h1 must be pooled p_1 features, one row per sample")
         check_values(h1, "h1")
         return h1
 
@@ -325,24 +326,25 @@ class FedSGA(Strategy):
         from fedsga_edge.tensors import probe_mode
 
         if not co.round.calibrate:
-            raise ValueError("this round does not calibrate")
+            raise RemoteProtocolError("this round does not calibrate")
         if any(c["client"] == msg.sender for c in self._calibration):
-            raise ValueError("this device already probed this round")
+            raise RemoteProtocolError("this device already probed this round")
         k_ref = reference_index(self.K)
         body = msg.body
         z1, y = co.check_activation(body, "z1", 1)
         zref, y2 = co.check_activation(body, "zref", k_ref)
         if not torch.equal(y, y2):
-            raise ValueError("z1 and zref must come from the same batch")
+            raise RemoteProtocolError("z1 and zref must come from the same batch")
         o = np.asarray(body["o"], dtype=np.float64)
         r_prev = float(body["r_prev"])
         if o.shape != (self.cal_buffer.num_obs,) or not np.isfinite(o).all() or not 0.0 <= r_prev <= 1.0:
-            raise ValueError(f"o must be {self.cal_buffer.num_obs} finite values and r_prev in [0, 1]")
+            raise RemoteProtocolError(f"o must be {self.cal_buffer.num_obs} finite values and r_prev in [0, 1]")
         # o = (a, delta[, q][, m]) (docs/method.md): a is a mean cosine, delta and q are norms of changes, m the
         # margin this round's start sent: the server's own copy is stored, whatever the device says it was
         norms = o[self._norms]
         if not (-1.0001 <= o[0] <= 1.0001 and (norms >= 0).all() and (norms <= MAX_ABS_VALUE).all()):
-            raise ValueError(f"o = {o.tolist()} is out of range: a in [-1, 1], delta and q in [0, {MAX_ABS_VALUE:g}]")
+            raise RemoteProtocolError(f"o = {o.tolist()} is out of range: a in [-1, 1], delta and q in "
+                                      f"[0, {MAX_ABS_VALUE:g}]")
         memory = self.cfg.fedsga.label_memory
         if memory:
             o[-1] = self._sent_margin.get(msg.sender, 0.0)
@@ -352,7 +354,7 @@ class FedSGA(Strategy):
             L1 = float(self.loss(*self.forward(side, z1, 1), y))
             Lref = float(self.loss(*self.forward(side, zref, k_ref), y))
         if not (math.isfinite(L1) and math.isfinite(Lref)):
-            raise ValueError("probe losses are not finite")
+            raise RemoteProtocolError("probe losses are not finite")
         s = sufficiency_label(L1, Lref, self.cfg.fedsga.beta)
         if memory:  # the next round start's margin for this device: log(Lref / L1), finite and bounded
             self._margins[msg.sender] = float(np.clip(math.log((Lref + 1e-12) / (L1 + 1e-12)), -_MARGIN_CAP, _MARGIN_CAP))

@@ -4,15 +4,15 @@ Regulation"): SplitFed whose server merges the activations of every device of on
 The server concatenates the step's activations, takes ONE step of its copy on the merged batch and sends
 each device its slice of the input gradient (scaled to its own mean loss, as the reference code does);
 the device prefixes are averaged at the round's end as in SplitFed. The merged step is
-``MergedServer`` (coordinator/server_side.py); the coordinator holds each activation until the step's
-last training device has sent (``Coordinator._release``, ``take_replies``).
+``MergedServer`` (coordinator/server_side.py), which holds each activation until the step's last
+training device has sent.
 
-A held activation is answered later: the driver (coordinator/driver.py) turns it into a ``Deferred``
-reply and sends what ``take_replies`` releases through ``Peer.answer``. Over MQTT the device's request
-simply waits on its reply topic; in ``simulate`` the loopback request returns a pending reply, the
-device's scheduler gives it no turn until the reply is there (``--fleet``: its virtual time waits), and
-a round that closes refuses whatever is still held. Every device reports the merged loss
-(docs/method.md, "Baselines beyond the paper's own").
+A held activation is answered when its step is taken: the gradients of the step come out of the
+coordinator call that completed it (the last activation, or a device leaving the step), each the reply
+to its device's open request. Over MQTT the device's request simply waits on its reply topic; in
+``simulate`` the loopback request returns a pending reply, the device's scheduler gives it no turn until
+the reply is there (``--fleet``: its virtual time waits), and a round that closes refuses whatever is
+still held. Every device reports the merged loss (docs/method.md, "Baselines beyond the paper's own").
 """
 
 from __future__ import annotations

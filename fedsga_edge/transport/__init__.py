@@ -5,15 +5,15 @@ their own modules and are imported by name when the CLI picks them, so devices
 without a broker client installed can still use this package.
 """
 
-from .base import Deferred, Handler, PendingReply, Transport, TransportError, TransportStats, check_address
+from .base import Handler, OpenRequest, PendingReply, Transport, TransportError, TransportStats, check_address
 from .loopback import LoopbackTransport
 from .peer import MessageHandler, Peer, PendingMessage
 
 __all__ = [
-    "Deferred",
     "Handler",
     "LoopbackTransport",
     "MessageHandler",
+    "OpenRequest",
     "Peer",
     "PendingMessage",
     "PendingReply",

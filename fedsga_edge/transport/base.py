@@ -14,25 +14,26 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Deferred", "Handler", "PendingReply", "Transport", "TransportError", "TransportStats", "check_address"]
+__all__ = ["Handler", "OpenRequest", "PendingReply", "Transport", "TransportError", "TransportStats", "check_address"]
 
 
 @dataclass(frozen=True, slots=True)
-class Deferred:
-    """A handler's answer "later" to request ``seq`` of ``sender`` (the coordinator holding an activation
-    for a merged step, MergeSFL): the reply follows through ``Transport.reply`` with this token."""
+class OpenRequest:
+    """Request ``seq`` of ``sender``, whose reply its handler has not emitted yet: the transport keeps the
+    request open, and ``Transport.reply`` with this token answers it (the coordinator holding an
+    activation for a merged step, MergeSFL)."""
 
     sender: str
     seq: int
 
 
-Handler = Callable[[bytes], "bytes | Deferred | None"]
-"""Request bytes in, reply bytes out; None means "no reply", a ``Deferred`` "the reply comes later"."""
+Handler = Callable[[bytes], "bytes | OpenRequest | None"]
+"""Request bytes in, reply bytes out; None means "no reply", an ``OpenRequest`` "not answered yet"."""
 
 
 class PendingReply:
-    """A request's reply that its handler deferred, on a transport whose ``request`` cannot wait for it
-    (loopback: the handler runs in the caller's thread, which may be the only one). ``ready`` once
+    """The reply to a request left open, on a transport whose ``request`` cannot wait for it (loopback:
+    the handler runs in the caller's thread, which may be the only one). ``ready`` once
     ``Transport.reply`` filled it; ``wait`` blocks until then and returns the bytes."""
 
     __slots__ = ("_done", "_data")
@@ -57,7 +58,7 @@ class PendingReply:
     def wait(self, timeout: float | None = None) -> bytes:
         """The reply's bytes; TransportError if it has not come within ``timeout`` (None: wait as long as it takes)."""
         if not self._done.wait(timeout):
-            raise TransportError(f"no deferred reply within {timeout:g} s")
+            raise TransportError(f"no reply to the open request within {timeout:g} s")
         assert self._data is not None
         return self._data
 
@@ -118,10 +119,10 @@ class Transport(ABC):
     one-way (any reply the handler returns is dropped). Implementations count
     every payload they carry in ``stats``, replies included.
 
-    A handler may answer a request "later" by returning a ``Deferred`` token; the reply then goes out
-    when ``reply`` is called with that token (MQTT: on the request's reply topic under its
-    correlation id, the requester's ``request`` still waiting; loopback: ``request`` has returned a
-    ``PendingReply``, which ``reply`` fills).
+    A handler may leave a request open by returning an ``OpenRequest`` token; its reply goes out when
+    ``reply`` is called with that token (MQTT: on the request's reply topic under its correlation id,
+    the requester's ``request`` still waiting; loopback: ``request`` has returned a ``PendingReply``,
+    which ``reply`` fills).
     """
 
     stats: TransportStats
@@ -142,12 +143,12 @@ class Transport(ABC):
     def send(self, src: str, dst: str, payload: bytes) -> None:
         """Send ``payload`` to ``dst`` without waiting for a reply."""
 
-    def reply(self, src: str, token: Deferred, payload: bytes) -> None:
+    def reply(self, src: str, token: OpenRequest, payload: bytes) -> None:
         """Deliver ``payload`` from ``src`` as the reply to the request its handler answered with ``token``.
 
         A reply may come before the transport has seen the token (another thread released it between
         the handler's return and the transport's bookkeeping): it is kept and delivered then."""
-        raise TransportError(f"{type(self).__name__} cannot deliver a deferred reply")
+        raise TransportError(f"{type(self).__name__} cannot answer an open request")
 
     @abstractmethod
     def close(self) -> None:

@@ -13,8 +13,8 @@ into an ``error`` reply, so a well-behaved handler rarely raises at all.)
 ``timeout`` is accepted for interface compatibility and ignored: the call
 returns when the handler does.
 
-A handler that answers later (a ``Deferred``: the coordinator holding an activation for a merged
-step) makes ``request`` return a ``PendingReply`` at once, since the caller's thread may be the only
+A handler that leaves a request open (an ``OpenRequest``: the coordinator holding an activation for
+a merged step) makes ``request`` return a ``PendingReply`` at once, since the caller's thread may be the only
 one (``simulate``'s in-process scheduler); ``reply`` fills it, and the bytes are counted then. The
 device's Peer turns it into a pending message, which its role waits on, or its scheduler skips the
 device until it is ready (coordinator/scheduling.py).
@@ -26,11 +26,11 @@ import threading
 
 from collections import OrderedDict
 
-from .base import Deferred, Handler, PendingReply, Transport, TransportError, TransportStats, check_address
+from .base import Handler, OpenRequest, PendingReply, Transport, TransportError, TransportStats, check_address
 
 __all__ = ["LoopbackTransport"]
 
-_EARLY = 1024  # deferred replies kept for a token not seen yet (a reply racing its handler's return)
+_EARLY = 1024  # replies to open requests kept for a token not seen yet (a reply racing its handler's return)
 
 
 def _nbytes(b: bytes | bytearray | memoryview) -> int:
@@ -46,7 +46,7 @@ class LoopbackTransport(Transport):
         self._lock = threading.Lock()
         self._closed = False
         # (replier, sender, seq) -> the pending reply and the requester's address; replies that came first
-        self._deferred: dict[tuple[str, str, int], tuple[PendingReply, str]] = {}
+        self._open: dict[tuple[str, str, int], tuple[PendingReply, str]] = {}
         self._early: OrderedDict[tuple[str, str, int], bytes] = OrderedDict()
 
     def register(self, address: str, handler: Handler) -> None:
@@ -72,8 +72,8 @@ class LoopbackTransport(Transport):
         handler = self._route(src, dst, payload)
         self.stats.record(src, dst, _nbytes(payload))
         reply = handler(payload)
-        if isinstance(reply, Deferred):
-            return self._defer(src, dst, reply)
+        if isinstance(reply, OpenRequest):
+            return self._keep_open(src, dst, reply)
         if reply is None:
             raise TransportError(f"{dst!r} sent no reply to a request from {src!r}")
         if not isinstance(reply, (bytes, bytearray, memoryview)):
@@ -82,28 +82,28 @@ class LoopbackTransport(Transport):
         self.stats.record(dst, src, len(reply))
         return reply
 
-    def _defer(self, src: str, dst: str, token: Deferred) -> PendingReply:
+    def _keep_open(self, src: str, dst: str, token: OpenRequest) -> PendingReply:
         pending = PendingReply()
         key = (dst, token.sender, token.seq)
         with self._lock:
             early = self._early.pop(key, None)
             if early is None:
-                if key in self._deferred:
-                    raise TransportError(f"{dst!r} deferred request {token.seq} of {token.sender!r} twice")
-                self._deferred[key] = (pending, src)
+                if key in self._open:
+                    raise TransportError(f"{dst!r} left request {token.seq} of {token.sender!r} open twice")
+                self._open[key] = (pending, src)
         if early is not None:
             self.stats.record(dst, src, len(early))
             pending.fill(early)
         return pending
 
-    def reply(self, src: str, token: Deferred, payload: bytes) -> None:
+    def reply(self, src: str, token: OpenRequest, payload: bytes) -> None:
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise TransportError(f"payload must be bytes, got {type(payload).__name__}")
         data = bytes(payload)
         key = (src, token.sender, token.seq)
         with self._lock:
             self._check_open()
-            entry = self._deferred.pop(key, None)
+            entry = self._open.pop(key, None)
             if entry is None:  # its request has not returned from the handler yet: deliver it then
                 self._early[key] = data
                 while len(self._early) > _EARLY:
@@ -122,7 +122,7 @@ class LoopbackTransport(Transport):
         with self._lock:
             self._closed = True
             self._handlers.clear()
-            self._deferred.clear()
+            self._open.clear()
             self._early.clear()
 
     def _route(self, src: str, dst: str, payload: bytes) -> Handler:

@@ -35,12 +35,14 @@ transport wants, and adds the two things every handler needs on MQTT:
   ``observed_sender()``; a message whose ``sender`` differs is answered with an
   ``error`` and never reaches the handler or the reply cache. Loopback has no
   such method, so nothing changes there.
-* answering later -- a handler may return ``Deferred(msg.sender, msg.seq)`` (the coordinator holds
-  an activation until its merged step, MergeSFL): the transport keeps the request open, nothing is
-  cached, and a repeat of the same bytes meanwhile is not handled again; ``answer(sender, reply)``
-  sends the reply when it is released. On loopback the requester's ``call`` then returns a
-  ``PendingMessage`` (``ready``, ``result()``) instead of waiting, since the coordinator may run in
-  the requester's own thread; over MQTT ``call`` simply waits for the reply.
+* one output channel -- a handler may return, instead of one reply, the list of messages its role
+  wants sent (``Outgoing``: device, message; the coordinator's). The one to this message's sender
+  with its seq is its reply; each other one answers that device's open request of the same seq
+  (``answer``: MergeSFL's merged step, released by this message). A request whose reply is not in
+  the list stays open (nothing is cached, and a repeat of the same bytes meanwhile is not handled
+  again) until some later list or ``answer`` emits it. On loopback the requester's ``call`` then
+  returns a ``PendingMessage`` (``ready``, ``result()``) instead of waiting, since the coordinator may
+  run in the requester's own thread; over MQTT ``call`` simply waits for the reply.
 """
 
 from __future__ import annotations
@@ -49,25 +51,33 @@ import hashlib
 import itertools
 import logging
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..logthrottle import Summary, Throttle, describe
-from ..wire import TENSOR_FORMATS, Admit, Envelope, LocalProtocolError, Message, RemoteProtocolError, decode, encode
-from .base import Deferred, Handler, PendingReply, Transport, check_address
+from ..wire import (
+    TENSOR_FORMATS,
+    Admit,
+    Envelope,
+    LocalProtocolError,
+    Message,
+    Outgoing,
+    RemoteProtocolError,
+    decode,
+    encode,
+)
+from .base import Handler, OpenRequest, PendingReply, Transport, TransportError, check_address
+from .replycache import CacheEntry, ReplyCache
 
 __all__ = ["LOSSY_FIELDS", "LOSSY_KINDS", "MessageHandler", "Peer", "PendingMessage"]
 
-MessageHandler = Callable[[Message], "Message | Deferred | None"]
+MessageHandler = Callable[[Message], "Message | Outgoing | None"]
 
 log = logging.getLogger(__name__)
 _MAX_REASON = 1000
-_SMALL_REPLY = 4096  # replies up to this size are never dropped for bytes (only with their entry)
-_ENTRY_COST = 200  # bookkeeping of one cache entry, counted against the byte caps
 RejectHook = Callable[[str, str, str], None]
 
 # A lossy tensor_format (fp16 / int8 / int4) touches only the per-batch tensors of these kinds: activations,
@@ -77,23 +87,6 @@ RejectHook = Callable[[str, str, str], None]
 # name is sent raw as a whole, so nothing outside LOSSY_FIELDS is ever rounded.
 LOSSY_KINDS = frozenset({"activation", "gradient", "probe"})
 LOSSY_FIELDS = frozenset({"z", "h1", "dz", "z1", "zref"})
-
-
-@dataclass(slots=True)
-class _Entry:
-    digest: bytes  # of the request bytes
-    reply: bytes | None
-    dropped: bool = False  # the reply was dropped for bytes: a repeat is a replay, refused
-
-
-class _SenderCache:
-    """One sender's answered messages, oldest first, and the bytes their replies hold."""
-
-    __slots__ = ("bytes", "entries")
-
-    def __init__(self) -> None:
-        self.entries: OrderedDict[int, _Entry] = OrderedDict()
-        self.bytes = 0
 
 
 class PendingMessage:
@@ -162,16 +155,11 @@ class Peer:
         self.on_reject = on_reject
         self.admit = admit
         self.log_throttle = Throttle()  # rejections written to the log and on_reject: per sender, per minute
-        self._cache_size = cache_size
-        self._cache_bytes = cache_bytes
-        self._cache_total_bytes = cache_total_bytes
         self._max_senders = max_senders
         self._seq = itertools.count(seq_start)
         self._lock = threading.Lock()
-        # sender -> its answered seqs (digest of the request bytes, encoded reply or None)
-        self._replies: OrderedDict[str, _SenderCache] = OrderedDict()
-        self._cached_bytes = 0
-        self._busy: dict[tuple[str, int], bytes] = {}
+        self._replies = ReplyCache(cache_size, cache_bytes, cache_total_bytes, max_senders)  # under _lock
+        self._busy: dict[tuple[str, int], bytes] = {}  # requests being handled or open: their digests
 
     # ------------------------------------------------------------- outgoing
 
@@ -215,10 +203,11 @@ class Peer:
         self.transport.send(self.me, dst, payload)
 
     def answer(self, to: str, reply: Message) -> None:
-        """Send ``reply`` to the request ``reply.seq`` of ``to`` that this peer's handler deferred."""
+        """Send ``reply`` as the reply to ``to``'s open request ``reply.seq`` (one this peer's handler has
+        not answered yet)."""
         data = self._encode(reply)
         try:
-            self.transport.reply(self.me, Deferred(to, reply.seq), data)
+            self.transport.reply(self.me, OpenRequest(to, reply.seq), data)
         finally:
             with self._lock:
                 self._busy.pop((to, reply.seq), None)
@@ -236,7 +225,7 @@ class Peer:
         """
         observed = sender_of if sender_of is not None else getattr(self.transport, "observed_sender", None)
 
-        def on_bytes(data: bytes) -> bytes | None:
+        def on_bytes(data: bytes) -> bytes | OpenRequest | None:
             seen = observed() if observed is not None else None
             heard: list[Envelope] = []  # the envelope, once read: its kind names the refusal in the log
 
@@ -248,60 +237,71 @@ class Peer:
                 msg = decode(data, admit=admit)
             except RemoteProtocolError as e:
                 return self._error_reply(e, 0, seen or "?", heard[0].kind if heard else "?")
-            key = (msg.sender, msg.seq)
             digest = hashlib.blake2b(data, digest_size=16).digest()
             with self._lock:
-                cache = self._replies.get(msg.sender)
-                hit = cache.entries.get(msg.seq) if cache is not None else None
-                if hit is not None and hit.digest == digest:
-                    cache.entries.move_to_end(msg.seq)  # type: ignore[union-attr]
-                    if not hit.dropped:
-                        self.duplicates += 1
-                        return hit.reply
+                hit = self._replies.get(msg.sender, msg.seq, digest)
+                if hit is not None and not hit.dropped:
+                    self.duplicates += 1
+                    return hit.reply
+                if hit is not None:
                     self.replays += 1
-                    replay = True
-                elif self._busy.get(key) == digest:
-                    # Redelivered while the first copy is still being handled
-                    # (threaded transports): that copy's reply will answer it.
+                elif self._busy.get((msg.sender, msg.seq)) == digest:
+                    # Redelivered while the first copy is still being handled (threaded transports) or
+                    # its request is open: that copy's reply will answer it.
                     self.duplicates += 1
                     return None
                 else:
-                    replay = False
-                    self._busy[key] = digest
-            if replay:
+                    self._busy[(msg.sender, msg.seq)] = digest
+            if hit is not None:
                 e = RemoteProtocolError(f"{msg.kind!r} seq {msg.seq} from {msg.sender!r} was answered already and "
                                         f"its reply is no longer held: a replay, not handled again")
                 return self._error_reply(e, msg.round, msg.sender, msg.kind)
-            reply: bytes | None
-            later = False
-            try:
-                refused = False
-                try:
-                    out = handler(msg)
-                except RemoteProtocolError as e:
-                    reply, refused = self._error_reply(e, msg.round, msg.sender, msg.kind), True
-                else:
-                    if isinstance(out, Deferred):
-                        if (out.sender, out.seq) != key:
-                            raise LocalProtocolError(f"handler deferred {out} while handling {key}")
-                        later = True  # answered by ``answer``; a repeat meanwhile is not handled again
-                        return out
-                    if out is not None and not isinstance(out, Message):
-                        raise LocalProtocolError(f"handler returned {type(out).__name__}, not Message or None")
-                    reply = None if out is None else self._encode(out)
-                    if out is not None and out.kind == "error":  # the role refused it (and logs it itself)
-                        refused = True
-                        self._count_rejection(msg.sender, msg.kind, str(out.body.get("reason", "")), notify=False)
-                if not refused:  # a refusal changed nothing: a repeat may be answered afresh
-                    with self._lock:
-                        self._remember(msg.sender, msg.seq, _Entry(digest, reply))
-                return reply
-            finally:
-                if not later:
-                    with self._lock:
-                        self._busy.pop(key, None)
+            return self._handle(handler, msg, digest)
 
         return on_bytes
+
+    def _handle(self, handler: MessageHandler, msg: Message, digest: bytes) -> bytes | OpenRequest | None:
+        """Run ``handler`` on a new message: its encoded reply (cached unless a refusal), or the open
+        request's token when the handler's list does not answer it yet."""
+        key = (msg.sender, msg.seq)
+        open_ = False
+        try:
+            try:
+                out = handler(msg)
+            except RemoteProtocolError as e:
+                return self._error_reply(e, msg.round, msg.sender, msg.kind)
+            if isinstance(out, list):
+                out = self._answer_others(out, key)
+                if out is None:  # answered by a later list or ``answer``; a repeat meanwhile is not handled again
+                    open_ = True
+                    return OpenRequest(*key)
+            if out is not None and not isinstance(out, Message):
+                raise LocalProtocolError(f"handler returned {type(out).__name__}, not Message, a list or None")
+            reply = None if out is None else self._encode(out)
+            if out is not None and out.kind == "error":  # the role refused it (and logs it itself): not cached,
+                self._count_rejection(msg.sender, msg.kind, str(out.body.get("reason", "")), notify=False)
+                return reply  # a refusal changed nothing, so a repeat may be answered afresh
+            with self._lock:
+                self._replies.put(msg.sender, msg.seq, CacheEntry(digest, reply))
+            return reply
+        finally:
+            if not open_:
+                with self._lock:
+                    self._busy.pop(key, None)
+
+    def _answer_others(self, out: Outgoing, key: tuple[str, int]) -> Message | None:
+        """Send every message of ``out`` but the reply to ``key`` (each answers its device's open request,
+        in order); that reply, if it is there."""
+        own = None
+        for device, m in out:
+            if own is None and (device, m.seq) == key:
+                own = m
+                continue
+            try:
+                self.answer(device, m)
+            except TransportError as exc:  # its requester times out, as for any reply lost on the way
+                log.warning("%s: the reply to %r's request %d was not delivered: %s", self.me, device, m.seq, exc)
+        return own
 
     def register(self, handler: MessageHandler) -> None:
         """Serve ``handler`` at this peer's own address on its transport."""
@@ -336,56 +336,10 @@ class Peer:
         if self.admit is not None:
             self.admit(env)
 
-    def _remember(self, sender: str, seq: int, entry: _Entry) -> None:
-        """Cache one answer (under the lock), then enforce the per-sender and global bounds."""
-        cache = self._replies.get(sender)
-        if cache is None:
-            cache = self._replies[sender] = _SenderCache()
-            while len(self._replies) > self._max_senders:
-                _, gone = self._replies.popitem(last=False)
-                self._cached_bytes -= gone.bytes
-        self._replies.move_to_end(sender)
-        old = cache.entries.pop(seq, None)
-        if old is not None:
-            self._forget(cache, old)
-        cache.entries[seq] = entry
-        cost = self._cost(entry)
-        cache.bytes += cost
-        self._cached_bytes += cost
-        while len(cache.entries) > self._cache_size:
-            self._forget(cache, cache.entries.popitem(last=False)[1])
-        while cache.bytes > self._cache_bytes and self._drop_oldest_large(cache):
-            pass
-        while self._cached_bytes > self._cache_total_bytes:
-            biggest = max(self._replies.values(), key=lambda c: c.bytes)
-            if not self._drop_oldest_large(biggest):
-                break
-
-    @staticmethod
-    def _cost(entry: _Entry) -> int:
-        big = entry.reply is not None and len(entry.reply) > _SMALL_REPLY and not entry.dropped
-        return _ENTRY_COST + (len(entry.reply) if big else 0)  # type: ignore[arg-type]
-
-    def _forget(self, cache: _SenderCache, entry: _Entry) -> None:
-        cost = self._cost(entry)
-        cache.bytes -= cost
-        self._cached_bytes -= cost
-
-    def _drop_oldest_large(self, cache: _SenderCache) -> bool:
-        """Drop the oldest large reply of ``cache`` (its digest stays, so a repeat is a replay)."""
-        for entry in cache.entries.values():
-            if entry.reply is not None and len(entry.reply) > _SMALL_REPLY and not entry.dropped:
-                self._forget(cache, entry)
-                entry.reply, entry.dropped = None, True
-                cache.bytes += _ENTRY_COST
-                self._cached_bytes += _ENTRY_COST
-                return True
-        return False
-
     @property
     def cached_bytes(self) -> int:
         """Bytes the reply cache holds (large replies plus a fixed cost per entry)."""
-        return self._cached_bytes
+        return self._replies.bytes
 
     @staticmethod
     def _check_sender(env: Envelope, seen: str | None) -> None:

@@ -4,7 +4,7 @@ from .chunking import BROKER_PACKET_LIMITS, DEFAULT_HEADROOM, Reassembler, max_c
 from .codec import DTYPES, INT4_BLOCK, MAX_EXPANSION, TENSOR_FORMATS, Admit, decode, encode
 from .envelope import Envelope
 from .errors import LocalProtocolError, RemoteProtocolError, WireError
-from .messages import KINDS, PROTOCOL_VERSION, REQUIRED_FIELDS, Message, check_body
+from .messages import KINDS, PROTOCOL_VERSION, REQUIRED_FIELDS, Message, Outgoing, check_body
 
 __all__ = [
     "BROKER_PACKET_LIMITS",
@@ -20,6 +20,7 @@ __all__ = [
     "Envelope",
     "LocalProtocolError",
     "Message",
+    "Outgoing",
     "Reassembler",
     "RemoteProtocolError",
     "WireError",

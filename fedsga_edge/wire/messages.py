@@ -22,6 +22,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "REQUIRED_FIELDS",
     "Message",
+    "Outgoing",
     "check_body",
 ]
 
@@ -97,6 +98,12 @@ class Message:
     seq: int
     sender: str
     body: dict[str, Any] = field(default_factory=dict)
+
+
+Outgoing = list[tuple[str, Message]]
+"""What a role wants sent, each ``(device, message)``, in order. A message that answers a request carries
+that request's ``seq`` (the coordinator's replies do): it is the reply to ``device``'s request ``seq``,
+whenever it is emitted (MergeSFL's merged step answers a held activation on a later call)."""
 
 
 def check_body(kind: str, body: dict[str, Any], error: type[WireError]) -> None:

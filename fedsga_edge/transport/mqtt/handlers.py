@@ -4,7 +4,7 @@ Handlers never run on paho's network thread, so one may block, train, or itself 
 Requests to one address are handled one at a time, in arrival order. The bytes queued for
 handlers count against ``max_buffer_bytes``; a request that would pass it is refused.
 
-A handler that answers a request later returns a ``Deferred`` token: the pool keeps the request's
+A handler that leaves a request open returns an ``OpenRequest`` token: the pool keeps the request's
 reply topic and correlation id under it (the requester's ``request`` keeps waiting), and ``reply``
 publishes the reply there when the handler's owner releases it (MergeSFL's merged step).
 """
@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ...logthrottle import ThrottledLog
-from ..base import Deferred, Handler, TransportError, TransportStats
+from ..base import Handler, OpenRequest, TransportError, TransportStats
 from .frames import Frame, as_bytes_view
 from .health import Health
 from .outbound import Publisher
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 JOB_COST = 256  # a queued job's bookkeeping, counted with its payload against max_buffer_bytes
 SEEN_PER_TOPIC = 1024  # request cids remembered per topic (QoS 1 redeliveries), so floods stay their own
 SEEN_TOPICS = 4096
-DEFERRED = 4096  # requests answered later, and replies that came before their token was seen, kept at most
+OPEN = 4096  # requests left open, and replies that came before their token was seen, kept at most
 
 
 @dataclass(slots=True)
@@ -92,8 +92,8 @@ class HandlerPool:
         self.workers: dict[str, Worker] = {}
         self.queued_bytes = 0
         self._seen = SeenRequests()
-        # (address, sender, seq) -> (reply topic, cid, observed sender) of a request answered later
-        self._deferred: OrderedDict[tuple[str, str, int], tuple[str, str, str]] = OrderedDict()
+        # (address, sender, seq) -> (reply topic, cid, observed sender) of a request left open
+        self._open: OrderedDict[tuple[str, str, int], tuple[str, str, str]] = OrderedDict()
         self._early: OrderedDict[tuple[str, str, int], bytes] = OrderedDict()
         self._thread_state = threading.local()
         # A handler that raises is our bug (roles answer bad input with an error reply), but bad input
@@ -208,8 +208,8 @@ class HandlerPool:
             self._thread_state.sender = None
         if job.op != "req":
             return  # one-way: a reply goes nowhere and is not counted
-        if isinstance(out, Deferred):
-            self._defer(w.address, out, job)
+        if isinstance(out, OpenRequest):
+            self._keep_open(w.address, out, job)
             return
         if out is None:
             self._out.publish_error(job.reply_topic, job.cid, f"{w.address!r} sent no reply")
@@ -227,31 +227,31 @@ class HandlerPool:
         except TransportError as e:
             log.error("%s: could not publish the reply of %r: %s", self._client_id, address, e)
 
-    # ------------------------------------------------------------- replies given later
+    # ------------------------------------------------------------- replies to open requests
 
-    def _defer(self, address: str, token: Deferred, job: Job) -> None:
+    def _keep_open(self, address: str, token: OpenRequest, job: Job) -> None:
         """Keep where the reply to ``job`` goes until ``reply`` (or publish it now if it came first)."""
         key = (address, token.sender, token.seq)
         evicted = None
         with self._lock:
             early = self._early.pop(key, None)
             if early is None:
-                self._deferred[key] = (job.reply_topic, job.cid, job.src)
-                if len(self._deferred) > DEFERRED:
-                    evicted = self._deferred.popitem(last=False)[1]
+                self._open[key] = (job.reply_topic, job.cid, job.src)
+                if len(self._open) > OPEN:
+                    evicted = self._open.popitem(last=False)[1]
         if early is not None:
             self._publish_reply(address, job.src, job.reply_topic, job.cid, early)
         if evicted is not None:  # never answered: its requester hears so rather than timing out
             self._out.publish_error(evicted[0], evicted[1], f"{address!r} holds too many requests")
 
-    def reply(self, address: str, token: Deferred, payload: bytes | bytearray | memoryview) -> None:
+    def reply(self, address: str, token: OpenRequest, payload: bytes | bytearray | memoryview) -> None:
         """The reply to the request ``address``'s handler answered with ``token``."""
         key = (address, token.sender, token.seq)
         with self._lock:
-            entry = self._deferred.pop(key, None)
+            entry = self._open.pop(key, None)
             if entry is None:  # the handler has not returned its token yet: published when it does
                 self._early[key] = bytes(payload)
-                while len(self._early) > DEFERRED:
+                while len(self._early) > OPEN:
                     self._early.popitem(last=False)
                 return
         topic, cid, src = entry

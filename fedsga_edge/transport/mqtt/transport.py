@@ -9,7 +9,7 @@ import time
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from ..base import Deferred, Handler, Transport, TransportError, TransportStats, check_address
+from ..base import Handler, OpenRequest, Transport, TransportError, TransportStats, check_address
 from .connection import Login, import_paho, new_client
 from .frames import Frame, as_bytes_view
 from .handlers import HandlerPool
@@ -210,7 +210,7 @@ class MqttTransport(Transport):
         self.stats.record(src, dst, data.nbytes)
         self._out.publish(topic, "send", self._out.new_cid(), src, data)
 
-    def reply(self, src: str, token: Deferred, payload: bytes) -> None:
+    def reply(self, src: str, token: OpenRequest, payload: bytes) -> None:
         """Publish the reply to the request ``src``'s handler answered with ``token``, on that request's
         reply topic under its correlation id: the requester's ``request`` has been waiting for it."""
         with self._lock:
