@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ["fedsga_edge/models", "fedsga_edge/data", "fedsga_edge/method", "fedsga_edge/wire", "fedsga_edge/transport",
         "fedsga_edge/config.py", "fedsga_edge/options.py", "fedsga_edge/tensors.py", "fedsga_edge/runfiles.py",
@@ -77,3 +79,40 @@ def test_every_package_folder_is_installed() -> None:
             rel = init.parent.relative_to(folder).parts
             found.add(".".join((pkg, *rel)))
     assert found == listed, f"in the tree, not in pyproject.toml: {sorted(found - listed)}; listed, absent: {sorted(listed - found)}"
+
+
+def _module_imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``name`` imports anywhere in it (inside functions too), relative ones resolved."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t in known and t != name}
+    return out
+
+
+@pytest.mark.parametrize("role", ["coordinator", "device"])
+def test_a_roles_modules_import_no_circle(role: str) -> None:
+    """No module of a role reaches itself through its imports, deferred ones included: a circle means two
+    modules that are one, or a piece that belongs in a third (the device's backend contract: device/backend.py)."""
+    folder = ROOT / role
+    modules = {".".join(("fedsga_edge", role, *f.relative_to(folder).with_suffix("").parts)).removesuffix(".__init__"): f
+               for f in folder.rglob("*.py")}
+    graph = {m: _module_imports(m, f, set(modules)) for m, f in modules.items()}
+    for start in graph:
+        seen, stack = set(), [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                assert nxt != start, f"import circle: {' -> '.join(path + [start])}"
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
