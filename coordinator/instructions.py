@@ -77,7 +77,8 @@ def check_instructions(instructions: Any, devices: list[str]) -> dict[str, Instr
                          f"got {got}")
     for cid, instruction in instructions.items():
         if not isinstance(instruction, Instruction):
-            raise ValueError(f"configure_round's answer for {cid} is a {type(instruction).__name__}, not an Instruction")
+            raise ValueError(f"configure_round's answer for {cid} is a {type(instruction).__name__}, "
+                             "not an Instruction")
     return instructions
 
 
@@ -94,7 +95,7 @@ def round_start_body(instruction: Instruction, weights: dict[str, Any], evaluate
         "full": full,
         "train": instruction.train.to_wire(),
         "weights": weights,
-        # FedSGA's settings, None for every other method: the slot every device reads (device/role.py)
+        # FedSGA's settings, None for every other method: the field that arms FedSGA's device side (device/fedsga.py)
         "fedsga": None,
     }
     body.update(instruction.fields)

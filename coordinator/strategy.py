@@ -1,9 +1,9 @@
 """The strategy contract and its registry: one registered object per method, owning what differs.
 
 A strategy is Flower's shape: it configures each device's round (``configure_round``: one
-``Instruction`` per device, the split from ``assign``, the local settings, the method's fields;
-``lr_scale``: the round's rate, for the devices and the server side alike), takes the server-side step it wants (``forward`` / ``loss`` / ``after_step``), answers the
-requests only it understands (``requests``, e.g. FedSGA's probe), weighs and closes the round
+``Instruction`` per device: the split from ``assign``, the local settings, the method's fields;
+``lr_scale``: the round's rate, for the devices and the server side alike), takes the server-side
+step it wants (``forward`` / ``loss`` / ``after_step``), answers the requests only it understands (``requests``, e.g. FedSGA's probe), weighs and closes the round
 (``weight``, ``end_round``) and says how the model is evaluated (``eval_logits``). The
 coordinator calls these hooks and never asks which strategy runs.
 

@@ -41,7 +41,8 @@ class FedAS(FedAvg):
     )
 
     def configure_round(self, t: int, devices: list[str]) -> dict[str, Instruction]:
-        method = {"name": self.name, "align_lr": float(self.args["align_lr"]), "align_epochs": int(self.args["align_epochs"])}
+        method = {"name": self.name, "align_lr": float(self.args["align_lr"]),
+                  "align_epochs": int(self.args["align_epochs"])}
         return {cid: i.with_fields(method=method) for cid, i in super().configure_round(t, devices).items()}
 
     def check_update(self, body: dict[str, Any]) -> None:

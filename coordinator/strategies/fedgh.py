@@ -80,7 +80,8 @@ class FedGH(FedAvg):
         self._coordinator = coordinator  # its ``clients``: device -> training samples (the figure's weight)
 
     def configure_round(self, t: int, devices: list[str]) -> dict[str, Instruction]:
-        return {cid: i.with_fields(method={"name": self.name}) for cid, i in super().configure_round(t, devices).items()}
+        method = {"name": self.name}
+        return {cid: i.with_fields(method=method) for cid, i in super().configure_round(t, devices).items()}
 
     def begin_round(self, t: int, calibrate: bool) -> None:
         self._head = head_state(self._model)

@@ -29,7 +29,8 @@ def _batches(n: int, batch_size: int, max_batches: int) -> int:
 
 
 def _probe_slice(n: int, fraction: float) -> int:
-    """Samples a device holds out for its probe (device/role.py ``hold_out_probe``; all of them without a slice)."""
+    """Samples a device holds out for its probe (device/role.py ``ClientData.hold_out_probe``; all of them
+    without a slice)."""
     if fraction <= 0 or n < 4:
         return n
     return min(max(2, int(round(fraction * n))), n - 2)
@@ -49,7 +50,8 @@ def predicted_split_s(cls: Any, costs: Any, num_samples: int, cfg: RunConfig, ca
     gradients, the weights up to p_k (round start plus fetch) and ``extra_down`` (the round start's method state).
     Each message ``_MESSAGE_BYTES`` more each way (envelope, keys); a round trip per request; then 1 % more
     (``_MARGIN``). Not counted (as on the virtual clock): the observation forward, waiting for the server, held-out
-    evaluations; a device's first round adds its class's ``warmup_s`` (``FedSGA.device_fields``). Against the virtual clock it is long by under 1.5 % (tests/test_fleet_bench.py)."""
+    evaluations; a device's first round adds its class's ``warmup_s`` (``Deadlines.fields``).
+    Against the virtual clock it is long by under 1.5 % (tests/test_fleet_bench.py)."""
     from fedsga_edge.coordinator.server import samples_per_epoch
 
     tc = cfg.train
@@ -113,8 +115,8 @@ class Deadlines:
 def weight_bytes(model: Any, num_splits: int) -> dict[int, float]:
     """The bytes of the weights (buffers included) a device at each split k = 1..K holds."""
     state = model.state_dict()
-    return {k: float(sum(v.numel() * v.element_size() for n, v in state.items() if model.unit_of(n) < model.depth_of(k)))
-            for k in range(1, num_splits + 1)}
+    return {k: float(sum(v.numel() * v.element_size() for n, v in state.items()
+                         if model.unit_of(n) < model.depth_of(k))) for k in range(1, num_splits + 1)}
 
 
 def predict_device(strategy: Any, cls: Any, cid: str, calibrate: bool,
