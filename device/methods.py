@@ -98,18 +98,18 @@ def register_device_method(cls: type[DeviceMethod]) -> type[DeviceMethod]:
 
 def _armed(body: dict[str, Any]) -> tuple[type[DeviceMethod], dict[str, Any]] | None:
     """The device side a round start arms and its settings: the ``method`` map's, else a method's own field's."""
+    by_field = [cls for cls in _REGISTRY.values() if cls.field is not None and body.get(cls.field)]
     spec = body.get("method")
-    if spec is not None:
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise TypeError("method must be a map with a name")
-        cls = _REGISTRY.get(spec["name"])
-        if cls is None:
-            raise ValueError(f"this device has no device side for method {spec['name']!r:.40}")
-        return cls, spec
-    for cls in _REGISTRY.values():
-        if cls.field is not None and body.get(cls.field):
-            return cls, body
-    return None
+    if spec is None:
+        return (by_field[0], body) if by_field else None
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise TypeError("method must be a map with a name")
+    cls = _REGISTRY.get(spec["name"])
+    if cls is None:
+        raise ValueError(f"this device has no device side for method {spec['name']!r:.40}")
+    if by_field:
+        raise ValueError(f"round_start arms two device sides: method {spec['name']!r:.40} and {by_field[0].field!r}")
+    return cls, spec
 
 
 def check_method(body: dict[str, Any]) -> type[DeviceMethod] | None:

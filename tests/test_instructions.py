@@ -121,3 +121,24 @@ def test_a_warm_up_reaches_the_devices_and_the_server_alike(registered, digits) 
     assert [trained[t] for t in (1, 2, 3)] == [pytest.approx([w] * 3) for w in want]
     assert [sorted(server[t]) for t in (1, 2, 3)] == [pytest.approx([w]) for w in want]
     assert sim.cfg.train.lr == base  # the run's own setting is untouched
+
+
+def test_the_round_start_arms_one_device_side_fedsgas_by_its_settings_field() -> None:
+    from fedsga_edge.config import FedSGAConfig
+    from fedsga_edge.device.fedsga import FedSGADevice
+    from fedsga_edge.device.methods import FedGHDevice, check_method, device_method
+    from fedsga_edge.device.role import check_round_start
+    from fedsga_edge.wire import RemoteProtocolError
+
+    fixed = {"split": 2, "full": False, "train": TrainConfig().to_wire(), "weights": {},
+             "fedsga": dict(vars(FedSGAConfig()))}
+    assert check_method(fixed) is FedSGADevice and isinstance(device_method(fixed), FedSGADevice)
+    assert check_method(dict(fixed, fedsga=None)) is None and device_method(dict(fixed, fedsga=None)) is None
+    assert isinstance(device_method(dict(fixed, fedsga=None, method={"name": "fedgh"})), FedGHDevice)
+    check_round_start(fixed)
+    with pytest.raises(RemoteProtocolError, match="arms two device sides"):
+        check_round_start(dict(fixed, method={"name": "fedgh"}))
+    with pytest.raises(RemoteProtocolError, match="KeyError: 'estimator'"):  # it chooses: it needs Gamma
+        check_round_start(dict(fixed, split=None))
+    with pytest.raises(RemoteProtocolError, match="names no split and carries no FedSGA settings"):
+        check_round_start(dict(fixed, split=None, fedsga=None))
