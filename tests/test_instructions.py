@@ -35,6 +35,15 @@ class SplitThroughAField(_AtOne):
         return {cid: i.with_fields(split=3) for cid, i in super().configure_round(t, devices).items()}
 
 
+class OwnRate(_AtOne):
+    """Sets its devices' rate itself, in the instruction: the coordinator must send it as it is."""
+
+    name = "own-rate-test"
+
+    def configure_round(self, t: int, devices: list[str]) -> dict[str, Instruction]:
+        return {cid: i.with_train(lr=0.042) for cid, i in super().configure_round(t, devices).items()}
+
+
 class WarmUp(_AtOne):
     """A linear learning-rate warm-up over the first three rounds: 1/3, 2/3, then the full rate."""
 
@@ -59,6 +68,13 @@ def test_a_method_field_cannot_set_the_split(registered, digits) -> None:
     sim = Simulation(tiny_config(registered.name, rounds=1), digits)
     with pytest.raises(ValueError, match="method field 'split' would overwrite the round_start's core field 'split'"):
         sim.coordinator.begin_round(1)
+
+
+@pytest.mark.parametrize("registered", [OwnRate], indirect=True)
+def test_the_coordinator_sends_a_strategy_chosen_rate_as_it_is(registered, digits) -> None:
+    sim = Simulation(tiny_config(registered.name, rounds=2, lr_schedule="cosine"), digits)
+    bodies = sim.coordinator.begin_round(2)
+    assert {b["train"]["lr"] for b in bodies.values()} == {0.042}
 
 
 @pytest.mark.parametrize("key", sorted(CORE_FIELDS))
