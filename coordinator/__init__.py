@@ -10,6 +10,7 @@ from fedsga_edge.lazy import lazy_exports
 
 _WHERE = {
     "Coordinator": "server",
+    "Instruction": "instructions",
     "Method": "strategy",
     "ServerSide": "server_side",
     "all_methods": "strategy",

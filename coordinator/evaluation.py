@@ -152,9 +152,6 @@ class FederatedEvaluation:
         self._head_state = ({k: v.detach().clone() for k, v in self.co.head.state_dict().items()}
                             if self.active else None)
 
-    def round_start_fields(self) -> dict[str, Any]:
-        return {"evaluate": True} if self.active else {}
-
     def on_request(self, msg: Any) -> tuple[str, dict[str, Any]]:
         """An ``evaluate`` request: checked like an activation, run through the round-start copy."""
         co = self.co

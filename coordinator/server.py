@@ -42,6 +42,7 @@ from fedsga_edge.wire import Message, Outgoing, RemoteProtocolError, check_body
 from .checks import check_batch, check_blocks, check_split, check_update
 from .evaluation import FederatedEvaluation, evaluate, evaluate_models, headline_split
 from .influence import ActivationBound, clip_updates
+from .instructions import Instruction, check_instructions, round_start_body
 from .round import RoundError, RoundState
 from .server_side import Activation, Stepped, make_server_side
 from .strategy import Strategy
@@ -114,20 +115,21 @@ class Coordinator:
         now = time.monotonic() if now is None else now
         devices = list(self.clients) if devices is None else devices
         calibrate = self.strategy.calibrates(t)
-        assigned = self.strategy.assign(t, devices)
+        instructions = check_instructions(self.strategy.configure_round(t, devices), devices)
+        assigned = {cid: i.split for cid, i in instructions.items()}
         timeout = self.cfg.round_timeout
         self.round.begin(t, assigned, calibrate, now + timeout if timeout > 0 else None)
         self._snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.fed_eval.begin_round(t)
-        self.server.set_lr_scale(self.cfg.lr_scale(t))
+        self.server.set_lr_scale(self.strategy.lr_scale(t))
         self.server.begin_round(self._snapshot)
         self.strategy.begin_round(t, calibrate)
         self._stats = {"server_samples": {}, "remote_errors": [], "refused": 0, "started": now,
                        "clipped": {"activations": {}, "updates": {}}}
         self._last_seq = {}
         # a new message, not a reply: run and seq are the sending Peer's
-        return [(cid, Message("round_start", "", t, 0, self.name, self._round_start_body(cid, k, calibrate)))
-                for cid, k in assigned.items()]
+        return [(cid, Message("round_start", "", t, 0, self.name, self._round_start_body(cid, i)))
+                for cid, i in instructions.items()]
 
     @property
     def round_complete(self) -> bool:
@@ -185,24 +187,14 @@ class Coordinator:
             record["remote_errors_count"] = self._stats["refused"]
         return record, out
 
-    def _round_start_body(self, cid: str, k: int | None, calibrate: bool) -> dict[str, Any]:
+    def _round_start_body(self, cid: str, instruction: Instruction) -> dict[str, Any]:
+        k = instruction.split
         full = k == 0
         depth = self.model.num_blocks + 1 if full else self.model.depth_of(k if k is not None else 1)
         names = [n for n in self._snapshot if self.model.unit_of(n) < depth]
-        body: dict[str, Any] = {
-            "split": None if full else k,
-            "full": full,
-            # the round's rate (--lr-schedule) rides in the train map: a device needs no schedule of its own
-            "train": self.strategy.device_train(self.cfg.train).to_wire() | {
-                "lr": self.cfg.train.lr * self.cfg.lr_scale(self.round.t)},
-            # the strategy's copy for this device (FedMut's mutation; the snapshot itself by default)
-            "weights": to_numpy_state(self.strategy.device_weights(cid, self.round.t,
-                                                                   {n: self._snapshot[n] for n in names})),
-        }
-        body.update(self.strategy.round_start_fields(k, calibrate))
-        body.update(self.strategy.device_fields(cid, k, calibrate))
-        body.update(self.fed_eval.round_start_fields())
-        return body
+        # the strategy's copy for this device (FedMut's mutation; the snapshot itself by default)
+        weights = to_numpy_state(self.strategy.device_weights(cid, self.round.t, {n: self._snapshot[n] for n in names}))
+        return round_start_body(instruction, weights, self.fed_eval.active)
 
     # -- message handling -------------------------------------------------------------------------
     def receive(self, msg: Message, now: float | None = None) -> Outgoing:

@@ -1,9 +1,9 @@
 """The strategy contract and its registry: one registered object per method, owning what differs.
 
-A strategy is Flower's shape: it configures each device's round (``assign``: the split;
-``device_train``: the local settings; ``round_start_fields``: anything else the device needs),
-takes the server-side step it wants (``forward`` / ``loss`` / ``after_step``), answers the
-requests only it understands (``requests``, e.g. FedSGA's probe), weighs and closes the round
+A strategy is Flower's shape: it configures each device's round (``configure_round``: one
+``Instruction`` per device: the split from ``assign``, the local settings, the method's fields;
+``lr_scale``: the round's rate, for the devices and the server side alike), takes the server-side
+step it wants (``forward`` / ``loss`` / ``after_step``), answers the requests only it understands (``requests``, e.g. FedSGA's probe), weighs and closes the round
 (``weight``, ``end_round``) and says how the model is evaluated (``eval_logits``). The
 coordinator calls these hooks and never asks which strategy runs.
 
@@ -23,9 +23,11 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fedsga_edge.config import RunConfig, TrainConfig
+from fedsga_edge.config import RunConfig
 from fedsga_edge.options import Opt, class_options, resolve_args
 from fedsga_edge.wire import RemoteProtocolError
+
+from .instructions import Instruction
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -189,9 +191,23 @@ class Strategy:
         median. Nothing by default."""
 
     # -- configure the round ------------------------------------------------------------------------
+    def configure_round(self, t: int, devices: list[str]) -> dict[str, Instruction]:
+        """Each device's ``Instruction`` for round t (coordinator/instructions.py): by default ``assign``'s
+        split, the run's training settings at the round's rate (``lr_scale``) with no proximal term, and no
+        method fields. A method that sends more (FedProx's mu, FedBABU's frozen head, a device side's
+        ``method`` map, FedSGA's settings and per-device predictions) extends what this returns."""
+        tc = self.cfg.train
+        train = dataclasses.replace(tc, mu=0.0, lr=tc.lr * self.lr_scale(t))
+        return {cid: Instruction(k, train) for cid, k in self.assign(t, devices).items()}
+
     def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
         """Device -> split index k (1..K), 0 for the whole model on the device, None: the device chooses."""
         raise NotImplementedError
+
+    def lr_scale(self, t: int) -> float:
+        """Round t's factor on the learning rates, the devices' (``configure_round``) and the server side's
+        alike: the run's --lr-schedule by default."""
+        return self.cfg.lr_scale(t)
 
     def calibrates(self, t: int) -> bool:
         """Whether round t is a calibration round (devices may go deeper than assigned and probe)."""
@@ -201,25 +217,11 @@ class Strategy:
         """May a device assigned ``assigned`` train at split k this round?"""
         return assigned is None or assigned == k
 
-    def device_train(self, train: TrainConfig) -> TrainConfig:
-        """The local training settings sent in every round start."""
-        return dataclasses.replace(train, mu=0.0)
-
     def device_weights(self, cid: str, t: int, weights: dict[str, "Tensor"]) -> dict[str, "Tensor"]:
         """The global weights as device ``cid`` receives them in round t (its round start and its fetches):
         FedMut sends each device a mutated copy. ``weights`` is a subset of the round's snapshot; the
         default sends it unchanged (the same tensors, so nothing else moves)."""
         return weights
-
-    def round_start_fields(self, k: int | None, calibrate: bool) -> dict[str, Any]:
-        """Method-specific fields of a device's ``round_start``; the device reads its method's
-        settings from "fedsga" (None: a plain split or whole-model round)."""
-        return {"fedsga": None}
-
-    def device_fields(self, cid: str, k: int | None, calibrate: bool) -> dict[str, Any]:
-        """Fields of one device's ``round_start`` that differ between devices (after ``round_start_fields``):
-        FedSGA's deadline-aware variant sends each device its own predicted seconds per split. None by default."""
-        return {}
 
     # -- the server side ----------------------------------------------------------------------------
     def attach(self, coordinator: Any) -> None:

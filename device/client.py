@@ -21,7 +21,8 @@ from fedsga_edge.config import TrainConfig
 from fedsga_edge.models import SplitModel
 from fedsga_edge.tensors import augment_batch, from_numpy_state, image_batch, probe_mode, to_numpy, to_numpy_state
 
-from .role import Caller, ClientData, SplitClient, device_rng
+from .role import Caller, ClientData, SplitClient
+from .seeds import device_rng
 
 __all__ = ["ClientData", "TorchBackend", "TorchClient"]
 

@@ -28,6 +28,8 @@ import numpy as np
 
 from fedsga_edge.batches import cut_batches
 
+from .seeds import stable_hash
+
 __all__ = ["EVAL_SPAWN", "FINETUNE_SPAWN", "hold_out", "held_out_evaluation", "finetuned_evaluation",
            "finetune_rng"]
 
@@ -42,8 +44,6 @@ def hold_out(indices: np.ndarray, fraction: float, seed: int, cid: str) -> tuple
     indices = np.asarray(indices, dtype=np.int64)
     if fraction <= 0:
         return indices, np.empty(0, dtype=np.int64)
-    from .role import stable_hash
-
     n = len(indices)
     take = max(2, int(round(fraction * n)))
     if n - take < 2:
@@ -87,8 +87,6 @@ def finetune_rng(client: Any, t: int) -> np.random.Generator:
     is the same in every run with that seed and draws nothing from the training's batch order."""
     ss = getattr(client.rng.bit_generator, "seed_seq", None)
     if ss is None:
-        from .role import stable_hash
-
         ss = np.random.SeedSequence(stable_hash(client.cid))
     return np.random.default_rng(np.random.SeedSequence(ss.entropy, spawn_key=(*ss.spawn_key, FINETUNE_SPAWN, t)))
 

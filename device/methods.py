@@ -1,24 +1,31 @@
-"""A method's device side beyond the fixed round: hooks keyed by the round start's ``method`` field.
+"""A method's device side beyond the fixed round: plug-ins armed by the round start.
 
-The device round is fixed (device/role.py: plan, fetch, evaluate, train, learn prompts, calibrate,
-update). A method that needs more of the device than its training settings (FedGH's class means,
-FedAS's body alignment and Fisher information) names itself in ``round_start["method"] = {"name":
-..., <its settings>}``; the role then calls this module's hooks at two fixed points, and never asks
-which method runs:
+The device round is fixed (device/role.py: plan, fetch, evaluate, train, after training, the method's
+requests, update). A method that needs more of the device than its training settings (FedSGA's split
+choice and probe, FedGH's class means, FedAS's body alignment and Fisher information, FedBABU's
+fine-tuned figure) names itself in ``round_start["method"] = {"name": ..., <its settings>}`` (FedSGA:
+its ``fedsga`` settings field, the wire's original spelling, ``DeviceMethod.field``); the role then
+calls its hooks at fixed points, and never asks which method runs:
 
-* ``before_train(client, plan)``: after the round's weights are loaded (round start and fetch), before
-  the held-out evaluation and local training: whatever turns the received model into the one this
-  device trains (FedGH: the device's own body back; FedAS: the received body aligned, its own head back);
+* ``prepare(client, plan)``: the round's weights are loaded, ``plan.k`` is the coordinator's split (None:
+  the device decides); settles what the round trains with (FedSGA: prompts, its own split, calibration);
+* ``before_train(client, plan)``: after the fetch, before the held-out evaluation and local training:
+  whatever turns the received model into the one this device trains (FedGH: the device's own body back;
+  FedAS: the received body aligned, its own head back);
 * ``evaluate(client, plan, t) -> dict``: in an evaluation round, right after the held-out evaluation of the
   received model (before training); the dict's figures go into the update beside ``eval_*`` (FedBABU's
   fine-tuned figure, ``eval_loss_finetuned`` and ``eval_acc_finetuned``);
-* ``report(client, plan) -> dict``: after training; the dict goes into the update as ``update["method"]``
-  and the coordinator's strategy checks it (``Strategy.check_update``) before it can count.
+* ``after_train(client, plan, trained)``: local training is over (FedSGA: the prompts' descriptor and q);
+* ``requests(client, plan)``: requests of the method's own after training, as the round's steps (FedSGA's
+  calibration probe);
+* ``report(client, plan) -> dict | None``: goes into the update as ``update["method"]`` (None: no such
+  field) and the coordinator's strategy checks it (``Strategy.check_update``) before it can count.
 
 A method's private state between rounds lives in ``client.method_state[name]`` (numpy only; like the
 prompts it never leaves the device; it is not in the agent's state file, so a restarted agent starts
 the method's state afresh). A new device side is one ``DeviceMethod`` subclass with
-``@register_device_method``; its strategy sends ``{"name": ...}`` through ``round_start_fields``.
+``@register_device_method``; its strategy sends ``{"name": ...}`` in its ``Instruction``'s ``method`` field
+(coordinator/instructions.py).
 
 Only numpy here: the torch work is the backend's (``device.client.TorchBackend``: ``features``,
 ``fisher_trace``, ``align_step``); a backend without it refuses the round (``BackendError``), as the
@@ -32,6 +39,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .backend import BackendError, Steps
+
 __all__ = ["DeviceMethod", "register_device_method", "device_method", "check_method", "FedGHDevice",
            "FedASDevice", "FedBABUDevice", "class_means"]
 
@@ -39,9 +48,14 @@ _REGISTRY: dict[str, type["DeviceMethod"]] = {}
 
 
 class DeviceMethod:
-    """Base: no work before training, nothing to report. ``settings`` is the round start's ``method`` map."""
+    """Base: no work of its own, nothing to report. ``settings`` is the round start's ``method`` map (the
+    round start itself for a method armed by its own ``field``)."""
 
     name: ClassVar[str] = ""
+    # The round-start field whose presence arms this method when there is no ``method`` map (FedSGA: "fedsga")
+    field: ClassVar[str | None] = None
+    # It picks the split when the coordinator names none (FedSGA); a round start naming no split needs one
+    chooses_split: ClassVar[bool] = False
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings
@@ -49,6 +63,10 @@ class DeviceMethod:
     @classmethod
     def check(cls, settings: dict[str, Any]) -> None:
         """Reject malformed settings (ValueError / TypeError) before the round changes anything."""
+
+    def prepare(self, client: Any, plan: Any) -> None:
+        """The round's weights are loaded, ``plan.k`` is the coordinator's split (None: this method picks it):
+        set what the round trains with (``plan.k``, ``prompts``, ``want_h1``, ``prompt_lr``, ``calibrate``)."""
 
     def before_train(self, client: Any, plan: Any) -> None:
         """The round's weights are loaded; make the model this device trains (and evaluates) this round."""
@@ -58,8 +76,16 @@ class DeviceMethod:
         for the update (beside ``eval_count``, ``eval_loss``, ``eval_acc``). None by default."""
         return {}
 
-    def report(self, client: Any, plan: Any) -> dict[str, Any]:
-        """After local training: what the update carries for the strategy (``update["method"]``)."""
+    def after_train(self, client: Any, plan: Any, trained: Any) -> None:
+        """Local training is over (``trained``: its loss, steps, the prompts' contributions and new values)."""
+
+    def requests(self, client: Any, plan: Any) -> Steps[None]:
+        """The method's own requests after training, yielded like the round's (none by default)."""
+        return
+        yield
+
+    def report(self, client: Any, plan: Any) -> dict[str, Any] | None:
+        """After training: what the update carries for the strategy (``update["method"]``; None: no field)."""
         return {}
 
 
@@ -70,24 +96,40 @@ def register_device_method(cls: type[DeviceMethod]) -> type[DeviceMethod]:
     return cls
 
 
-def check_method(spec: Any) -> None:
-    """A round start's ``method`` field: a map naming a method this device knows, with valid settings."""
+def _armed(body: dict[str, Any]) -> tuple[type[DeviceMethod], dict[str, Any]] | None:
+    """The device side a round start arms and its settings: the ``method`` map's, else a method's own field's."""
+    by_field = [cls for cls in _REGISTRY.values() if cls.field is not None and body.get(cls.field)]
+    spec = body.get("method")
+    if spec is None:
+        return (by_field[0], body) if by_field else None
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise TypeError("method must be a map with a name")
     cls = _REGISTRY.get(spec["name"])
     if cls is None:
         raise ValueError(f"this device has no device side for method {spec['name']!r:.40}")
-    cls.check(spec)
+    if by_field:
+        raise ValueError(f"round_start arms two device sides: method {spec['name']!r:.40} and {by_field[0].field!r}")
+    return cls, spec
 
 
-def device_method(spec: Any) -> DeviceMethod | None:
-    """The round's hooks (None when the round start names no method); ``spec`` was checked on arrival."""
-    return None if spec is None else _REGISTRY[spec["name"]](spec)
+def check_method(body: dict[str, Any]) -> type[DeviceMethod] | None:
+    """The device side a round start arms (None: none), its settings checked; TypeError / ValueError / KeyError
+    when it names a method this device does not know, or settings it cannot take."""
+    armed = _armed(body)
+    if armed is None:
+        return None
+    cls, settings = armed
+    cls.check(settings)
+    return cls
+
+
+def device_method(body: dict[str, Any]) -> DeviceMethod | None:
+    """The round's device side (None when the round start arms none); ``body`` was checked on arrival."""
+    armed = _armed(body)
+    return None if armed is None else armed[0](armed[1])
 
 
 def _need(be: Any, what: str) -> Any:
-    from .role import BackendError
-
     fn = getattr(be, what, None)
     if fn is None:
         raise BackendError(f"the {be.name} backend cannot compute {what}, which this method needs: use --backend torch")

@@ -28,7 +28,8 @@ import numpy as np
 
 from fedsga_edge.config import TrainConfig
 
-from .role import BackendError, ClientData
+from .backend import BackendError
+from .role import ClientData
 from .runtime import ArtifactError, PrefixRunner, _Sgd, load_manifest
 
 __all__ = ["OnnxBackend", "check_artifacts"]

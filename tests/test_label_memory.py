@@ -93,8 +93,9 @@ def test_without_the_option_nothing_changes_on_the_wire(digits) -> None:
     sim = Simulation(tiny_config("fedsga", clients=2, rounds=1, fedsga=FedSGAConfig(cal_every=1)), digits)
     co = sim.coordinator
     assert co.strategy.estimator.num_obs == 3
-    assert co.strategy.device_fields("client-000", None, True) == {}
-    assert "label_memory" not in co.strategy.round_start_fields(None, True)["fedsga"]
+    fields = co.strategy.configure_round(1, ["client-000"])["client-000"].fields
+    assert "margin" not in fields and "deadline" not in fields
+    assert "label_memory" not in fields["fedsga"]
     (rec,) = list(sim.rounds())
     assert all("margin" not in c for c in rec["clients"].values())
 

@@ -1,8 +1,8 @@
 """q (Eq. 5) follows how far the prompts moved, not which token the descriptor weights favour
 (docs/method.md, "Observation"; issue 16 item 1).
 
-The device-level tests drive the role's own bookkeeping (``_learn_prompts`` after local training, then
-the next round's ``_choose_split``), so they check the q a device reports, whatever helper computes it.
+The device-level tests drive FedSGA's device side (``after_train`` after local training, then the next
+round's ``choose_split``), so they check the q a device reports, whatever helper computes it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from fedsga_edge.config import FedSGAConfig, TrainConfig
+from fedsga_edge.device.fedsga import FedSGADevice
 from fedsga_edge.device.role import ClientData, SplitClient, _Plan, _Trained
 from fedsga_edge.method import MonotoneEstimator, ShallowHead, descriptor_weights, prompt_variation
 from fedsga_edge.tensors import to_numpy_state
@@ -51,7 +52,7 @@ def _client() -> SplitClient:
 
 def _round_start_body() -> dict[str, Any]:
     torch.manual_seed(0)
-    return {"train": {"batch_size": 8}, "phi_s": to_numpy_state(ShallowHead(FEAT, PROTO).state_dict()),
+    return {"fedsga": dict(vars(FedSGAConfig())), "train": {"batch_size": 8}, "phi_s": to_numpy_state(ShallowHead(FEAT, PROTO).state_dict()),
             "prototypes": np.zeros((CLASSES, PROTO), np.float32),
             "estimator": to_numpy_state(MonotoneEstimator().state_dict())}
 
@@ -66,12 +67,12 @@ def _contrib(favoured: int) -> np.ndarray:
 def _reported_q(client: SplitClient, rounds: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> float:
     """Local training rounds (prompts before, prompts after, summed contributions), then the q the next
     round's observation reports."""
-    fed = FedSGAConfig()
+    method = FedSGADevice(_round_start_body())
     for before, after, contrib in rounds:
-        plan = _Plan(TrainConfig(), fed, False, False, before.copy(), 1, 1, set(), {})
+        plan = _Plan(TrainConfig(), False, 1, set(), prompts=before.copy())
         client.state.prompts = before.copy()
-        client._learn_prompts(plan, _Trained(contrib.copy(), steps=1, new_prompts=after.copy()))
-    _, report = client._choose_split(_round_start_body(), fed, client.state.prompts)
+        method.after_train(client, plan, _Trained(contrib.copy(), steps=1, new_prompts=after.copy()))
+    _, report = method.choose_split(client, client.state.prompts)
     return float(report["q"])
 
 

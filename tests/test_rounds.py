@@ -15,6 +15,7 @@ import torch
 
 from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
 from fedsga_edge.coordinator import RoundError, RoundState, Strategy, register_strategy
+from fedsga_edge.device.fedsga import FedSGADevice
 from fedsga_edge.method import reference_index
 from fedsga_edge.simulation import Simulation
 from fedsga_edge.tensors import probe_mode
@@ -186,8 +187,7 @@ def test_device_probe_changes_no_state(digits) -> None:
     client = sim.clients[0]
     before = {k: v.clone() for k, v in client.model.state_dict().items()}
     client.model.eval()
-    body = {"train": {"batch_size": 8}}
-    probe = client._probe(body, client.state.prompts, [0.1, 0.2, 0.3], 0.5)
+    probe = FedSGADevice.probe(client, 8, client.state.prompts, [0.1, 0.2, 0.3], 0.5)
     assert probe["z1"].shape[0] == 8 and np.isfinite(probe["zref"]).all()
     for k, v in client.model.state_dict().items():
         assert torch.equal(v, before[k]), k

@@ -39,9 +39,9 @@ class Revert:
 
 REVERTS = (
     Revert("q", "item 1: q is the prompts' movement under one set of weights; old: ||m^t - m^{t-1}|| of the descriptors",
-           "device/role.py", 'self.state.extra["q"] = prompt_variation(prompts, before, alpha)',
-           'self.state.extra["q"] = (0.0 if self.state.m_prev is None\n'
-           '                                      else float(np.linalg.norm(self.state.m_last - self.state.m_prev)))',
+           "device/fedsga.py", 'client.state.extra["q"] = prompt_variation(prompts, before, alpha)',
+           'client.state.extra["q"] = (0.0 if client.state.m_prev is None\n'
+           '                                        else float(np.linalg.norm(client.state.m_last - client.state.m_prev)))',
            ("tests/test_method_q.py",)),
     Revert("round-one-pairs", "item 2: a first observation's pair is not stored; old: every probed pair is stored",
            "fedsga_edge/method/estimator.py", "return not (float(obs[1]) == 0.0 and float(r_prev) == 0.0)",
@@ -52,11 +52,11 @@ REVERTS = (
            "fedsga_edge/method/estimator.py", "PRIOR_PAIRS = 2.0", "PRIOR_PAIRS = 0.0",
            ("tests/test_method_calibration.py::test_four_pairs_of_one_label_do_not_saturate_r",)),
     Revert("probe-slice", "item 3: the probe batch comes from a slice never trained on; old: a batch of the training data",
-           "device/role.py", "held = self.data.probe_indices\n        if held is None:",
-           "held = None\n        if held is None:",
+           "device/fedsga.py", "held = client.data.probe_indices\n    if held is None:",
+           "held = None\n    if held is None:",
            ("tests/test_method_calibration.py::test_the_probe_batch_is_disjoint_from_every_training_batch",)),
     Revert("calibration-floor", "item 7: calibration rounds train at least to p_ref; old: the policy's split",
-           "device/role.py", "floor = reference_index(K) if calibrate else 1", "floor = 1",
+           "device/fedsga.py", "floor = reference_index(K) if calibrate else 1", "floor = 1",
            ("tests/test_method_rules.py::test_calibration_rounds_train_at_least_to_p_ref_whatever_the_policy_says",)),
     Revert("headline-split", "item 7: the headline split is the most trained, ties to the shallower; old: ties to the deeper",
            "coordinator/evaluation.py", "return min(split, key=lambda k: (-split[k], k))",

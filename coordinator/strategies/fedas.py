@@ -20,6 +20,7 @@ import numpy as np
 from fedsga_edge.options import Opt
 from fedsga_edge.wire import RemoteProtocolError
 
+from ..instructions import Instruction
 from ..limits import check_values
 from ..strategy import register_strategy
 from .fedavg import FedAvg
@@ -40,9 +41,10 @@ class FedAS(FedAvg):
             ge=0, le=100),
     )
 
-    def round_start_fields(self, k: int | None, calibrate: bool) -> dict[str, Any]:
-        return {"fedsga": None, "method": {"name": self.name, "align_lr": float(self.args["align_lr"]),
-                                           "align_epochs": int(self.args["align_epochs"])}}
+    def configure_round(self, t: int, devices: list[str]) -> dict[str, Instruction]:
+        method = {"name": self.name, "align_lr": float(self.args["align_lr"]),
+                  "align_epochs": int(self.args["align_epochs"])}
+        return {cid: i.with_fields(method=method) for cid, i in super().configure_round(t, devices).items()}
 
     def check_update(self, body: dict[str, Any]) -> None:
         """The device's Fisher information: one finite number >= 0 (it weighs the device's model)."""

@@ -16,13 +16,12 @@ beside the global ``fed_acc``. docs/method.md, "Baselines beyond the paper's own
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from fedsga_edge.config import TrainConfig
 from fedsga_edge.options import Opt
 from fedsga_edge.wire import RemoteProtocolError
 
+from ..instructions import Instruction
 from ..strategy import head_state, register_strategy
 from .fedavg import FedAvg
 
@@ -53,13 +52,13 @@ class FedBABU(FedAvg):
     def attach(self, coordinator: Any) -> None:
         self._model = coordinator.model
 
-    def device_train(self, train: TrainConfig) -> TrainConfig:
-        return dataclasses.replace(train, mu=0.0, freeze_head=True)
-
-    def round_start_fields(self, k: int | None, calibrate: bool) -> dict[str, Any]:
-        """The device side's settings (device/methods.py ``FedBABUDevice``): a device that predates them
-        refuses the round, naming the method, instead of evaluating without the fine-tuned figure."""
-        return {"fedsga": None, "method": {"name": self.name, "finetune_epochs": int(self.args["finetune_epochs"])}}
+    def configure_round(self, t: int, devices: list[str]) -> dict[str, Instruction]:
+        """The head frozen in training, and the device side's settings (device/methods.py ``FedBABUDevice``): a
+        device that predates them refuses the round, naming the method, instead of evaluating without the
+        fine-tuned figure."""
+        method = {"name": self.name, "finetune_epochs": int(self.args["finetune_epochs"])}
+        return {cid: i.with_train(freeze_head=True).with_fields(method=method)
+                for cid, i in super().configure_round(t, devices).items()}
 
     def check_update(self, body: dict[str, Any]) -> None:
         """The device side reports nothing of its own (its figures are ``eval_*``, checked by the evaluation)."""

@@ -21,6 +21,7 @@ import numpy as np
 from fedsga_edge.options import Opt
 from fedsga_edge.wire import RemoteProtocolError
 
+from ..instructions import Instruction
 from ..limits import check_values
 from ..strategy import head_state, register_strategy
 from .fedavg import FedAvg
@@ -79,8 +80,9 @@ class FedGH(FedAvg):
         self._num_classes = int(coordinator.num_classes)
         self._coordinator = coordinator  # its ``clients``: device -> training samples (the figure's weight)
 
-    def round_start_fields(self, k: int | None, calibrate: bool) -> dict[str, Any]:
-        return {"fedsga": None, "method": {"name": self.name}}
+    def configure_round(self, t: int, devices: list[str]) -> dict[str, Instruction]:
+        method = {"name": self.name}
+        return {cid: i.with_fields(method=method) for cid, i in super().configure_round(t, devices).items()}
 
     def begin_round(self, t: int, calibrate: bool) -> None:
         self._head = head_state(self._model)

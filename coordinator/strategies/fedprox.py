@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-
-from fedsga_edge.config import TrainConfig
-
+from ..instructions import Instruction
 from ..strategy import register_strategy
 from .fedavg import FedAvg
 
@@ -17,5 +14,5 @@ class FedProx(FedAvg):
     label = "FedProx"
     owns_options = ("prox_mu",)
 
-    def device_train(self, train: TrainConfig) -> TrainConfig:
-        return dataclasses.replace(train, mu=self.cfg.prox_mu)
+    def configure_round(self, t: int, devices: list[str]) -> dict[str, Instruction]:
+        return {cid: i.with_train(mu=self.cfg.prox_mu) for cid, i in super().configure_round(t, devices).items()}

@@ -16,14 +16,16 @@ from fedsga_edge.config import RunConfig
 from fedsga_edge.method.policy import reference_index
 from fedsga_edge.wire import RemoteProtocolError
 
+from ..instructions import Instruction
 from ..strategy import Method, Strategy, check_split, register_strategy, split_suffix
+from .fedsga_deadline import Deadlines, predict_device
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from fedsga_edge.wire import Message
 
-__all__ = ["FedSGA", "predicted_split_s"]
+__all__ = ["FedSGA"]
 
 _ABLATIONS = ("adapt", "estimator", "harmonizer")
 # A probe's delta and q are clipped to this many times the stored pairs' median (once there are
@@ -33,72 +35,9 @@ _OBS_CLIP, _OBS_MIN = 10.0, 4
 _RECORD_KEYS = ("a", "delta", "q", "r", "r_prev", "k_policy", "L1", "Lref", "s", "descriptor_entropy", "margin")
 # --label-memory: a device's margin log(Lref / L1) is kept within +-_MARGIN_CAP (a loss of 0 would make it infinite)
 _MARGIN_CAP = 10.0
-# Bytes one activation or gradient value takes on the wire per --wire-format (docs/protocol.md, "Messages"): int4
-# packs two values a byte plus a float32 scale per 256 values. Weights, labels and probes are counted as fp32/int64.
-_VALUE_BYTES = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 256}
-# A message's envelope, keys and small fields, each way, and a margin on the whole: the prediction should err long,
-# not short (against the virtual clock it was within 0.5 % either way without the margin: benchmarks/RESULTS.md).
-_MESSAGE_BYTES = 256
-_MARGIN = 1.01
 # FedSGA settings the coordinator alone reads: a device sees their effect in its own round-start fields
-# ("deadline", "margin": device_fields), and a round start without them is what devices that predate them accept
+# ("deadline", "margin": configure_round), and a round start without them is what devices that predate them accept
 _SERVER_ONLY = ("deadline_aware", "label_memory", "harmonizer_lr", "harmonizer_form")
-
-
-def _batches(n: int, batch_size: int, max_batches: int) -> int:
-    """Batches a device with ``n`` samples cuts per local epoch (a last batch under 2 samples joins the one before:
-    coordinator/server.py ``samples_per_epoch``), capped at ``max_batches``."""
-    count = max(1, -(-n // batch_size))
-    if count > 1 and n - batch_size * (count - 1) < 2:
-        count -= 1
-    return min(count, max_batches) if max_batches else count
-
-
-def _probe_slice(n: int, fraction: float) -> int:
-    """Samples a device holds out for its probe (device/role.py ``hold_out_probe``; all of them without a slice)."""
-    if fraction <= 0 or n < 4:
-        return n
-    return min(max(2, int(round(fraction * n))), n - 2)
-
-
-def predicted_split_s(cls: Any, costs: Any, num_samples: int, cfg: RunConfig, calibrate: bool, h1_dim: int = 0,
-                      weight_bytes: dict[int, float] | None = None, extra_down: float = 0.0) -> list[float]:
-    """Predicted seconds of one FedSGA device's round at each split k = 1..K on its fleet class ``cls``
-    (fedsga_edge/fleet.py ``DeviceClass.round_s``): the time model of docs/fleet.md applied to what the round
-    would carry, counted from the cost table rather than measured, so the choice is made before the round.
-
-    Compute: the samples trained (|D_i| less the probe's held-out slice, x local epochs, batches as the device
-    cuts them; ``num_samples`` is |D_i| as the device registered it) x the prefix's training
-    FLOPs at k, plus the probe's forward to p_ref on a calibration round (a batch of the held-out probe slice).
-    Up: per sample its activation at k in --wire-format, its label and its pooled p_1 features (``h1_dim``
-    floats), then the update's weights up to p_k (``weight_bytes[k]``, default 4 bytes a parameter). Down: the
-    gradients, the weights up to p_k (round start plus fetch) and ``extra_down`` (the round start's method state).
-    Each message ``_MESSAGE_BYTES`` more each way (envelope, keys); a round trip per request; then 1 % more
-    (``_MARGIN``). Not counted (as on the virtual clock): the observation forward, waiting for the server, held-out
-    evaluations; a device's first round adds its class's ``warmup_s`` (``FedSGA.device_fields``). Against the virtual clock it is long by under 1.5 % (tests/test_fleet_bench.py)."""
-    from fedsga_edge.coordinator.server import samples_per_epoch
-
-    tc = cfg.train
-    # the probe's slice, never trained on (held out only while the estimator calibrates)
-    held = _probe_slice(num_samples, cfg.fedsga.probe_holdout) if cfg.fedsga.estimator else num_samples
-    n = num_samples - held if held < num_samples else num_samples
-    seen = tc.local_epochs * samples_per_epoch(n, tc.batch_size, tc.max_batches, tc.batching)
-    requests = tc.local_epochs * _batches(n, tc.batch_size, tc.max_batches)
-    value = _VALUE_BYTES[cfg.wire_format]
-    K = len(costs.prefix)
-    ref = reference_index(K)
-    probe = min(tc.batch_size, held) if calibrate else 0
-    out = []
-    for k in range(1, K + 1):
-        elems = costs.prefix[k].activation_elems
-        weights = float(weight_bytes[k]) if weight_bytes is not None else 4.0 * costs.params[k]
-        flops = seen * costs.train(k) + probe * costs.prefix_fwd(ref)
-        messages = requests + 1 + (1 if k > 1 else 0) + (1 if probe else 0)  # batches, update, fetch, probe
-        up = seen * (elems * value + 8 + 4 * h1_dim) + weights + messages * _MESSAGE_BYTES
-        up += probe * (4 * (costs.prefix[1].activation_elems + costs.prefix[ref].activation_elems) + 8)
-        down = seen * elems * value + weights + extra_down + (messages + 1) * _MESSAGE_BYTES  # + the round start
-        out.append(_MARGIN * float(cls.round_s(flops, up, down, 0.5 + messages)))  # + half a trip: the round start
-    return out
 
 
 def _server_head(model: Any, num_classes: int, fed: Any) -> Any:
@@ -131,19 +70,8 @@ class FedSGA(Strategy):
 
     def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
         super().__init__(cfg, num_splits, clients, train_flops)
-        self.fleet_classes: dict[str, Any] | None = None  # --deadline-aware: each device's fleet class
-        self._predicted: dict[str, list[float]] = {}  # this round's predicted seconds per split, per device
-        # devices sent a prediction before, so past their first round's warm-up (a resumed coordinator starts it
-        # afresh: its first round's predictions err long by the warm-up)
-        self._told: set[str] = set()
-        self._weight_bytes: dict[int, float] | None = None  # the weights up to each split, bytes (predict)
-        if cfg.fedsga.deadline_aware:
-            if not cfg.fleet or cfg.round_timeout <= 0:
-                raise ValueError("--deadline-aware needs --fleet FILE (each device's speed and link) and "
-                                 "--round-timeout SECONDS (the deadline it keeps to)")
-            from fedsga_edge.fleet import load_fleet  # torch-free
-
-            self.fleet_classes = load_fleet(cfg.fleet).assign(list(clients))
+        # --deadline-aware: each device's fleet class and the predictions it is sent
+        self.deadlines = Deadlines(cfg, clients) if cfg.fedsga.deadline_aware else None
 
     @classmethod
     def check_config(cls, cfg: RunConfig, num_splits: int) -> None:
@@ -196,47 +124,37 @@ class FedSGA(Strategy):
         # a calibration round's probe compares the device's own blocks up to p_ref: it may go deeper
         return assigned is None or assigned == k or (calibrate and k >= assigned)
 
-    def round_start_fields(self, k: int | None, calibrate: bool) -> dict[str, Any]:
+    def configure_round(self, t: int, devices: list[str]) -> dict[str, Instruction]:
+        """FedSGA's device settings for every device (device/fedsga.py); a device that chooses its split also gets
+        Gamma, phi_s and the prototypes to observe with, whether the round calibrates, and, on its own:
+        --label-memory, its margin at its last calibration (0 before one), which it appends to its observation;
+        --deadline-aware, its predicted round seconds per split and the deadline, from which it picks
+        (fedsga_edge/method/policy.py ``deadline_split``)."""
         from fedsga_edge.tensors import to_numpy, to_numpy_state
 
-        body: dict[str, Any] = {"fedsga": {k: v for k, v in vars(self.cfg.fedsga).items() if k not in _SERVER_ONLY}}
-        if k is None:  # the device chooses: it needs Gamma, phi_s and the prototypes to observe
-            body.update(calibrate=calibrate, estimator=to_numpy_state(self.estimator.state_dict()),
-                        phi_s=to_numpy_state(self.phi_s.state_dict()), prototypes=to_numpy(self.prototypes.protos),
-                        proto_dim=self.proto_dim)
-        return body
-
-    def device_fields(self, cid: str, k: int | None, calibrate: bool) -> dict[str, Any]:
-        """For a device that chooses its split: --label-memory, its margin at its last calibration (0 before one),
-        which it appends to its observation; --deadline-aware, its predicted round seconds per split and the
-        deadline, from which it picks (fedsga_edge/method/policy.py ``deadline_split``)."""
-        if k is not None:
-            return {}
-        out: dict[str, Any] = {}
-        if self.cfg.fedsga.label_memory:
-            out["margin"] = self._sent_margin[cid] = self._margins.get(cid, 0.0)
-        cls = self.fleet_classes.get(cid) if self.fleet_classes is not None else None
-        if cls is None:
-            return out
-        split_s = self.predict(cls, cid, calibrate)
-        if cid not in self._told:  # its first round: a fresh process's one-time work (the class's warmup_s) too
-            split_s = [s + float(cls.warmup_s) for s in split_s]
-            self._told.add(cid)
-        self._predicted[cid] = split_s
-        return out | {"deadline": {"s": float(self.cfg.round_timeout), "split_s": split_s}}
+        calibrate = self.calibrates(t)
+        if self.deadlines is not None:
+            self.deadlines.predicted = {}
+        settings = {k: v for k, v in vars(self.cfg.fedsga).items() if k not in _SERVER_ONLY}
+        out = {}
+        for cid, i in super().configure_round(t, devices).items():
+            if i.split is not None:
+                out[cid] = i.with_fields(fedsga=settings)
+                continue
+            fields: dict[str, Any] = dict(
+                fedsga=settings, calibrate=calibrate, estimator=to_numpy_state(self.estimator.state_dict()),
+                phi_s=to_numpy_state(self.phi_s.state_dict()), prototypes=to_numpy(self.prototypes.protos),
+                proto_dim=self.proto_dim)
+            if self.cfg.fedsga.label_memory:
+                fields["margin"] = self._sent_margin[cid] = self._margins.get(cid, 0.0)
+            if self.deadlines is not None:
+                fields.update(self.deadlines.fields(self, cid, calibrate))
+            out[cid] = i.with_fields(**fields)
+        return out
 
     def predict(self, cls: Any, cid: str, calibrate: bool) -> list[float]:
-        """``predicted_split_s`` for device ``cid`` on fleet class ``cls`` with this model's real weight bytes
-        (buffers included) and the round start's method state (estimator, phi_s, prototypes)."""
-        if self._weight_bytes is None:
-            model, state = self.co.model, self.co.model.state_dict()
-            self._weight_bytes = {k: float(sum(v.numel() * v.element_size() for n, v in state.items()
-                                               if model.unit_of(n) < model.depth_of(k))) for k in range(1, self.K + 1)}
-        extra = sum(v.numel() * v.element_size() for module in (self.phi_s, self.prototypes)
-                    for v in module.state_dict().values())
-        extra += sum(v.numel() * v.element_size() for v in self.estimator.state_dict().values() if hasattr(v, "numel"))
-        return predicted_split_s(cls, self.co.costs, self.co.clients[cid], self.cfg, calibrate, h1_dim=self._h1_dim,
-                                 weight_bytes=self._weight_bytes, extra_down=float(extra))
+        """Device ``cid``'s predicted round seconds per split on fleet class ``cls`` (fedsga_deadline.py)."""
+        return predict_device(self, cls, cid, calibrate)
 
     # -- the server side ----------------------------------------------------------------------------
     def attach(self, coordinator: Any) -> None:
@@ -381,7 +299,6 @@ class FedSGA(Strategy):
     def begin_round(self, t: int, calibrate: bool) -> None:
         self._calibration, self._new_pairs, self._cal_flops_server = [], 0, 0
         self._phi_loss, self._phi_steps = 0.0, 0
-        self._predicted = {}
 
     def end_round(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
         self.prototypes.commit()
@@ -397,8 +314,8 @@ class FedSGA(Strategy):
         # the round-start observation: obs_samples through the prefix to p_1 (docs/method.md, "Costs")
         client_obs = sum(costs.prefix_fwd(1) * int(u.get("obs_samples", 0)) for u in updates.values())
         record["observation_flops"] = {"client": int(client_obs)}
-        if self._predicted:  # --deadline-aware: what each device was told (docs/fleet.md, "Deadline-aware splits")
-            record["deadline"] = {"s": float(self.cfg.round_timeout), "split_s": dict(self._predicted)}
+        if self.deadlines is not None and self.deadlines.predicted:  # what each device was told (docs/fleet.md)
+            record["deadline"] = {"s": float(self.cfg.round_timeout), "split_s": dict(self.deadlines.predicted)}
 
     def _refit(self) -> dict[str, Any]:
         """Score the Gamma that chose this round's splits on this round's new pairs (fitted before they came:
