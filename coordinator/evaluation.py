@@ -41,7 +41,8 @@ def evaluate(model: Any, head: nn.Module, strategy: Any, headline: int, num_clas
     With several depth heads (FedSGA's harmonizer: one depth embedding each) ``test_acc_depth_mean`` is
     the accuracy of their softmaxes averaged with equal weights: one global model's figure that does not
     hang on which embedding the latest round trained most (under label skew the embeddings' figures lay
-    ~8 points apart at cifar-v1; benchmarks/RESULTS.md, stop 32). Reported beside the headline, not as it."""
+    ~8 points apart at cifar-v1; benchmarks/RESULTS.md, "The harmonizer's depth heads"). Reported beside
+    the headline, not as it."""
     model.eval()
     head.eval()
     K = model.num_splits
