@@ -261,6 +261,33 @@ def test_new_optional_keys_are_plotted(tmp_path) -> None:
     assert rep.section("reliability").png is None  # r without s: no calibration pair
 
 
+def test_the_page_opens_with_what_each_run_did(tmp_path) -> None:
+    """The summary before the first plot: rounds, devices (and who missed a round), accuracy, federated accuracy,
+    bytes and, where recorded, each device's seconds per round; many runs: one line per method and partition."""
+    splits = [{c: 2 for c in CLIENTS}, {"client-000": 2, "client-001": 2}]
+    timing = {c: {"compute_s": 1.0 + i, "wire_s": 0.5, "wait_s": 0.25, "done_s": 2.0, "split": 2}
+              for i, c in enumerate(CLIENTS)}
+    write_run(tmp_path / "a", "static", 0, [0.5, 0.75], splits=splits,
+              extra=[{"fleet_s": 3.0, "timing": timing, "fed_acc": 0.6}, {"fleet_s": 3.0, "timing": timing,
+                                                                          "fed_acc": 0.7}])
+    page = build_report([tmp_path / "a"], [], tmp_path / "out").html.read_text()
+    start = page.index('<h2 id="summary">')
+    assert start < page.index("<nav>") < page.index('<h2 id="accuracy">')
+    summary = page[start:page.index("<nav>")]
+    assert "static · iid · seed 0: 2 rounds with 3 devices (client-002 in 1 of 2)" in summary, summary
+    assert "test accuracy 75.00 % after the last round (best 75.00 %)" in summary
+    assert "federated accuracy 70.00 % on the devices' own held-out data" in summary
+    assert "3.00 MB up and 4.00 MB down, 3.0 s." in summary  # bytes_up 1e6 + 2e6, bytes_down 2 x 2e6, wall 2 x 1.5
+    assert "client-000 1.00 / 0.50 / 0.25; client-001 2.00 / 0.50 / 0.25; client-002 3.00 / 0.50 / 0.25" in summary
+
+    for seed in range(9):
+        write_run(tmp_path / "many" / f"seed{seed}", "static", seed, [0.5, 0.6 + 0.01 * seed])
+    page = build_report([tmp_path / "many"], [], tmp_path / "out2").html.read_text()
+    summary = page[page.index('<h2 id="summary">'):page.index("<nav>")]
+    assert summary.count("<li>") == 1 and "9 run(s), 2 rounds, 3 devices" in summary, summary
+    assert "final test accuracy 64.00 % (60.00 % to 68.00 %)" in summary
+
+
 def test_markdown_tables_to_html() -> None:
     out = markdown_to_html("## T\n\nsome *text*\n\n| a | b `x` |\n|:---|---:|\n| 1 \\| 2 | **3** |\n\n- item")
     assert "<h4>T</h4>" in out and "<i>text</i>" in out and "<li>item</li>" in out
