@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import subprocess
@@ -28,15 +27,25 @@ from pathlib import Path
 
 # One device, two rounds, a small model (resnet18_cifar at width 0.125, split 1: stem + layer1 on the device),
 # two batches of 16 per round: minutes under emulation. Augmentation off: nothing random but the seeded batches.
+# Rate 0.01: at the default 0.1 an untrained BatchNorm net amplifies float32 rounding (NEON against AVX2 kernels:
+# 1e-7 relative in one step) to 0.7 % of the test loss after round 1 and 0.06 in a weight after round 2.
 RUN = ["--dataset", "digits", "--model", "resnet18_cifar", "--width", "0.125", "--strategy", "static",
        "--split", "1", "--seed", "0", "--clients", "1", "--rounds", "2", "--local-epochs", "1", "--max-batches",
-       "2", "--batch-size", "16", "--no-augment", "--eval-holdout", "0.2", "--round-timeout", "0"]
+       "2", "--batch-size", "16", "--lr", "0.01", "--no-augment", "--eval-holdout", "0.2", "--round-timeout", "1800"]
 TRAIN_SUBSET = "160"  # images in the device's folder: read and decoded by Pillow under emulation
-# What the two runs must share, per round: the coordinator's figures (rel) and the exact ones.
-CLOSE = ("train_loss", "test_loss", "test_acc", "fed_acc")
+# What the two runs must share, per round: the figures that are counts exactly, the losses and accuracies to
+# float tolerance, and the final weights. Not bit for bit: onnxruntime's NEON kernels round differently from its
+# AVX2 ones (1e-7 relative per step), and on digits' flat backgrounds many activations tie near a ReLU's kink,
+# so a rounding difference flips whole regions of a mask. Measured on this check: the aarch64 device against
+# the x86 one 2.7e-4 (losses) and 6.8e-4 (weights, relative L2); the x86 torch device against the x86 onnx one,
+# which tests/test_onnx_device.py holds equal to float rounding, 5.7e-3 and 1.2e-3 (docs/deploy.md).
 EXACT = ("round", "splits", "bytes_up", "bytes_down", "failures", "fed_count")
-REL_TOL = 1e-4  # float32 kernels differ between NEON and AVX2: measured 1e-7..1e-6 relative (docs/deploy.md)
-WEIGHT_TOL = 1e-4
+LOSSES = ("train_loss", "test_loss", "fed_loss")
+ACCURACIES = ("test_acc", "fed_acc")
+LOSS_TOL = 2e-3  # relative
+ACC_TOL = 0.02  # absolute: one image of 360 test images is 0.003, of the 32 held out 0.031
+WEIGHT_TOL = 5e-3  # relative L2 over all trained weights
+STATS_TOL = 2e-2  # relative L2 over BatchNorm's running statistics
 
 # The host's torch-free device: the same meta-path block the tests use (tests/test_device_runtime.py).
 NO_TORCH = textwrap.dedent("""
@@ -110,8 +119,17 @@ def run_pair(work: Path, name: str, device: list[str], paths: dict[str, str], ti
 
 
 def _show(r: dict) -> str:
-    cells = [f"round {r['round']}"] + [f"{k} {r[k]:.6f}" for k in CLOSE if isinstance(r.get(k), (int, float))]
+    cells = [f"round {r['round']}"] + [f"{k} {r[k]:.6f}" for k in (*LOSSES, *ACCURACIES)
+                                       if isinstance(r.get(k), (int, float))]
     return ", ".join(cells + [f"bytes up/down {r.get('bytes_up')}/{r.get('bytes_down')}"])
+
+
+def _rel_l2(a: dict, b: dict, keys: list[str]) -> float:
+    import torch
+
+    va = torch.cat([a[k].double().flatten() for k in keys])
+    vb = torch.cat([b[k].double().flatten() for k in keys])
+    return float((va - vb).norm() / vb.norm().clamp_min(1e-12))
 
 
 def compare(a: dict, b: dict) -> list[str]:
@@ -119,22 +137,36 @@ def compare(a: dict, b: dict) -> list[str]:
     bad: list[str] = []
     if len(a["records"]) != len(b["records"]):
         return [f"{a['name']} has {len(a['records'])} rounds, {b['name']} {len(b['records'])}"]
+    worst = 0.0
     for ra, rb in zip(a["records"], b["records"]):
         for k in EXACT:
             if ra.get(k) != rb.get(k):
                 bad.append(f"round {ra['round']}: {k} {ra.get(k)!r} != {rb.get(k)!r}")
-        for k in CLOSE:
-            x, y = ra.get(k), rb.get(k)
-            if (x is None) != (y is None) or (x is not None and not math.isclose(x, y, rel_tol=REL_TOL, abs_tol=1e-7)):
-                bad.append(f"round {ra['round']}: {k} {x!r} vs {y!r} (rel tol {REL_TOL:g})")
+        for keys, rel, tol in ((LOSSES, True, LOSS_TOL), (ACCURACIES, False, ACC_TOL)):
+            for k in keys:
+                x, y = ra.get(k), rb.get(k)
+                if (x is None) != (y is None):
+                    bad.append(f"round {ra['round']}: {k} {x!r} vs {y!r}")
+                elif x is not None:
+                    d = abs(x - y) / (abs(y) if rel else 1.0)
+                    worst = max(worst, d) if rel else worst
+                    if d > tol:
+                        bad.append(f"round {ra['round']}: {k} {x!r} vs {y!r} ({'rel' if rel else 'abs'} tol {tol:g})")
     import torch
 
     wa, wb = (torch.load(r["dir"] / "checkpoint.pt", map_location="cpu", weights_only=False)["model"]
               for r in (a, b))
-    worst = max(((wa[k].double() - wb[k].double()).abs().max().item(), k) for k in wa if wa[k].is_floating_point())
-    print(f"final weights: largest difference {worst[0]:.3g} ({worst[1]}), {len(wa)} tensors")
-    if worst[0] > WEIGHT_TOL:
-        bad.append(f"final weights differ by {worst[0]:.3g} in {worst[1]} (tol {WEIGHT_TOL:g})")
+    floats = [k for k in wb if wb[k].is_floating_point()]
+    stats = [k for k in floats if "running_" in k]
+    weights = [k for k in floats if k not in stats]
+    dw, ds = _rel_l2(wa, wb, weights), _rel_l2(wa, wb, stats) if stats else 0.0
+    print(f"largest loss difference {worst:.2g} (relative; tol {LOSS_TOL:g}); final weights {dw:.2g} and "
+          f"BatchNorm statistics {ds:.2g} apart (relative L2 over {len(weights)} and {len(stats)} tensors; tol "
+          f"{WEIGHT_TOL:g}, {STATS_TOL:g})")
+    if dw > WEIGHT_TOL:
+        bad.append(f"final weights differ by {dw:.3g} (relative L2; tol {WEIGHT_TOL:g})")
+    if ds > STATS_TOL:
+        bad.append(f"final BatchNorm statistics differ by {ds:.3g} (relative L2; tol {STATS_TOL:g})")
     return bad
 
 
@@ -175,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print("MISMATCH between the aarch64 and the x86_64 device:\n  " + "\n  ".join(bad))
         return 1
-    print(f"the aarch64 and x86_64 devices' rounds match (rel tol {REL_TOL:g}, weights {WEIGHT_TOL:g})")
+    print("the aarch64 and x86_64 devices' rounds match to float tolerance")
     return 0
 
 

@@ -35,8 +35,8 @@ CPU revision	: 3
 
 '
 
-# Run "$@" inside the arm64 system, in a private mount namespace (its /proc, /dev and cpuinfo mounts vanish with
-# it). Quirk 3: QEMU_CPU=cortex-a72, the Pi 4's core; qemu's default CPU offers SME and numpy's kernels for it
+# Run "$@" inside the arm64 system, in a private mount namespace (its /proc, /dev, /sys and cpuinfo mounts vanish
+# with it; without /sys onnxruntime's CPU probe prints errors about the processor lists). Quirk 3: QEMU_CPU=cortex-a72, the Pi 4's core; qemu's default CPU offers SME and numpy's kernels for it
 # made onnxruntime's steps 9x slower. Quirk 1: pip inside trusts the host's CA bundle (a proxy's CA included).
 # The environment is emptied but for what the device needs, so no host setting leaks in.
 enter() {
@@ -45,6 +45,7 @@ enter() {
     mount -t proc proc "$r/proc"
     mount --bind "$r/etc/fedsga-edge/cpuinfo" "$r/proc/cpuinfo"
     mount --rbind /dev "$r/dev"
+    mount -o ro --rbind /sys "$r/sys"
     exec env -i QEMU_CPU=cortex-a72 "$CHROOT" "$r" /usr/bin/env -i QEMU_CPU=cortex-a72 HOME=/root LANG=C.UTF-8 \
       PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 \
       SSL_CERT_FILE=/etc/fedsga-edge/host-ca.crt PIP_CERT=/etc/fedsga-edge/host-ca.crt \
