@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
-from test_report import _chromium
+from typer.testing import CliRunner
 
+from fedsga_edge.cli.main import app
 from fedsga_edge.report import build_report
 
 # The README's quick start (static SplitFed, digits, 3 devices, 2 rounds, resnet18_cifar at width 0.25, seed 0),
@@ -17,6 +18,11 @@ from fedsga_edge.report import build_report
 QUICK = ["simulate", "--dataset", "digits", "--clients", "3", "--rounds", "2", "--model", "resnet18_cifar",
          "--width", "0.25", "--strategy", "static", "--seed", "0", "--local-epochs", "1", "--max-batches", "2",
          "--device", "cpu", "--threads", "1", "--quiet"]
+
+
+def _chromium() -> str | None:
+    names = ("chromium", "chromium-browser", "google-chrome", "chrome")
+    return next((p for n in names if (p := shutil.which(n))), None)
 
 
 def _text(dom: str) -> str:
@@ -34,9 +40,8 @@ def test_quick_start_report_opens_with_what_the_run_did_in_a_browser(tmp_path) -
     import matplotlib.image as mpimg
 
     run = tmp_path / "quickstart"
-    res = subprocess.run([sys.executable, "-m", "fedsga_edge.cli.main", *QUICK, "--out", str(run)],
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = CliRunner().invoke(app, [*QUICK, "--out", str(run)])
+    assert res.exit_code == 0, res.output[-3000:]
     rep = build_report([run], [], tmp_path / "report")
     assert rep.errors == []
     browser = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
