@@ -115,7 +115,9 @@ def run_pair(work: Path, name: str, device: list[str], paths: dict[str, str], ti
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     registered = json.loads((run / "devices.json").read_text())["client-000"]
     device = {"backend": registered.get("backend"), **registered.get("capabilities", {})}
-    return {"name": name, "dir": run, "records": recs, "seconds": seconds, "device": device}
+    log = [json.loads(x) for x in (work / f"state-{name}" / "agent.log").read_text().splitlines() if x.strip()]
+    rounds_s = [e["wall_s"] for e in log if e.get("event") == "round_end"]  # the device's own clock, per round
+    return {"name": name, "dir": run, "records": recs, "seconds": seconds, "device": device, "rounds_s": rounds_s}
 
 
 def _show(r: dict) -> str:
@@ -197,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in (arm, host):
         d = r["device"]
         print(f"{r['name']} device: machine {d['machine']}, backend {d.get('backend', '?')}, onnxruntime "
-              f"{d.get('onnxruntime', '?')}, "
-              f"run {r['seconds']:.1f} s (coordinator start to exit)")
+              f"{d.get('onnxruntime', '?')}, its rounds {', '.join(f'{x:.1f}' for x in r['rounds_s'])} s, the run "
+              f"{r['seconds']:.1f} s (coordinator start to exit)")
         for rec in r["records"]:
             print(f"  {_show(rec)}")
     if arm["device"]["machine"] != "aarch64":
