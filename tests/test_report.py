@@ -239,6 +239,7 @@ def test_old_runs_without_optional_keys_do_not_crash(tmp_path) -> None:
         assert f'<span id="{key}"' in line.group(1) and f'<h2 id="{key}"' not in page and f'href="#{key}"' not in page
     assert "latency per split depth (<code>--profile</code>" in line.group(1) and 'title="no profile given' in page
     assert '<h2 id="accuracy"' in page
+    assert "<b>old</b>: 2 rounds, test accuracy 50.00 % after the last round (best 50.00 %)." in page  # no devices
 
 
 def test_new_optional_keys_are_plotted(tmp_path) -> None:

@@ -65,14 +65,14 @@ def _pct(x: float | None) -> str:
 
 def _run_line(o: dict[str, Any]) -> str:
     """One run in a sentence: what ran, on how many devices for how many rounds, and what came of it."""
-    who = " · ".join(html.escape(str(x)) for x in (o["method"], o["partition"] or None,
+    who = " · ".join(html.escape(str(x)) for x in (o["method"] if o["method"] != o["run"] else None,
+                                                     o["partition"] or None,
                                                      None if o["seed"] is None else f"seed {o['seed']}") if x)
     n, rounds = len(o["devices"]), o["rounds"]
     missed = {d: k for d, k in o["devices"].items() if k < rounds}
     taking = ("every device in every round" if not missed else
               "; ".join(f"{html.escape(d)} in {k} of {rounds}" for d, k in missed.items()))
-    parts = [f"{rounds} round{'s' * (rounds != 1)} with {n} device{'s' * (n != 1)}"
-             + (f" ({taking})" if n else "")]
+    parts = [f"{rounds} round{'s' * (rounds != 1)}" + (f" with {n} device{'s' * (n != 1)} ({taking})" if n else "")]
     if o["final_acc"] is not None:
         parts.append(f"test accuracy {_pct(o['final_acc'])} after the last round (best {_pct(o['best_acc'])})")
     if o["fed_acc"] is not None:
@@ -81,7 +81,7 @@ def _run_line(o: dict[str, Any]) -> str:
         parts.append(f"{_mb(o['bytes_up'])} up and {_mb(o['bytes_down'])} down")
     if o["wall_s"] is not None:
         parts.append(f"{o['wall_s']:.1f} s")
-    line = f"<b>{html.escape(o['run'])}</b>: {who}: " + ", ".join(parts) + "."
+    line = f"<b>{html.escape(o['run'])}</b>: " + (f"{who}: " if who else "") + ", ".join(parts) + "."
     if o["device_seconds"]:
         cells = "; ".join(f"{html.escape(d)} {t['compute']:.2f} / {t['wire']:.2f} / {t['wait']:.2f}"
                           for d, t in o["device_seconds"].items())
@@ -142,7 +142,7 @@ def _plot_section(plot: Plot, out: Path, errors: list[str]) -> Section:
         sec.data = data
         if not data:
             sec.note = note or plot.empty_note
-            sec.absent = plot.absent
+            sec.absent = plot.absent or html.escape(sec.title[:1].lower() + sec.title[1:])
             return sec
         P.save(plot.draw(data), out / f"{sec.key}.png")
         sec.png = out / f"{sec.key}.png"

@@ -37,13 +37,13 @@ class Plot:
     """One section to fill: ``compute`` returns its data or (data, note); ``draw`` turns data into a figure.
 
     ``absent``: the short name of what it shows and what records it, for the page's last line when the runs
-    hold nothing for it ("not in these runs: ...")."""
+    hold nothing for it ("not in these runs: ..."); empty: the section's title."""
 
     section: Section
     compute: Callable[[], Any]
     draw: Callable[[Any], Any]
     empty_note: str
-    absent: str
+    absent: str = ""
 
 
 def plots(i: Inputs) -> list[Plot]:
