@@ -36,7 +36,8 @@ CPU revision	: 3
 '
 
 # Run "$@" inside the arm64 system, in a private mount namespace (its /proc, /dev, /sys and cpuinfo mounts vanish
-# with it; without /sys onnxruntime's CPU probe prints errors about the processor lists). Quirk 3: QEMU_CPU=cortex-a72, the Pi 4's core; qemu's default CPU offers SME and numpy's kernels for it
+# with it; without /sys onnxruntime's CPU probe prints errors about the processor lists).
+# Quirk 3: QEMU_CPU=cortex-a72, the Pi 4's core; qemu's default CPU offers SME and numpy's kernels for it
 # made onnxruntime's steps 9x slower. Quirk 1: pip inside trusts the host's CA bundle (a proxy's CA included).
 # The environment is emptied but for what the device needs, so no host setting leaks in.
 enter() {
@@ -78,7 +79,8 @@ if [ "$(uname -m)" != aarch64 ]; then
       debootstrap >/dev/null) || echo "[arm] apt-get could not install them"
     command -v update-binfmts >/dev/null && update-binfmts --enable qemu-aarch64 >/dev/null 2>&1 || true
   fi
-  [ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ] || not_run "no qemu-aarch64 binfmt handler (apt-get install qemu-user-static binfmt-support)"
+  [ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ] \
+    || not_run "no qemu-aarch64 binfmt handler (apt-get install qemu-user-static binfmt-support)"
   grep -q enabled /proc/sys/fs/binfmt_misc/qemu-aarch64 || not_run "the qemu-aarch64 binfmt handler is disabled"
 fi
 command -v debootstrap >/dev/null || [ -x "$ROOTFS/usr/bin/python3" ] || not_run "no debootstrap to build the arm64 system"
@@ -101,7 +103,8 @@ for i in 0 1 2 3; do printf "$CPUINFO" "$i"; done > "$ROOTFS/etc/fedsga-edge/cpu
 printf 'Hardware\t: BCM2835\nModel\t\t: Raspberry Pi 4 Model B (emulated)\n' >> "$ROOTFS/etc/fedsga-edge/cpuinfo"
 cp -L "${PIP_CERT:-${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}}" "$ROOTFS/etc/fedsga-edge/host-ca.crt"
 cp -L /etc/resolv.conf "$ROOTFS/etc/resolv.conf" 2>/dev/null || true
-[ "$(enter uname -m)" = aarch64 ] || not_run "programs in the arm64 system do not run as aarch64 ($(enter uname -m 2>&1 | head -1))"
+machine=$(enter uname -m 2>&1 | head -1 || true)
+[ "$machine" = aarch64 ] || not_run "programs in the arm64 system do not run as aarch64 ($machine)"
 
 # -- the checkout's wheel with its [device] extra, no torch ----------------------------------------------------
 t=$SECONDS
@@ -118,7 +121,9 @@ t=$SECONDS
 enter "$VENV/bin/pip" install -q "$INSIDE/dist/$whl[device]"              # the dependencies: once per system
 enter "$VENV/bin/pip" install -q --no-deps --force-reinstall "$INSIDE/dist/$whl"   # this checkout's code
 if enter "$VENV/bin/python" -c 'import torch' 2>/dev/null; then echo "[arm] torch is in the device's venv"; exit 1; fi
-stamp "installed $whl[device] in the arm64 venv ($(enter "$VENV/bin/python" -c 'import onnxruntime, numpy, sys; print(f"python {sys.version.split()[0]}, onnxruntime {onnxruntime.__version__}, numpy {numpy.__version__}")'))" "$t"
+versions=$(enter "$VENV/bin/python" -c 'import onnxruntime as o, numpy as n, sys
+print(f"python {sys.version.split()[0]}, onnxruntime {o.__version__}, numpy {n.__version__}")')
+stamp "installed $whl[device] in the arm64 venv ($versions)" "$t"
 
 # -- the 2-round check ----------------------------------------------------------------------------------------
 t=$SECONDS
