@@ -7,8 +7,9 @@ model (``fedsga-edge export --train``), then the same 2-round run twice, each ag
 host over its own Mosquitto on a loopback port: first with the device inside the arm64 system, then with a
 device on the host that cannot import torch. Both devices take the same batches from the same seed, so the
 runs differ only by the CPU that computed the device's part; the check is that their round results (the
-coordinator's metrics and its final weights) agree to float tolerance. Emulation is 200-2000x slower than the
-host, so the model and the batches are small and the times say nothing about a real Pi.
+coordinator's metrics and its final weights) agree to float tolerance. Emulated numeric code is 15-2000x slower
+than the host's (this check's device rounds: 15-30x), so the model and the batches are small and the times say
+nothing about a real Pi.
 
 Usage: python benchmarks/arm_device.py --work HOST_DIR --inside DIR_IN_ROOTFS --enter "CMD" [--venv /opt/...]
 """
@@ -43,7 +44,7 @@ EXACT = ("round", "splits", "bytes_up", "bytes_down", "failures", "fed_count")
 LOSSES = ("train_loss", "test_loss", "fed_loss")
 ACCURACIES = ("test_acc", "fed_acc")
 LOSS_TOL = 2e-3  # relative
-ACC_TOL = 0.02  # absolute: one image of 360 test images is 0.003, of the 32 held out 0.031
+ACC_TOL = 0.035  # absolute: one image of the 32 held out (0.031) may flip; of the 360 test images one is 0.003
 WEIGHT_TOL = 5e-3  # relative L2 over all trained weights
 STATS_TOL = 2e-2  # relative L2 over BatchNorm's running statistics
 
