@@ -5,7 +5,7 @@
 #                                            its [device] extra into it, run the 2-round check (arm_device.py)
 #   benchmarks/arm_device.sh --enter CMD...  run CMD inside the arm64 system (what the check runs its device with)
 #
-# The arm64 system is a Debian bookworm root file system (debootstrap, ~14 min and ~330 MB the first time) kept
+# The arm64 system is a Debian bookworm root file system (debootstrap, 4-14 min and ~330 MB the first time) kept
 # OUTSIDE the checkout in $FEDSGA_EDGE_ARM_ROOTFS (default /var/cache/fedsga-edge/arm64-bookworm), with a venv
 # holding the device's dependencies, so a fresh clone reuses it. Needs root (chroot, mounts), a qemu-aarch64
 # binfmt handler (installed here with apt-get when missing) and Debian's mirror and PyPI for the first build.
@@ -88,7 +88,7 @@ command -v debootstrap >/dev/null || [ -x "$ROOTFS/usr/bin/python3" ] || not_run
 # -- the arm64 system: reused when present, built when absent --------------------------------------------------
 t=$SECONDS
 if [ ! -x "$ROOTFS/usr/bin/python3" ]; then
-  echo "[arm] building the arm64 system in $ROOTFS (debootstrap, ~14 min)"
+  echo "[arm] building the arm64 system in $ROOTFS (debootstrap, 4-14 min)"
   rm -rf "$ROOTFS.partial" && mkdir -p "$(dirname "$ROOTFS")"
   debootstrap --arch=arm64 --variant=minbase --include=python3,python3-venv,ca-certificates \
     bookworm "$ROOTFS.partial" "$MIRROR" > "$(dirname "$ROOTFS")/debootstrap.log" 2>&1 \
