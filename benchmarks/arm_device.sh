@@ -83,7 +83,8 @@ if [ "$(uname -m)" != aarch64 ]; then
     || not_run "no qemu-aarch64 binfmt handler (apt-get install qemu-user-static binfmt-support)"
   grep -q enabled /proc/sys/fs/binfmt_misc/qemu-aarch64 || not_run "the qemu-aarch64 binfmt handler is disabled"
 fi
-command -v debootstrap >/dev/null || [ -x "$ROOTFS/usr/bin/python3" ] || not_run "no debootstrap to build the arm64 system"
+command -v debootstrap >/dev/null || [ -x "$ROOTFS/usr/bin/python3" ] \
+  || not_run "no debootstrap to build the arm64 system"
 
 # -- the arm64 system: reused when present, built when absent --------------------------------------------------
 t=$SECONDS
