@@ -8,7 +8,6 @@ backbone registered below names its head ``classifier.*`` and still exports, run
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -63,9 +62,10 @@ def toy_split_net(num_classes: int = 10, img_size: int = 32, channels: int = 8) 
     return ToySplit(num_classes, img_size, channels)
 
 
-def _skip_heavy(name: str) -> None:
-    if model_entry(name).heavy and not os.environ.get("FEDSGA_EDGE_FULL_TESTS"):
-        pytest.skip(f"{name} is registered heavy: seconds and GBs even small (FEDSGA_EDGE_FULL_TESTS=1 runs it)")
+def _models_heavy_full() -> list:
+    """Every registered model; a heavy one marked ``full`` (FEDSGA_EDGE_FULL_TESTS=1 runs it, `-m full` picks it)."""
+    return [pytest.param(n, marks=pytest.mark.full(f"{n} is registered heavy: seconds and GBs even small"))
+            if model_entry(n).heavy else n for n in list_models()]
 
 
 def _small(name: str) -> SplitModel:
@@ -112,10 +112,9 @@ def test_every_weight_belongs_to_the_unit_that_owns_it(name: str) -> None:
         model.unit_of("blocks.0.nope")
 
 
-@pytest.mark.parametrize("name", list_models())
+@pytest.mark.parametrize("name", _models_heavy_full())  # four float copies of the model: GBs for a heavy one
 def test_every_unit_aggregates_by_the_models_units(name: str) -> None:
     """Split-1 device (100 samples), FedAvg device (300) and the server's copy: hand-computed means per unit."""
-    _skip_heavy(name)  # four float copies of the model: GBs for a heavy one (its units are checked above)
     model = _small(name)
     L, d1 = model.num_blocks, model.depth_of(1)
     glob = group_by_unit(model.state_dict(), model.unit_of)
@@ -140,9 +139,8 @@ def _export_split(name: str) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list_models())
+@pytest.mark.parametrize("name", _models_heavy_full())
 def test_every_registered_model_exports_and_validates(name: str, tmp_path) -> None:
-    _skip_heavy(name)
     from fedsga_edge.export.manifest import read_manifest, sha256_file
     from fedsga_edge.export.onnx_prefix import file_opset
     from fedsga_edge.export.pipeline import ExportConfig, export_prefixes

@@ -55,6 +55,73 @@ def _summary_table(rows: list[dict[str, Any]]) -> str:
     return table_html(head, body, ["l", "l", "l"] + [""] * 7 + ["l"], raw=True)
 
 
+def _mb(x: float | None) -> str:
+    return "—" if x is None else f"{x / 1e6:.2f} MB"
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.2f} %"
+
+
+def _run_line(o: dict[str, Any]) -> str:
+    """One run in a sentence: what ran, on how many devices for how many rounds, and what came of it."""
+    who = " · ".join(html.escape(str(x)) for x in (o["method"] if o["method"] != o["run"] else None,
+                                                     o["partition"] or None,
+                                                     None if o["seed"] is None else f"seed {o['seed']}") if x)
+    n, rounds = len(o["devices"]), o["rounds"]
+    missed = {d: k for d, k in o["devices"].items() if k < rounds}
+    taking = ("every device in every round" if not missed else
+              "; ".join(f"{html.escape(d)} in {k} of {rounds}" for d, k in missed.items()))
+    parts = [f"{rounds} round{'s' * (rounds != 1)}" + (f" with {n} device{'s' * (n != 1)} ({taking})" if n else "")]
+    if o["final_acc"] is not None:
+        parts.append(f"test accuracy {_pct(o['final_acc'])} after the last round (best {_pct(o['best_acc'])})")
+    if o["fed_acc"] is not None:
+        parts.append(f"federated accuracy {_pct(o['fed_acc'])} on the devices' own held-out data")
+    if o["bytes_up"] is not None or o["bytes_down"] is not None:
+        parts.append(f"{_mb(o['bytes_up'])} up and {_mb(o['bytes_down'])} down")
+    if o["wall_s"] is not None:
+        parts.append(f"{o['wall_s']:.1f} s")
+    line = f"<b>{html.escape(o['run'])}</b>: " + (f"{who}: " if who else "") + ", ".join(parts) + "."
+    if o["device_seconds"]:
+        cells = "; ".join(f"{html.escape(d)} {t['compute']:.2f} / {t['wire']:.2f} / {t['wait']:.2f}"
+                          for d, t in o["device_seconds"].items())
+        line += f"<br>Seconds per round, mean (compute / wire / waiting): {cells}."
+    return f"<li>{line}</li>"
+
+
+def _group_line(label: str, rows: list[dict[str, Any]]) -> str:
+    """A method and partition over its seeds, for pages of many runs."""
+    def span(key: str, fmt: Any) -> str:
+        vals = [r[key] for r in rows if r[key] is not None]
+        if not vals:
+            return "—"
+        lo, hi, mean = min(vals), max(vals), sum(vals) / len(vals)
+        return fmt(mean) + (f" ({fmt(lo)} to {fmt(hi)})" if hi > lo else "")
+
+    devices = sorted({len(r["devices"]) for r in rows})
+    rounds = sorted({r["rounds"] for r in rows})
+    return (f"<li><b>{html.escape(label)}</b>: {len(rows)} run(s), {'/'.join(map(str, rounds))} rounds, "
+            f"{'/'.join(map(str, devices))} devices, final test accuracy {span('final_acc', _pct)}, "
+            f"{span('bytes_up', _mb)} up per run.</li>")
+
+
+def _summary_html(runs: list[Run], profs: Profiles, max_lines: int = 8) -> str:
+    """The page's opening: what the runs did, one line per run (per method and partition when there are
+    many), and the profiles given."""
+    items = []
+    over = D.run_overview(runs)
+    if len(over) <= max_lines:
+        items += [_run_line(o) for o in over]
+    else:
+        by_group: dict[str, list[dict[str, Any]]] = {}
+        for o in over:
+            by_group.setdefault(f"{o['method']} · {o['partition']}" if o["partition"] else o["method"], []).append(o)
+        items += [_group_line(label, rows) for label, rows in by_group.items()]
+    if profs:
+        items.append(f"<li>{len(profs)} device profile(s): {', '.join(html.escape(n) for n, _ in profs)}.</li>")
+    return '<h2 id="summary">What these runs did</h2><ul class="summary">' + "".join(items) + "</ul>"
+
+
 def _load(inputs: Sequence[Path], profiles: Sequence[Path]) -> tuple[list[Run], list[Benchmark], list[str], Profiles]:
     """Runs, benchmark tables, loader notes and profiles; RunError when there is nothing to report on."""
     runs, benches, notes = discover([Path(p) for p in inputs]) if inputs else ([], [], [])
@@ -75,6 +142,7 @@ def _plot_section(plot: Plot, out: Path, errors: list[str]) -> Section:
         sec.data = data
         if not data:
             sec.note = note or plot.empty_note
+            sec.absent = plot.absent or html.escape(sec.title[:1].lower() + sec.title[1:])
             return sec
         P.save(plot.draw(data), out / f"{sec.key}.png")
         sec.png = out / f"{sec.key}.png"
@@ -126,7 +194,7 @@ def build_report(inputs: Sequence[Path], profiles: Sequence[Path] = (), out: Pat
     errors: list[str] = []
     sections = [_plot_section(p, out, errors) for p in plots(Inputs(runs, profs, band, target_acc))]
     page = render_page("fedsga-edge report", _meta(inputs, runs, profs, command), sections,
-                       _tail_html(runs, benches, notes, errors))
+                       _tail_html(runs, benches, notes, errors), head_html=_summary_html(runs, profs))
     path = out / "report.html"
     path.write_text(page, encoding="utf-8")
     return Report(html=path, pngs=[s.png for s in sections if s.png is not None], sections=sections, runs=runs,

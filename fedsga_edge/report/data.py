@@ -434,6 +434,42 @@ def summary_rows(runs: list[Run]) -> list[dict[str, Any]]:
     return rows
 
 
+def _device_rounds(run: Run) -> dict[str, int]:
+    """Each device that trained in the run and in how many rounds (its entries in the rounds' ``splits``)."""
+    seen: Counter[str] = Counter()
+    for row in run.rows:
+        if isinstance(row.get("splits"), dict):
+            seen.update(str(c) for c in row["splits"])
+    return dict(sorted(seen.items()))
+
+
+def _device_seconds(run: Run) -> dict[str, dict[str, float]]:
+    """Per device, its mean compute, wire and waiting seconds per round over the rounds that recorded them."""
+    sums: dict[str, list[float]] = {}
+    for row in _timed_rounds(run):
+        for d in round_timeline(row):
+            s = sums.setdefault(d["device"], [0.0, 0.0, 0.0, 0])
+            s[0] += d["compute"]
+            s[1] += d["wire"]
+            s[2] += d["wait_before"] + d["wait_after"]
+            s[3] += 1
+    return {d: {"compute": c / n, "wire": w / n, "wait": t / n} for d, (c, w, t, n) in sums.items()}
+
+
+def run_overview(runs: list[Run]) -> list[dict[str, Any]]:
+    """What each run did, for the report's opening: its ``summary_rows`` row plus the devices (each with
+    the rounds it trained in), the best and the last federated accuracy and, where the rounds recorded
+    per-device ``timing``, each device's mean seconds per round."""
+    ordered = [r for g in group_runs(runs) for r in g["runs"]]  # summary_rows' order
+    out = []
+    for r, row in zip(ordered, summary_rows(runs)):
+        accs = [a for a in (round_acc(x)[0] for x in r.rows) if a is not None]
+        fed = [v for v in (_num(x.get("fed_acc")) for x in r.rows) if v is not None]
+        out.append(row | {"devices": _device_rounds(r), "best_acc": max(accs) if accs else None,
+                          "fed_acc": fed[-1] if fed else None, "device_seconds": _device_seconds(r)})
+    return out
+
+
 # -- federated evaluation (issue 18) -----------------------------------------------------------------------
 def federated_curves(runs: list[Run]) -> list[dict[str, Any]]:
     """Per run with a federated figure: its ``fed_acc`` per model (x: ``fed_model_round``, the round after

@@ -14,7 +14,10 @@ __all__ = ["Section", "markdown_to_html", "render_page", "table_html"]
 
 @dataclass
 class Section:
-    """One plot of the report: a title, a sentence saying what it shows, and its PNG or a note why not."""
+    """One plot of the report: a title, a sentence saying what it shows, and its PNG or a note why not.
+
+    ``absent``: set when the runs hold nothing for it (a phrase naming it and what records it, e.g. "fleet
+    timing (<code>--fleet</code>)"); the page then lists it in one line at its end instead of an empty box."""
 
     key: str
     title: str
@@ -23,6 +26,7 @@ class Section:
     note: str | None = None
     extra_html: str = ""
     data: Any = field(default=None, repr=False)
+    absent: str | None = None
 
 
 _CSS = """
@@ -39,6 +43,7 @@ tr:nth-child(even) td{background:#fafafa}
 .note{background:#fff7e0;border-left:4px solid #e0a800;padding:6px 10px;margin:.6em 0}
 .meta{color:#666;font-size:.88em}code,pre{background:#f4f4f4;font-size:.88em}pre{padding:8px;overflow-x:auto}
 nav a{margin-right:1em}
+.summary li{margin:.25em 0}.absent{color:#555;border-top:1px solid #ccc;padding-top:.6em;margin-top:1.8em}
 """
 
 _ALIGN = re.compile(r"^:?-{1,}:?$")
@@ -142,13 +147,23 @@ def _img(png: Path, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{b64}">'
 
 
-def render_page(title: str, meta: list[str], sections: list[Section], tail_html: str = "") -> str:
-    """The whole page: header, a link per section, each section's image (inlined) or note, then tables."""
-    nav = " ".join(f'<a href="#{s.key}">{html.escape(s.title)}</a>' for s in sections)
+def _plain(text: str) -> str:
+    """A note's HTML as plain text, for a tooltip."""
+    return html.escape(html.unescape(re.sub(r"<[^>]+>", "", text)))
+
+
+def render_page(title: str, meta: list[str], sections: list[Section], tail_html: str = "",
+                head_html: str = "") -> str:
+    """The whole page: header, ``head_html`` (the summary), a link per section with something to show, each
+    one's image (inlined) or note, then tables; the sections with nothing to show in one line at the end."""
+    shown = [s for s in sections if s.absent is None]
+    absent = [s for s in sections if s.absent is not None]
+    nav = " ".join(f'<a href="#{s.key}">{html.escape(s.title)}</a>' for s in shown)
     body = [f"<h1>{html.escape(title)}</h1>"]
     body += [f'<p class="meta">{m}</p>' for m in meta]
+    body.append(head_html)
     body.append(f"<nav>{nav} <a href=\"#runs\">runs</a></nav>")
-    for s in sections:
+    for s in shown:
         body.append(f'<h2 id="{s.key}">{html.escape(s.title)}</h2>')
         body.append(f"<p>{s.text}</p>")
         if s.png is not None:
@@ -157,6 +172,9 @@ def render_page(title: str, meta: list[str], sections: list[Section], tail_html:
             body.append(f'<p class="note">{s.note}</p>')
         body.append(s.extra_html)
     body.append(tail_html)
+    if absent:
+        items = ", ".join(f'<span id="{s.key}" title="{_plain(s.note or "")}">{s.absent}</span>' for s in absent)
+        body.append(f'<p class="absent" id="absent">not in these runs: {items}.</p>')
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{html.escape(title)}</title><style>{_CSS}</style></head>\n<body>\n"
             + "\n".join(body) + "\n</body></html>\n")

@@ -34,12 +34,16 @@ class Inputs:
 
 @dataclass(frozen=True)
 class Plot:
-    """One section to fill: ``compute`` returns its data or (data, note); ``draw`` turns data into a figure."""
+    """One section to fill: ``compute`` returns its data or (data, note); ``draw`` turns data into a figure.
+
+    ``absent``: the short name of what it shows and what records it, for the page's last line when the runs
+    hold nothing for it ("not in these runs: ..."); empty: the section's title."""
 
     section: Section
     compute: Callable[[], Any]
     draw: Callable[[Any], Any]
     empty_note: str
+    absent: str = ""
 
 
 def plots(i: Inputs) -> list[Plot]:
@@ -58,7 +62,7 @@ def accuracy(i: Inputs) -> Plot:
                         "One line per method and partition: the mean over seeds (bold), each seed (thin) and "
                         + band + " over seeds (band)."),
                 lambda: _accuracy_data(i.runs), lambda d: P.plot_accuracy(d, band=i.band),
-                _if_runs(i, "no run has <code>test_acc</code> in metrics.jsonl."))
+                _if_runs(i, "no run has <code>test_acc</code> in metrics.jsonl."), "test accuracy")
 
 
 def _accuracy_data(runs: list[Run]) -> tuple[list[dict[str, Any]], str | None]:
@@ -80,7 +84,8 @@ def time_to_accuracy(i: Inputs) -> Plot:
                         "above; the table gives the seconds until each method first reached the target.",
                         extra_html=_target_table(curves, i.target_acc)),
                 lambda: curves, lambda d: P.plot_accuracy(d, band=i.band, x="seconds"),
-                _if_runs(i, "no run has <code>fleet_s</code> in metrics.jsonl (run with <code>--fleet</code>)."))
+                _if_runs(i, "no run has <code>fleet_s</code> in metrics.jsonl (run with <code>--fleet</code>)."),
+                "time to accuracy on a fleet (<code>--fleet</code>)")
 
 
 def _target_table(curves: list[dict[str, Any]], target_acc: float | None) -> str:
@@ -111,14 +116,15 @@ def timeline(i: Inputs) -> Plot:
                         "run per method and partition (its lowest seed)."),
                 lambda: D.fleet_timelines(i.runs), P.plot_timeline,
                 _if_runs(i, "no run has per-device <code>timing</code> in metrics.jsonl (run with "
-                            "<code>--fleet</code>)."))
+                            "<code>--fleet</code>)."), "fleet timing (<code>--fleet</code>)")
 
 
 def splits(i: Inputs) -> Plot:
     return Plot(Section("splits", "Split depth per device and round",
                         "For adaptive runs (fedsga, random, resource): the split index k each client trained "
                         "with in each round (0 = whole model on the device; grey = no update that round)."),
-                lambda: _split_data(i.runs), P.plot_split_depths, NO_RUNS)
+                lambda: _split_data(i.runs), P.plot_split_depths, NO_RUNS,
+                "split depths (an adaptive <code>--strategy</code>: fedsga, random, resource)")
 
 
 def _first_seed_per_group(runs: list[Run]) -> tuple[list[Run], int]:
@@ -148,7 +154,7 @@ def reliability(i: Inputs) -> Plot:
                         "show the estimator's fit to its own labels, not a prediction.)"),
                 lambda: D.reliability(i.runs), P.plot_reliability,
                 _if_runs(i, "no client record holds both r and s (no FedSGA run with the estimator on, "
-                            "or no calibration round)."))
+                            "or no calibration round)."), "estimator reliability (<code>--strategy fedsga</code>)")
 
 
 def estimator_losses(i: Inputs) -> Plot:
@@ -156,7 +162,8 @@ def estimator_losses(i: Inputs) -> Plot:
                         "On calibration rounds: the server's loss from the shallowest split p_1 over the loss "
                         "from p_ref (left; s = 1 below 1 + beta) and both losses (right)."),
                 lambda: D.estimator_losses(i.runs), P.plot_estimator_losses,
-                _if_runs(i, "no client record holds L1 and Lref (no calibration round in these runs)."))
+                _if_runs(i, "no client record holds L1 and Lref (no calibration round in these runs)."),
+                "probe losses (<code>--strategy fedsga</code>)")
 
 
 def tradeoff(i: Inputs) -> Plot:
@@ -165,7 +172,7 @@ def tradeoff(i: Inputs) -> Plot:
                         "backward of the client's prefix), one point per method; error bars span the "
                         "seeds (±1 std)."),
                 lambda: D.tradeoff_points(i.runs), P.plot_tradeoff,
-                _if_runs(i, "no run has a final accuracy and client FLOPs/sample."))
+                _if_runs(i, "no run has a final accuracy and client FLOPs/sample."), "accuracy against client cost")
 
 
 def wire_bytes(i: Inputs) -> Plot:
@@ -173,7 +180,7 @@ def wire_bytes(i: Inputs) -> Plot:
                         "Bytes sent up (activations, updates) and down (weights, gradients) per round, mean over "
                         "seeds with the min-max band."),
                 lambda: D.bytes_curves(i.runs), P.plot_bytes,
-                _if_runs(i, "no run has <code>bytes_up</code>/<code>bytes_down</code>."))
+                _if_runs(i, "no run has <code>bytes_up</code>/<code>bytes_down</code>."), "bytes on the wire")
 
 
 def latency(i: Inputs) -> Plot:
@@ -184,7 +191,8 @@ def latency(i: Inputs) -> Plot:
                 lambda: D.latency_curves(i.profs), P.plot_latency,
                 "no profile given (<code>--profile P.json</code>, written by "
                 "<code>fedsga-edge profile --json</code>)."
-                if not i.profs else "the profiles hold no latency rows.")
+                if not i.profs else "the profiles hold no latency rows.",
+                "latency per split depth (<code>--profile</code> from <code>fedsga-edge profile --json</code>)")
 
 
 def _profiles_table(profiles: Profiles) -> str:
@@ -206,7 +214,8 @@ def acc_by_split(i: Inputs) -> Plot:
                         "(<code>test_acc_by_split</code>), mean over seeds."),
                 lambda: D.acc_by_split(i.runs), P.plot_acc_by_split,
                 _if_runs(i, "these runs' metrics.jsonl hold no <code>test_acc_by_split</code> "
-                            "(written by newer versions)."))
+                            "(written by newer versions)."),
+                "accuracy per depth embedding (<code>test_acc_by_split</code>)")
 
 
 def descriptor_entropy(i: Inputs) -> Plot:
@@ -214,7 +223,7 @@ def descriptor_entropy(i: Inputs) -> Plot:
                         "Per round, the clients' mean <code>descriptor_entropy</code>, mean over seeds."),
                 lambda: D.descriptor_entropy(i.runs), P.plot_descriptor_entropy,
                 _if_runs(i, "these runs' client records hold no <code>descriptor_entropy</code> "
-                            "(written by newer versions)."))
+                            "(written by newer versions)."), "descriptor entropy (<code>--strategy fedsga</code>)")
 
 
 def federated(i: Inputs) -> Plot:
@@ -227,7 +236,8 @@ def federated(i: Inputs) -> Plot:
                         "<code>fed_acc_finetuned</code>).",
                         extra_html=_federated_table(i.runs)),
                 lambda: D.federated_curves(i.runs), P.plot_federated,
-                _if_runs(i, "no run has <code>fed_acc</code> in metrics.jsonl (run with <code>--eval-holdout</code>)."))
+                _if_runs(i, "no run has <code>fed_acc</code> in metrics.jsonl (run with <code>--eval-holdout</code>)."),
+                "federated accuracy (<code>--eval-holdout</code>)")
 
 
 def _federated_table(runs: list[Run]) -> str:
