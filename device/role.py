@@ -285,13 +285,7 @@ class SplitClient:
             kind, body = task.gen.send(task.reply)
         except StopIteration as done:
             self._task = None
-            reply = _now(self.peer.call(self.server, "update", task.t, done.value))
-            if reply.kind == "error":
-                self.last_error = f"update refused: {reply.body.get('reason')}"
-            elif reply.kind != "ack":  # only an ack completes the round (and lets the agent save it)
-                self.last_error = f"update refused: the coordinator answered {reply.kind!r:.40}, not 'ack'"
-            else:
-                self._confirm(task.t)
+            self.settle_update(task.t, _now(self.peer.call(self.server, "update", task.t, done.value)))
             return False
         except (_Refused, BackendError, HeadError) as exc:
             self._give_up(task, str(exc))
@@ -300,6 +294,15 @@ class SplitClient:
         if isinstance(task.reply, Message) and task.reply.kind != "error":
             self._confirm(task.t)
         return True
+
+    def settle_update(self, t: int, reply: Message) -> None:
+        """What the update's reply means: only an ack completes the round (and lets the agent save it)."""
+        if reply.kind == "error":
+            self.last_error = f"update refused: {reply.body.get('reason')}"
+        elif reply.kind != "ack":
+            self.last_error = f"update refused: the coordinator answered {reply.kind!r:.40}, not 'ack'"
+        else:
+            self._confirm(t)
 
     def _confirm(self, t: int) -> None:
         self.confirmed_round = max(self.confirmed_round, t)

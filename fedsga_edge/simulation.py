@@ -115,15 +115,17 @@ def run_simulation(
     *,
     bundle: DatasetBundle | None = None,
     on_round: Callable[[dict[str, Any]], None] | None = None,
+    engine: DeviceEngine | None = None,
 ) -> dict[str, Any]:
     """Run all rounds; write ``config.json``, ``metrics.jsonl``, ``summary.json`` and ``checkpoint.pt`` under ``out``.
 
     The checkpoint holds the global weights (loadable by ``create_model(..., pretrained=...)`` and
     ``export --checkpoint``) plus the coordinator's own state (harmonizer, prototypes, estimator,
-    calibration pairs); it is not resumable (coordinator/checkpoint.py).
+    calibration pairs); it is not resumable (coordinator/checkpoint.py). ``engine``: where the devices
+    compute (``Simulation``).
     """
     started = time.perf_counter()
-    sim = Simulation(cfg, bundle)
+    sim = Simulation(cfg, bundle, engine=engine)
     files = None
     if out is not None:
         files = RunFiles(out)
