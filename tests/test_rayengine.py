@@ -62,17 +62,16 @@ def test_ray_engine_gives_the_in_process_run(ray_local, digits, one_thread) -> N
     calibration included) equal the in-process engine's; the devices' state comes back to the driver."""
     from fedsga_edge.rayengine import RayDevice, RayEngine
 
-    for cfg in (tiny_config("fedsga", clients=3, rounds=2, max_batches=2),
-                tiny_config("static", clients=3, rounds=2, max_batches=2, server_copies="per_client")):
-        engine = RayEngine(actors=2)
-        try:
-            ray_run = _run(cfg, digits, engine)
-        finally:
-            engine.close()
-        _same(_run(cfg, digits), ray_run)
-        devices = ray_run[2].clients
-        assert all(isinstance(d, RayDevice) and d.state is not None and not d.busy for d in devices)
-        assert len({d.actor._actor_id.hex() for d in devices}) == 2  # device i on actor i % 2
+    cfg = tiny_config("fedsga", clients=3, rounds=2, max_batches=2, server_copies="per_client")
+    engine = RayEngine(actors=2)
+    try:
+        ray_run = _run(cfg, digits, engine)
+    finally:
+        engine.close()
+    _same(_run(cfg, digits), ray_run)
+    devices = ray_run[2].clients
+    assert all(isinstance(d, RayDevice) and d.state is not None and not d.busy for d in devices)
+    assert len({d.actor._actor_id.hex() for d in devices}) == 2  # device i on actor i % 2
 
 
 @pytest.mark.slow
@@ -81,14 +80,16 @@ def test_a_deadline_undoes_the_steps_run_ahead(ray_local, digits, one_thread) ->
     next step computed ahead on the actors; it is undone, and both rounds match the in-process run."""
     from fedsga_edge.rayengine import RayEngine
 
-    cfg = tiny_config("static", clients=3, rounds=2, max_batches=3, round_timeout=7.5)
+    # 3 devices x 6 requests in turn: at 16.5 s two devices have sent their update, the third has computed
+    # its own ahead (FedSGA's private state moved on the actor) and is dropped; round 2 runs on that state
+    cfg = tiny_config("fedsga", clients=3, rounds=2, max_batches=3, round_timeout=16.5)
     engine = RayEngine(actors=2)
     try:
         ray_run = _run(cfg, digits, engine, VirtualClock(per_step=1.0))
     finally:
         engine.close()
     local = _run(cfg, digits, None, VirtualClock(per_step=1.0))
-    assert local[0][0]["failures"]  # the deadline did cut the round
+    assert len(local[0][0]["failures"]) == 1 and len(local[0][1]["splits"]) == 3  # the deadline did cut round 1
     _same(local, ray_run)
 
 
