@@ -91,6 +91,21 @@ def test_a_deadline_undoes_the_steps_run_ahead(ray_local, digits, one_thread) ->
     local = _run(cfg, digits, None, VirtualClock(per_step=1.0))
     assert len(local[0][0]["failures"]) == 1 and len(local[0][1]["splits"]) == 3  # the deadline did cut round 1
     _same(local, ray_run)
+    _same_devices(local[2].clients, ray_run[2].clients)
+
+
+def _same_devices(clients, devices) -> None:
+    """Each device's private state in the driver is the in-process device's."""
+    import numpy as np
+
+    from fedsga_edge.device.statefile import Snapshot
+
+    for c, d in zip(clients, devices, strict=True):
+        mine, theirs = Snapshot.take(c), d.state[0]
+        assert mine.rng == theirs.rng and np.array_equal(mine.backend_rng, theirs.backend_rng), c.cid
+        for f in ("prompts", "m_prev", "m_last", "H_prev", "r_prev", "rounds"):
+            a, b = getattr(mine.state, f, None), getattr(theirs.state, f, None)
+            assert (a is None and b is None) or np.array_equal(a, b), (c.cid, f)
 
 
 def test_without_ray_simulate_says_what_to_install(monkeypatch, tmp_path) -> None:
