@@ -12,8 +12,11 @@ size it prints, for the last round (the first warms the models up):
 - ``co_cpu_ms/dev``: CPU milliseconds the coordinator spent in its entry points (``receive`` and
   ``end_round``: the server steps and the aggregation) per device;
 - ``co_share``: that CPU over the round's wall seconds (1.0 = one core busy with the coordinator alone);
-- ``rss_MB/dev``: the process's peak resident memory over the round per device (the devices' models
-  included; per-client minus shared is the coordinator's server copy per device).
+- ``server_MB``: the most tensor memory the coordinator's server side held during the round (its copy
+  and, with per-client copies, each device's copy with its optimizer state and each finished device's
+  trained state), and that per device;
+- ``rss_MB/dev``: the process's peak resident memory over the round per device (the devices' models,
+  the data and the earlier runs of this process included: an upper bound).
 
 The coordinator saturates where its share of a core stops leaving room: it is single-threaded (its entry
 points run under one lock), so its requests per second are bounded by 1 / (its CPU per request). The last
@@ -54,23 +57,60 @@ def config(devices: int, copies: str, max_batches: int, rounds: int) -> RunConfi
                      train=TrainConfig(local_epochs=1, batch_size=8, max_batches=max_batches))
 
 
+def tensor_bytes(obj: Any, seen: set[int]) -> int:
+    """Bytes of the tensors a server side holds: modules (parameters, gradients, buffers), optimizer state,
+    state dicts, through dicts, lists and ``ServerCopy``-like objects; each storage counted once."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        key = obj.untyped_storage().data_ptr()
+        if key in seen or obj.device.type == "meta":
+            return 0
+        seen.add(key)
+        return obj.untyped_storage().nbytes() + (tensor_bytes(obj.grad, seen) if obj.grad is not None else 0)
+    if isinstance(obj, torch.nn.Module):
+        return sum(tensor_bytes(t, seen) for t in (*obj.parameters(), *obj.buffers()))
+    if isinstance(obj, torch.optim.Optimizer):
+        return sum(tensor_bytes(v, seen) for st in obj.state.values() for v in st.values())
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v, seen) for v in obj)
+    if hasattr(obj, "model") and hasattr(obj, "opt"):  # a ServerCopy
+        return sum(tensor_bytes(v, seen) for v in (obj.model, obj.head, obj.opt))
+    return 0
+
+
+def server_bytes(co: Any) -> int:
+    """What the coordinator's server side holds now: its own copy plus each device's copy and kept state."""
+    side, seen = co.server, set()
+    return sum(tensor_bytes(v, seen) for v in vars(side).values())
+
+
 class CoordinatorTimer:
-    """CPU seconds the coordinator spends in ``receive`` and ``end_round`` (on whichever thread calls them)."""
+    """CPU seconds the coordinator spends in ``receive`` and ``end_round`` (on whichever thread calls them),
+    and the peak bytes its server side held after a request."""
 
     def __init__(self, co: Any) -> None:
         self.cpu = 0.0
         self.requests = 0
+        self.peak = 0
+        self.co = co
         for name in ("receive", "end_round"):
             setattr(co, name, self._timed(getattr(co, name), count=name == "receive"))
 
     def _timed(self, fn: Any, *, count: bool) -> Any:
         def timed(*a: Any, **kw: Any) -> Any:
+            if not count:  # end_round: every finished device's state is still held
+                self.peak = max(self.peak, server_bytes(self.co))
             t0 = time.thread_time()
             try:
                 return fn(*a, **kw)
             finally:
                 self.cpu += time.thread_time() - t0
                 self.requests += count
+                if count and self.requests % 8 == 0:  # sampled, outside the CPU count: the benchmark's work
+                    self.peak = max(self.peak, server_bytes(self.co))
         return timed
 
 
@@ -137,7 +177,7 @@ def measure(devices: int, copies: str, transport: str, args: argparse.Namespace,
         rounds = sim.rounds()
         for _ in range(args.rounds - 1):  # warm-up: the devices build their models in their first round
             next(rounds)
-        cpu0, req0 = timer.cpu, timer.requests
+        cpu0, req0, timer.peak = timer.cpu, timer.requests, 0
         with peak_rss() as peak:
             rec = next(rounds)
     finally:
@@ -148,16 +188,18 @@ def measure(devices: int, copies: str, transport: str, args: argparse.Namespace,
     return {"transport": transport, "copies": copies, "devices": devices, "requests": req,
             "msg_s": req / wall, "round_s": wall, "co_cpu_ms_dev": 1e3 * cpu / devices, "co_share": cpu / wall,
             "co_ms_req": 1e3 * cpu / max(req, 1), "rss_mb_dev": peak[0] / 2**20 / devices,
+            "server_mb": timer.peak / 2**20,
             "failures": len(rec["failures"])}
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
-    head = "| transport | server side | devices | requests | msg/s | round_s | co_cpu_ms/dev | co_share | co_ms/req | rss_MB/dev | failures |"
+    head = "| transport | server side | devices | requests | msg/s | round_s | co_cpu_ms/dev | co_share | co_ms/req | server_MB | server_MB/dev | rss_MB/dev | failures |"
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         out.append(f"| {r['transport']} | {r['copies']} | {r['devices']} | {r['requests']} | {r['msg_s']:.0f} | "
                    f"{r['round_s']:.2f} | {r['co_cpu_ms_dev']:.1f} | {r['co_share']:.2f} | {r['co_ms_req']:.2f} | "
-                   f"{r['rss_mb_dev']:.1f} | {r['failures']} |")
+                   f"{r['server_mb']:.1f} | {r['server_mb'] / r['devices']:.2f} | {r['rss_mb_dev']:.1f} | "
+                   f"{r['failures']} |")
     return out
 
 
@@ -172,7 +214,8 @@ def saturation(rows: list[dict[str, Any]], budget: float) -> list[str]:
         per_dev = big["co_cpu_ms_dev"] / 1e3
         lines.append(f"{key[0]} {key[1]}: coordinator CPU {1e3 * per_req:.2f} ms/request at {big['devices']} devices "
                      f"-> at most {1 / per_req:.0f} requests/s on one core; a {budget:.0f} s round's coordinator CPU "
-                     f"is full at about {budget / per_dev:.0f} devices; measured round_s grows "
+                     f"is full at about {budget / per_dev:.0f} devices; its server side holds "
+                     f"{big['server_mb'] / big['devices']:.2f} MB per device of the round; measured round_s grows "
                      f"{rs[0]['round_s']:.2f} -> {big['round_s']:.2f} s for {rs[0]['devices']} -> {big['devices']} devices")
     return lines
 
