@@ -34,7 +34,7 @@ from fedsga_edge.wire import Message, RemoteProtocolError
 from .evaluate import held_out_evaluation
 from .methods import check_method, device_method
 
-__all__ = ["Backend", "BackendError", "Caller", "ClientData", "PrivateState", "SplitClient", "check_round_start"]
+__all__ = ["Backend", "BackendError", "Caller", "ClientData", "PrivateState", "SplitClient", "check_round_start", "settle_update"]
 
 
 class Caller(Protocol):
@@ -285,7 +285,7 @@ class SplitClient:
             kind, body = task.gen.send(task.reply)
         except StopIteration as done:
             self._task = None
-            self.settle_update(task.t, _now(self.peer.call(self.server, "update", task.t, done.value)))
+            settle_update(self, task.t, _now(self.peer.call(self.server, "update", task.t, done.value)))
             return False
         except (_Refused, BackendError, HeadError) as exc:
             self._give_up(task, str(exc))
@@ -294,15 +294,6 @@ class SplitClient:
         if isinstance(task.reply, Message) and task.reply.kind != "error":
             self._confirm(task.t)
         return True
-
-    def settle_update(self, t: int, reply: Message) -> None:
-        """What the update's reply means: only an ack completes the round (and lets the agent save it)."""
-        if reply.kind == "error":
-            self.last_error = f"update refused: {reply.body.get('reason')}"
-        elif reply.kind != "ack":
-            self.last_error = f"update refused: the coordinator answered {reply.kind!r:.40}, not 'ack'"
-        else:
-            self._confirm(t)
 
     def _confirm(self, t: int) -> None:
         self.confirmed_round = max(self.confirmed_round, t)
@@ -529,6 +520,16 @@ class SplitClient:
         x, y = self._inputs(idx, augment=False)
         z1, zref = be.probe(x, prompts, d1, dref)
         return {"z1": z1, "zref": zref, "y": y, "o": o, "r_prev": r_prev}
+
+
+def settle_update(client: SplitClient, t: int, reply: Message) -> None:
+    """What the update's reply means to ``client``: only an ack completes the round (and lets the agent save it)."""
+    if reply.kind == "error":
+        client.last_error = f"update refused: {reply.body.get('reason')}"
+    elif reply.kind != "ack":
+        client.last_error = f"update refused: the coordinator answered {reply.kind!r:.40}, not 'ack'"
+    else:
+        client._confirm(t)
 
 
 def check_round_start(body: dict[str, Any]) -> None:

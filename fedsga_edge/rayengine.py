@@ -130,8 +130,10 @@ class DeviceWorker:
 
     def settle(self, i: int, t: int, reply: Message) -> Outcome:
         """The update's reply: the round is over for the device."""
+        from fedsga_edge.device.role import settle_update
+
         client = self.clients[i]
-        client.settle_update(t, reply)
+        settle_update(client, t, reply)
         return Outcome(None, False, client.last_error, _state(client))
 
     def abort(self, i: int, undo: bool) -> Any:
