@@ -125,3 +125,22 @@ def test_engine_flags_are_checked(tmp_path) -> None:
     assert res.exit_code == 2 and "--engine must be inprocess or ray" in res.output
     res = CliRunner().invoke(app, ["simulate", "--ray-address", "auto", "--out", str(tmp_path / "r")])
     assert res.exit_code == 2 and "need --engine ray" in res.output
+
+
+@pytest.mark.slow
+def test_simulate_engine_ray_writes_the_run(ray_local, tmp_path) -> None:
+    """The command line's engine: the run's files as with the in-process engine; the local Ray it found
+    running is left running."""
+    import json
+
+    from fedsga_edge.cli.main import app
+
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, ["simulate", "--engine", "ray", "--ray-actors", "1", "--dataset", "digits",
+                                   "--clients", "2", "--rounds", "1", "--width", "0.125", "--max-batches", "1",
+                                   "--threads", "1", "--quiet", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "ray engine: 1 actors" in res.output
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and len(rows[0]["splits"]) == 2 and rows[0]["failures"] == {}
+    assert ray_local.is_initialized()
