@@ -45,7 +45,6 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig  # noqa: E402
-from fedsga_edge.runbuild import COORDINATOR  # noqa: E402
 from fedsga_edge.simulation import Simulation  # noqa: E402
 
 
@@ -193,7 +192,8 @@ def measure(devices: int, copies: str, transport: str, args: argparse.Namespace,
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
-    head = "| transport | server side | devices | requests | msg/s | round_s | co_cpu_ms/dev | co_share | co_ms/req | server_MB | server_MB/dev | rss_MB/dev | failures |"
+    head = ("| transport | server side | devices | requests | msg/s | round_s | co_cpu_ms/dev | co_share | co_ms/req "
+            "| server_MB | server_MB/dev | rss_MB/dev | failures |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         out.append(f"| {r['transport']} | {r['copies']} | {r['devices']} | {r['requests']} | {r['msg_s']:.0f} | "
@@ -216,7 +216,8 @@ def saturation(rows: list[dict[str, Any]], budget: float) -> list[str]:
                      f"-> at most {1 / per_req:.0f} requests/s on one core; a {budget:.0f} s round's coordinator CPU "
                      f"is full at about {budget / per_dev:.0f} devices; its server side holds "
                      f"{big['server_mb'] / big['devices']:.2f} MB per device of the round; measured round_s grows "
-                     f"{rs[0]['round_s']:.2f} -> {big['round_s']:.2f} s for {rs[0]['devices']} -> {big['devices']} devices")
+                     f"{rs[0]['round_s']:.2f} -> {big['round_s']:.2f} s for {rs[0]['devices']} -> {big['devices']} "
+                     "devices")
     return lines
 
 
