@@ -34,7 +34,7 @@ from .methods import DeviceMethod, check_method, device_method
 from .seeds import PROBE_SPAWN_KEY, device_rng, stable_hash
 
 __all__ = ["Backend", "BackendError", "Caller", "ClientData", "PrivateState", "SplitClient", "check_round_start",
-           "device_rng", "stable_hash"]
+           "device_rng", "settle_update", "stable_hash"]
 
 
 class Caller(Protocol):
@@ -212,13 +212,7 @@ class SplitClient:
             kind, body = task.gen.send(task.reply)
         except StopIteration as done:
             self._task = None
-            reply = _now(self.peer.call(self.server, "update", task.t, done.value))
-            if reply.kind == "error":
-                self.last_error = f"update refused: {reply.body.get('reason')}"
-            elif reply.kind != "ack":  # only an ack completes the round (and lets the agent save it)
-                self.last_error = f"update refused: the coordinator answered {reply.kind!r:.40}, not 'ack'"
-            else:
-                self._confirm(task.t)
+            settle_update(self, task.t, _now(self.peer.call(self.server, "update", task.t, done.value)))
             return False
         except (Refused, BackendError, HeadError) as exc:
             self._give_up(task, str(exc))
@@ -366,6 +360,16 @@ class SplitClient:
     def _inputs(self, idx: np.ndarray, augment: bool) -> tuple[Any, np.ndarray]:
         x = self.backend.inputs(self.data.images.get_batch(idx), augment)
         return x, np.asarray(self.data.images.labels[idx], dtype=np.int64)
+
+
+def settle_update(client: SplitClient, t: int, reply: Message) -> None:
+    """What the update's reply means to ``client``: only an ack completes the round (and lets the agent save it)."""
+    if reply.kind == "error":
+        client.last_error = f"update refused: {reply.body.get('reason')}"
+    elif reply.kind != "ack":
+        client.last_error = f"update refused: the coordinator answered {reply.kind!r:.40}, not 'ack'"
+    else:
+        client._confirm(t)
 
 
 def check_round_start(body: dict[str, Any]) -> None:

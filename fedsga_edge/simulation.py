@@ -8,7 +8,9 @@ concurrently under a deterministic schedule (``RunConfig.schedule``), each turn 
 device by one request (one local batch), so the coordinator answers the devices' activations
 interleaved, as it would from real devices in arrival order. With ``--fleet`` (docs/fleet.md) a
 ``FleetScheduler`` replaces the interleaving: each request is served at the virtual time it would
-arrive from its device's class (FLOPs over speed, bytes over link, delay).
+arrive from its device's class (FLOPs over speed, bytes over link, delay). With ``--engine ray``
+(fedsga_edge/rayengine.py) the device roles' compute runs on Ray actors and only their proxies live here:
+the coordinator, the scheduler and the clock stay in this process.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -40,17 +42,27 @@ from fedsga_edge.runbuild import (
 from fedsga_edge.runfiles import RunFiles, summarize
 from fedsga_edge.transport import LoopbackTransport, Peer
 
-__all__ = ["Simulation", "run_simulation", "validate_config", "resolve_device"]
+__all__ = ["DeviceEngine", "Simulation", "run_simulation", "validate_config", "resolve_device"]
+
+
+class DeviceEngine(Protocol):
+    """Where the device roles compute: ``client`` returns device ``i``'s role (or a proxy with its
+    ``step``/``abort``/``busy``/``waiting``/``handle``) talking over ``peer``."""
+
+    def client(self, plan: Any, i: int, peer: Peer, *, backend: str, artifacts: str | Path | None) -> Any: ...
 
 
 class Simulation:
     """Builds everything for a run; ``rounds()`` yields one metrics record per round."""
 
     def __init__(self, cfg: RunConfig, bundle: DatasetBundle | None = None, *, backend: str = "torch",
-                 artifacts: str | Path | None = None, clock: Clock | None = None) -> None:
+                 artifacts: str | Path | None = None, clock: Clock | None = None,
+                 engine: DeviceEngine | None = None, transport: Callable[[str], Any] | None = None) -> None:
         """``backend="onnx"`` runs every device on the torch-free ONNX backend (``export --train`` artifacts);
         ``clock`` (default: a ``VirtualClock`` advanced by each device step's measured time) is what
-        ``--round-timeout`` and ``round_s`` are measured on."""
+        ``--round-timeout`` and ``round_s`` are measured on; ``engine`` builds the device roles (default:
+        in this process, ``build_client``); ``transport(party)`` gives each party its transport (default:
+        one shared loopback; benchmarks/capacity.py passes one MQTT connection per party)."""
         fleet = load_fleet(cfg.fleet) if cfg.fleet else None  # a bad fleet file fails before any data loads
         if fleet is not None and fleet.size != cfg.clients:
             fleet.assign([f"client-{i}" for i in range(cfg.clients)])  # raises the FleetError naming the counts
@@ -61,13 +73,15 @@ class Simulation:
         self.model, self.costs, self.strategy, self.coordinator = side.model, side.costs, side.strategy, side.coordinator
         self.run_info = side.run_info()
         self.transport = LoopbackTransport()
+        party = transport or (lambda _: self.transport)
         run_id = default_run_id(cfg)
         fmt = peer_format(cfg)  # --wire-format: per-batch tensors only (docs/protocol.md, "Messages")
-        self.peer = Peer(self.transport, COORDINATOR, run_id, tensor_format=fmt)
+        self.peer = Peer(party(COORDINATOR), COORDINATOR, run_id, tensor_format=fmt)
         self.clients = []
+        make = engine.client if engine is not None else build_client
         for i, cid in enumerate(self.client_ids):
-            cpeer = Peer(self.transport, cid, run_id, tensor_format=fmt)
-            client = build_client(plan, i, cpeer, backend=backend, artifacts=artifacts)
+            cpeer = Peer(party(cid), cid, run_id, tensor_format=fmt)
+            client = make(plan, i, cpeer, backend=backend, artifacts=artifacts)
             cpeer.register(client.handle)
             self.clients.append(client)
         self.schedule_rng = np.random.default_rng([cfg.seed, 13])
@@ -101,15 +115,17 @@ def run_simulation(
     *,
     bundle: DatasetBundle | None = None,
     on_round: Callable[[dict[str, Any]], None] | None = None,
+    engine: DeviceEngine | None = None,
 ) -> dict[str, Any]:
     """Run all rounds; write ``config.json``, ``metrics.jsonl``, ``summary.json`` and ``checkpoint.pt`` under ``out``.
 
     The checkpoint holds the global weights (loadable by ``create_model(..., pretrained=...)`` and
     ``export --checkpoint``) plus the coordinator's own state (harmonizer, prototypes, estimator,
-    calibration pairs); it is not resumable (coordinator/checkpoint.py).
+    calibration pairs); it is not resumable (coordinator/checkpoint.py). ``engine``: where the devices
+    compute (``Simulation``).
     """
     started = time.perf_counter()
-    sim = Simulation(cfg, bundle)
+    sim = Simulation(cfg, bundle, engine=engine)
     files = None
     if out is not None:
         files = RunFiles(out)

@@ -37,6 +37,20 @@ class _Device:
         self.busy = False
 
 
+class _Round:
+    """What the scheduler reads of the coordinator: the round, its deadline check and whether it is over."""
+
+    def __init__(self, t: int, devices: list[_Device]) -> None:
+        self.round, self.devices = SimpleNamespace(t=t), devices
+
+    def tick(self, now: float) -> list:
+        return []
+
+    @property
+    def round_complete(self) -> bool:
+        return not any(d.busy for d in self.devices)
+
+
 def turns(order: str, seed: int, rounds: int = 4, schedule: str = "round_robin",
           ids: list[str] = IDS) -> list[list[str]]:
     """Each round's turns, device ids in the order they stepped."""
@@ -47,9 +61,9 @@ def turns(order: str, seed: int, rounds: int = 4, schedule: str = "round_robin",
     for t in range(1, rounds + 1):
         for d in devices:
             d.busy, d.left = True, 2
-        co = SimpleNamespace(round=SimpleNamespace(t=t), tick=lambda now: not any(d.busy for d in devices))
+        co = _Round(t, devices)
         log.clear()
-        sched.advance(co, VirtualClock(per_step=1.0))
+        sched.advance(co, VirtualClock(per_step=1.0), lambda out: None)
         out.append(list(log))
     return out
 

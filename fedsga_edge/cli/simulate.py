@@ -25,12 +25,25 @@ def simulate(
     out: Path = typer.Option(Path("runs/sim"), help="Run folder: config.json, metrics.jsonl, summary.json."),
     threads: int = typer.Option(0, help="torch intra-op threads (0 = torch's default). Use 1 when other jobs share the cores."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    engine: str = typer.Option("inprocess", help="Where the devices compute: inprocess, or ray (actors on this "
+                               "machine's CPUs or the cluster at --ray-address; needs the package's scale extra). "
+                               "Same seed, same results (docs/scale.md)."),
+    ray_address: str = typer.Option("", help="--engine ray: a running Ray cluster (e.g. 10.0.0.5:6379, or auto); "
+                                    "empty starts a local Ray."),
+    ray_actors: int = typer.Option(0, help="--engine ray: device actors (0: the cluster's CPUs, one each)."),
     **flags: Any,
 ) -> None:
     """Simulate split federated learning in one process and write metrics for every round."""
     set_threads(threads)
+    if engine not in ("inprocess", "ray"):
+        raise typer.BadParameter(f"--engine must be inprocess or ray (got {engine!r})")
+    if engine != "ray" and (ray_address or ray_actors):
+        raise typer.BadParameter("--ray-address and --ray-actors need --engine ray")
     cfg = run_config(**flags)
+    if engine == "ray" and cfg.fleet:
+        raise typer.BadParameter("--engine ray runs the in-process schedule: leave out --fleet")
     from fedsga_edge.data import DatasetError
+    from fedsga_edge.rayengine import EngineError, RayEngine
     from fedsga_edge.simulation import run_simulation, validate_config
 
     try:
@@ -49,8 +62,14 @@ def simulate(
         bar.set_postfix(post)
         bar.update(1)
 
+    devices = None
+    if engine == "ray":
+        try:
+            devices = RayEngine(address=ray_address or None, actors=ray_actors)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
     try:
-        summary = run_simulation(cfg, out, on_round=on_round)
+        summary = run_simulation(cfg, out, on_round=on_round, engine=devices)
     except (DatasetError, FileNotFoundError) as exc:
         bar.close()
         typer.secho(f"error: {exc}", fg="red", err=True)
@@ -58,6 +77,14 @@ def simulate(
     except ValueError as exc:
         bar.close()
         raise typer.BadParameter(str(exc)) from None
+    except EngineError as exc:  # no Ray, or no cluster at --ray-address
+        bar.close()
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    finally:
+        if devices is not None and devices.pool:
+            typer.echo(f"ray engine: {len(devices.pool)} actors, started in {devices.init_s:.1f}s", err=True)
+            devices.close()
     bar.close()
     from fedsga_edge.runfiles import fed_text
 
