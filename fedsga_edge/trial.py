@@ -47,7 +47,7 @@ class TrialSettings:
     test_data: Path | None = None
     device_profiles: Path | None = None
     fleet_mode: str = "auto"
-    encrypt: bool = False  # AES-GCM on every payload besides the MAC (the trial always authenticates)
+    encrypt: bool = True  # AES-GCM on every payload besides the MAC (the trial always authenticates)
 
 
 @dataclass

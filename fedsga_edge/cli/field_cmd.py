@@ -211,8 +211,10 @@ def trial(
         "namespace with rate-limited links: needs root, cgroup v1 cpu, ip and tc, and the embedded broker), emulated "
         "(the devices sleep for their slower CPU and links instead), or auto (the first where the machine can). "
         "Either adds the class's round-trip delay in the device's transport (docs/fleet.md)."),
-    encrypt: bool = typer.Option(False, "--encrypt", help="Encrypt every payload (AES-GCM) besides authenticating "
-                                 "it (the trial always gives each device a key: docs/protocol.md, Security)."),
+    encrypt: bool = typer.Option(True, "--encrypt/--no-encrypt", help="Encrypt every payload (AES-GCM) besides "
+                                 "authenticating it (the trial always gives each device a key): the embedded broker "
+                                 "has no ACL, so without it a device's login reads the others' tensors "
+                                 "(docs/protocol.md, Security)."),
     **flags: Any,
 ) -> None:
     """A field trial on this machine: a broker, the coordinator and N device agents as separate processes."""

@@ -148,7 +148,9 @@ class Keyring:
         if self.encrypt:
             nonce = secrets.token_bytes(_NONCE)
             return head + nonce + self._cipher(dst).encrypt(nonce, bytes(payload), head)
-        return head + bytes(payload) + hmac.new(self._mac[dst], head + bytes(payload), hashlib.sha256).digest()
+        h = hmac.new(self._mac[dst], head, hashlib.sha256)
+        h.update(payload)
+        return b"".join((head, payload, h.digest()))
 
     def sender_of(self, data: bytes) -> str | None:
         """The sender a sealed frame claims (unverified), or None: what a refusal is addressed to."""
@@ -161,7 +163,6 @@ class Keyring:
         """(sender, payload) of a sealed frame addressed to us; RemoteProtocolError naming what is wrong.
 
         Nothing of the payload is read before its MAC (or GCM tag) has been checked."""
-        data = bytes(data)
         if not is_sealed(data):
             raise RemoteProtocolError("message not authenticated (no MAC): this run authenticates every message; "
                                       "a device needs its key from enrolment")
@@ -170,20 +171,20 @@ class Keyring:
             raise RemoteProtocolError(f"authenticated message for {recipient!r}, not {self.me!r}: refused")
         if sender not in self._mac:
             raise RemoteProtocolError(f"no key for sender {sender!r}: not enrolled in this run")
-        head = data[:at]
         if mode == _MAC:
             if self.encrypt:
                 raise RemoteProtocolError(f"message from {sender!r} is not encrypted: this run encrypts payloads")
             if len(data) < at + _TAG:
                 raise RemoteProtocolError(f"authenticated message from {sender!r} is truncated")
-            payload, tag = data[at:-_TAG], data[-_TAG:]
-            want = hmac.new(self._mac[sender], head + payload, hashlib.sha256).digest()
-            if not hmac.compare_digest(tag, want):
+            view = memoryview(data)
+            h = hmac.new(self._mac[sender], view[:at], hashlib.sha256)
+            h.update(view[at:-_TAG])
+            if not hmac.compare_digest(view[-_TAG:], h.digest()):
                 raise RemoteProtocolError(f"MAC of a message from {sender!r} does not match: forged, altered "
                                           "or sealed with another key")
-            return sender, payload
+            return sender, bytes(view[at:-_TAG])
         if mode == _GCM:
-            return sender, self._decrypt(sender, head, data[at:])
+            return sender, self._decrypt(sender, bytes(data[:at]), bytes(data[at:]))
         raise RemoteProtocolError(f"authenticated message from {sender!r} has unknown mode {mode}")
 
     def _cipher(self, peer: str):  # noqa: ANN202 - an AESGCM, made on first use
