@@ -23,7 +23,7 @@ from typing import Any
 
 from fedsga_edge.fieldconfig import ENV_PREFIX
 from fedsga_edge.fieldroles import FieldError, read_classes
-from fedsga_edge.wire.auth import key_path, make_key, write_key
+from fedsga_edge.wire.auth import enrol, key_path
 
 __all__ = ["BROKER_ENV", "TrialSettings", "follow", "run_trial"]
 
@@ -118,15 +118,6 @@ def run_trial(cfg: Any, s: TrialSettings) -> dict[str, Any]:
     if plan.fleet is not None:
         _fleet_report(s.out, summary, plan.fleet, plan.fleet_mode, quotas)
     return summary
-
-
-def enrol(folder: Path, devices: list[str]) -> None:
-    """A fresh key per device, each in ``folder/<device>.key`` (mode 0600): a run's keys are its own."""
-    if folder.is_dir():
-        for old in folder.glob("*.key"):
-            old.unlink()
-    for cid in devices:
-        write_key(key_path(folder, cid), make_key())
 
 
 def _plan(cfg: Any, s: TrialSettings) -> _Plan:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from .errors import LocalProtocolError, RemoteProtocolError
 
-__all__ = ["KEY_BYTES", "MAGIC", "KeyFileError", "Keyring", "is_sealed", "make_key", "read_key", "read_keys",
+__all__ = ["KEY_BYTES", "MAGIC", "KeyFileError", "Keyring", "enrol", "is_sealed", "make_key", "read_key", "read_keys",
            "key_path", "write_key"]
 
 MAGIC = b"\xc1FSA"
@@ -100,6 +100,17 @@ def read_keys(folder: str | Path) -> dict[str, bytes]:
 def key_path(folder: str | Path, device: str) -> Path:
     """Where ``device``'s key lives in a key folder."""
     return Path(folder) / f"{device}{_KEY_SUFFIX}"
+
+
+def enrol(folder: str | Path, devices: list[str] | tuple[str, ...]) -> dict[str, Path]:
+    """A fresh key per device in ``folder/<device>.key`` (mode 0600, the folder 0700); older keys there go:
+    each enrolment's keys are its own. The coordinator reads the folder, each device its own file."""
+    folder = Path(folder)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    for old in folder.glob("*" + _KEY_SUFFIX):
+        old.unlink()
+    return {d: write_key(key_path(folder, d), make_key()) for d in devices}
 
 
 def is_sealed(data: bytes | memoryview) -> bool:
