@@ -127,3 +127,25 @@ def test_key_files(tmp_path):
         read_key(tmp_path / "missing.key")
     with pytest.raises(KeyFileError, match="does not exist"):
         read_keys(tmp_path / "nowhere")
+
+
+def test_field_roles_refuse_a_bad_key_before_the_broker(tmp_path):
+    """A device whose key file is missing or open to others stops with the problem named (a usage error),
+    before it connects anywhere; --encrypt without a key is refused too."""
+    from fedsga_edge.config import RunConfig
+    from fedsga_edge.fieldroles import FieldError, run_coordinator, run_device
+
+    cfg = RunConfig(dataset="digits", clients=1, rounds=1)
+    path = write_key(tmp_path / "client-000.key", make_key())
+    os.chmod(path, 0o640)
+    kw = dict(backend="torch", artifacts=None, max_packet=1 << 16, threads=1, request_timeout=1.0, data=None,
+              fleet_link="off", latency_profile=None)
+    with pytest.raises(FieldError, match="open to other users") as e:
+        run_device(cfg, 0, "mqtt://127.0.0.1:9", tmp_path / "state", key=path, **kw)
+    assert e.value.usage
+    with pytest.raises(FieldError, match="--encrypt needs --key"):
+        run_device(cfg, 0, "mqtt://127.0.0.1:9", tmp_path / "state", encrypt=True, **kw)
+    with pytest.raises(FieldError, match="holds no <device>.key"):
+        run_coordinator(cfg, "mqtt://127.0.0.1:9", tmp_path / "run", resume=False, min_devices=None,
+                        register_timeout=1.0, max_packet=1 << 16, classes=None, test_data=None,
+                        keys=tmp_path / "state" if (tmp_path / "state").mkdir() is None else None)
