@@ -994,6 +994,32 @@ def _takeover(broker: RunningBroker, password: str, coord: _Victim, dev: _Victim
     return {"takeover_connected": "connect:Success" in events, "coordinator_dropped": dropped,
             "coordinator_answers": answered}
 
+def main_logins(out: Path, json_path: Path | None) -> int:
+    """Every login scenario, one line each; 1 when a sealed run lets a tensor be read or a forgery be acted on
+    (on the embedded broker the MAC alone does not hide tensors: only the encrypted run must read nothing)."""
+    from fedsga_edge.broker.launch import embedded_available
+
+    kinds = [k for k, ok in (("embedded", embedded_available()), ("mosquitto", MOSQUITTO is not None)) if ok]
+    rows, bad = [], 0
+    for kind in kinds:
+        for sealed, encrypt in ((False, False), (True, False), (True, True)):
+            r = login_attacks(out, kind, sealed=sealed, encrypt=encrypt)
+            rows.append(r)
+            hides = encrypt or kind == "mosquitto"
+            fails = sealed and (r["forged_orders_acted"] or r["forged_requests_acted"] or not r["coordinator_answers"]
+                                or (hides and r["tensors_read"]))
+            bad += bool(fails)
+            mode = "encrypted" if encrypt else "MAC" if sealed else "plain"
+            print(f"[logins] {'FAILED' if fails else 'ok    '} {kind:9s} {mode:9s} heard {r['messages_heard']} "
+                  f"tensors read {r['tensors_read']} forged orders acted {r['forged_orders_acted']}/"
+                  f"{r['forged_orders_sent']} forged requests acted {r['forged_requests_acted']}/2 "
+                  f"coordinator dropped {r['coordinator_dropped']} answers after {r['coordinator_answers']}", flush=True)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(rows, indent=2))
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1007,7 +1033,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="MiB of int8 bytes declared float64 sent as one activation in round 1 (0: none)")
     ap.add_argument("--concurrent", action="store_true", help="run the clean and the attacked run at the same time")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--logins", action="store_true", help="instead: a device's own login against the others "
+                    "(eavesdropping, forged orders, the coordinator's client id) on the embedded broker and on "
+                    "Mosquitto, with messages plain, MAC-sealed and encrypted (issue 39)")
     args = ap.parse_args(argv)
+    if args.logins:
+        return main_logins(args.out, args.json)
     if args.rounds < 2 or args.clients < 2:
         ap.error("--rounds and --clients must be >= 2: stale-round replays need a second round, and the "
                  "device-topic attack a device whose round has not started")
