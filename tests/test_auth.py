@@ -149,3 +149,28 @@ def test_field_roles_refuse_a_bad_key_before_the_broker(tmp_path):
         run_coordinator(cfg, "mqtt://127.0.0.1:9", tmp_path / "run", resume=False, min_devices=None,
                         register_timeout=1.0, max_packet=1 << 16, classes=None, test_data=None,
                         keys=tmp_path / "state" if (tmp_path / "state").mkdir() is None else None)
+
+
+def test_any_bytes_either_open_or_are_refused_by_name():
+    """Random and mutated frames: ``open`` raises RemoteProtocolError and nothing else, and a frame with any
+    byte changed never opens."""
+    from hypothesis import given, settings, strategies as st
+
+    key = make_key()
+    ring = Keyring("coordinator", {"client-000": key})
+    dev = Keyring("client-000", {"coordinator": key})
+    good = dev.seal("coordinator", b"payload bytes")
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.binary(max_size=200), st.integers(0, len(good) - 1), st.integers(1, 255))
+    def fuzz(junk, at, flip):
+        for data in (junk, b"\xc1FSA" + junk, memoryview(b"\xc1FSA\x01" + junk)):
+            with pytest.raises(RemoteProtocolError):
+                ring.open(data)
+        bad = bytearray(good)
+        bad[at] ^= flip
+        with pytest.raises(RemoteProtocolError):
+            ring.open(bytes(bad))
+
+    fuzz()
+    assert ring.open(good) == ("client-000", b"payload bytes")

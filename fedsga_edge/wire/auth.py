@@ -170,10 +170,12 @@ class Keyring:
         except RemoteProtocolError:
             return None
 
-    def open(self, data: bytes) -> tuple[str, bytes]:
+    def open(self, data: bytes | bytearray | memoryview) -> tuple[str, bytes]:
         """(sender, payload) of a sealed frame addressed to us; RemoteProtocolError naming what is wrong.
 
         Nothing of the payload is read before its MAC (or GCM tag) has been checked."""
+        if not isinstance(data, bytes):
+            data = bytes(data)
         if not is_sealed(data):
             raise RemoteProtocolError("message not authenticated (no MAC): this run authenticates every message; "
                                       "a device needs its key from enrolment")
