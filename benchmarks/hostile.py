@@ -43,7 +43,15 @@ decides, so two clean runs already differ in the last bits (docs/protocol.md, "F
 A hostile message that is *valid* (a well-formed activation on a device's topic with a fresh seq, or
 a well-formed ``round_start`` on its down topic) is indistinguishable from the device or the
 coordinator on an open broker; only the broker's ACL stops that (docs/protocol.md, "The sender is the
-topic"). The intruder never sends one.
+topic"), or the per-device keys, which this run does not use. The intruder never sends one.
+
+    python benchmarks/hostile.py --logins [--out runs/logins] [--json runs/logins/logins.json]
+
+runs instead the scenarios of a device's own login (``login_attacks``): with ``client-000``'s password read
+from the broker's files and its own key, eavesdropping on ``#``, forged and replayed orders to
+``client-001``, a forged request in ``client-001``'s name, and a connection with client id ``coordinator``,
+on the embedded broker and on Mosquitto, with messages plain, MAC-sealed and encrypted (docs/protocol.md,
+"Security"; benchmarks/RESULTS.md has the figures).
 """
 
 from __future__ import annotations
