@@ -97,11 +97,11 @@ class SealedTransport:
                     raise RemoteProtocolError(f"sealed by {sender!r} but arrived from {seen!r}: refused")
             except RemoteProtocolError as exc:
                 return self._refuse(data, exc)
-            self._local.sender = sender
+            before, self._local.sender = getattr(self._local, "sender", None), sender
             try:
                 out = handler(payload)
             finally:
-                self._local.sender = None
+                self._local.sender = before  # a nested delivery (loopback) hands the outer one back
             if isinstance(out, (bytes, bytearray, memoryview)):
                 return self.keyring.seal(sender, bytes(out))
             return out
