@@ -43,7 +43,15 @@ decides, so two clean runs already differ in the last bits (docs/protocol.md, "F
 A hostile message that is *valid* (a well-formed activation on a device's topic with a fresh seq, or
 a well-formed ``round_start`` on its down topic) is indistinguishable from the device or the
 coordinator on an open broker; only the broker's ACL stops that (docs/protocol.md, "The sender is the
-topic"). The intruder never sends one.
+topic"), or the per-device keys, which this run does not use. The intruder never sends one.
+
+    python benchmarks/hostile.py --logins [--out runs/logins] [--json runs/logins/logins.json]
+
+runs instead the scenarios of a device's own login (``login_attacks``): with ``client-000``'s password read
+from the broker's files and its own key, eavesdropping on ``#``, forged and replayed orders to
+``client-001``, a forged request in ``client-001``'s name, and a connection with client id ``coordinator``,
+on the embedded broker and on Mosquitto, with messages plain, MAC-sealed and encrypted (docs/protocol.md,
+"Security"; benchmarks/RESULTS.md has the figures).
 """
 
 from __future__ import annotations
@@ -843,6 +851,183 @@ def run_pair(out: Path, *, clients: int = 2, rounds: int = 2, examples: int = 15
             "checks": checks(runs["clean"], runs["hostile"], cmp, out / "hostile")}
 
 
+# -- a device's own login against the other devices and the coordinator (issue 39, items 3 and 4) ------------
+
+LOGIN_RUN = "sim-0"
+
+
+def stolen_login(broker: RunningBroker, log_dir: Path, device: str) -> str:
+    """``device``'s password as a compromised device would have it: from the trial's ``broker.toml``
+    (embedded) or its ``credentials/<device>.env`` (Mosquitto, ``broker-config``'s files)."""
+    import tomllib
+    from urllib.parse import unquote, urlsplit
+
+    if broker.kind == "embedded":
+        conf = tomllib.loads((log_dir / "broker.toml").read_text())
+        return conf["v4"]["1"]["connections"]["auth"][device]
+    env = (log_dir / "broker" / "credentials" / f"{device}.env").read_text()
+    return unquote(urlsplit(env.split("=", 1)[1].strip()).password or "")
+
+
+class _Victim:
+    """An MQTT party of the run (the coordinator or a device) that records every message it acts on."""
+
+    def __init__(self, broker: RunningBroker, me: str, keys: dict[str, bytes] | None, encrypt: bool) -> None:
+        from fedsga_edge.transport import Peer
+        from fedsga_edge.transport.mqtt import MqttTransport
+        from fedsga_edge.transport.sealed import SealedTransport
+        from fedsga_edge.wire.auth import Keyring
+
+        self.mqtt = MqttTransport.from_url(broker.url_for(me), run=LOGIN_RUN, client_id=me, request_timeout=5)
+        t: Any = self.mqtt if keys is None else SealedTransport(self.mqtt, Keyring(me, keys, encrypt=encrypt), LOGIN_RUN)
+        self.peer = Peer(t, me, LOGIN_RUN)
+        self.acted: list[Message] = []
+        self.peer.register(self._on)
+
+    def _on(self, m: Message) -> Message | None:
+        self.acted.append(m)
+        if m.kind in ("activation", "hello"):
+            return self.peer.reply(m, "ack", {"ok": True})
+        return None
+
+    def close(self) -> None:
+        self.peer.transport.close()
+
+
+def _spy(broker: RunningBroker, login: str, password: str,
+         client_id: str) -> tuple[Any, list[tuple[str, bytes]], list[str]]:
+    """A paho client with a stolen login that subscribes to ``#``: what it hears, and its disconnects."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    heard: list[tuple[str, bytes]] = []
+    events: list[str] = []
+    c = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=client_id)
+    c.username_pw_set(login, password)
+    c.on_message = lambda cl, ud, m: heard.append((m.topic, bytes(m.payload)))
+    c.on_connect = lambda cl, ud, fl, rc, pr=None: (events.append(f"connect:{rc}"), cl.subscribe("#", qos=1))
+    c.on_disconnect = lambda cl, ud, fl, rc, pr=None: events.append(f"disconnect:{rc}")
+    c.connect(broker.host, broker.port)
+    c.loop_start()
+    time.sleep(0.5)
+    return c, heard, events
+
+
+def login_attacks(out: Path, kind: str, *, sealed: bool = True, encrypt: bool = False) -> dict[str, Any]:
+    """One scenario of issue 39 on broker ``kind`` (embedded | mosquitto): client-000's own login (and, when
+    the run seals, its own key) against client-001 and the coordinator. Figures:
+
+    * ``tensors_read``: messages heard on ``#`` that hold the bytes of client-001's activation or of its
+      round_start's weights (0: nothing of another device's tensors was read);
+    * ``forged_orders_acted``: forged ``bye`` / ``round_start`` for client-001 (plain, sealed with client-000's
+      key as if the coordinator's, and the coordinator's own round_start replayed) that client-001 acted on;
+    * ``forged_requests_acted``: an activation claiming client-001 that the coordinator acted on;
+    * ``coordinator_disconnects``: times the coordinator's session dropped while the spy used client id
+      ``coordinator``; ``coordinator_answers``: client-001's request after that still answered."""
+    from fedsga_edge.broker.launch import RunLogins, start_embedded, start_secured_mosquitto
+    from fedsga_edge.wire.auth import Keyring, make_key
+
+    log_dir = out / f"{kind}-{'enc' if encrypt else 'mac' if sealed else 'plain'}"
+    logins = RunLogins.generate(["client-000", "client-001"])
+    keys = {d: make_key() for d in ("client-000", "client-001")}
+    start = (lambda: start_embedded(log_dir, logins=logins)) if kind == "embedded" else (
+        lambda: start_secured_mosquitto(log_dir, logins, run=LOGIN_RUN))
+    weights = np.full(257, 31337.25, np.float32)
+    act = np.full(263, -4242.5, np.float32)
+    marks = (weights.tobytes()[:64], act.tobytes()[:64])
+    res: dict[str, Any] = {"broker": kind, "sealed": sealed, "encrypt": encrypt}
+    with start() as broker:
+        password = stolen_login(broker, log_dir, "client-000")
+        coord = _Victim(broker, "coordinator", keys if sealed else None, encrypt)
+        dev = _Victim(broker, "client-001", {"coordinator": keys["client-001"]} if sealed else None, encrypt)
+        spy, heard, _ = _spy(broker, "client-000", password, "client-000")
+        try:
+            coord.peer.send("client-001", "round_start", 1, {"weights": {"w": weights}})
+            rep = dev.peer.call("coordinator", "activation", 1, {"z": act, "y": np.zeros(263, np.int64), "split": 1})
+            time.sleep(1.0)
+            res["honest_ok"] = rep.kind == "ack" and [m.kind for m in dev.acted] == ["round_start"]
+            res["messages_heard"] = len(heard)
+            res["tensors_read"] = sum(any(mk in h for mk in marks) for _, h in heard)
+            res.update(_forge(spy, heard, dev, coord, keys["client-000"], encrypt))
+        finally:
+            spy.disconnect()
+            spy.loop_stop()
+        res.update(_takeover(broker, password, coord, dev))
+        for v in (dev, coord):
+            v.close()
+    return res
+
+
+def _forge(spy: Any, heard: list[tuple[str, bytes]], dev: _Victim, coord: _Victim, own_key: bytes, encrypt: bool) -> dict[str, Any]:
+    """Forged orders to client-001 and a forged request to the coordinator, from client-000's login and key."""
+    from fedsga_edge.wire.auth import Keyring
+
+    down, up = f"fedsga/{LOGIN_RUN}/down/client-001", f"fedsga/{LOGIN_RUN}/up/client-001"
+    bye = encode(Message("bye", LOGIN_RUN, 1, 10_000, "coordinator", {"reason": "forged"}))
+    start = encode(Message("round_start", LOGIN_RUN, 2, 10_001, "coordinator", {"weights": {}}))
+    as_coord = Keyring("coordinator", {"client-001": own_key}, encrypt=encrypt)  # its own key, another's name
+    forged = [bye, start, as_coord.seal("client-001", bye), as_coord.seal("client-001", start)]
+    orders = [frame("req", f"forge-{i}", p=p) for i, p in enumerate(forged)]
+    orders += [h for topic, h in heard if topic == down]  # the coordinator's own round_start, replayed whole
+    before_dev, before_coord = len(dev.acted), len(coord.acted)
+    for f in orders:
+        spy.publish(down, f, qos=1).wait_for_publish(5)
+    act = encode(Message("activation", LOGIN_RUN, 1, 10_002, "client-001",
+                         {"z": np.zeros(4, np.float32), "y": np.zeros(4, np.int64), "split": 1}))
+    own = Keyring("client-000", {"coordinator": own_key}, encrypt=encrypt)
+    for i, p in enumerate((act, own.seal("coordinator", act))):
+        spy.publish(up, frame("req", f"forge-up-{i}", p=p), qos=1).wait_for_publish(5)
+    time.sleep(1.5)
+    return {"forged_orders_sent": len(orders), "forged_orders_acted": len(dev.acted) - before_dev,
+            "forged_requests_acted": len(coord.acted) - before_coord}
+
+
+def _takeover(broker: RunningBroker, password: str, coord: _Victim, dev: _Victim) -> dict[str, Any]:
+    """The spy connects as client id ``coordinator`` with client-000's login: does the coordinator drop, and
+    does it still answer client-001 afterwards (its requests sealed: the spy cannot answer them)?"""
+    spy, heard, events = _spy(broker, "client-000", password, "coordinator")
+    dropped, deadline = False, time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        dropped |= not coord.mqtt.connected
+        time.sleep(0.02)
+    spy.disconnect()
+    spy.loop_stop()
+    coord.mqtt.wait_ready(10)
+    try:
+        rep = dev.peer.call("coordinator", "activation", 3, {"z": np.zeros(4, np.float32), "y": np.zeros(4, np.int64),
+                                                              "split": 1}, timeout=10)
+        answered = rep.kind == "ack"
+    except Exception:  # noqa: BLE001 - a lost coordinator is the figure, not a crash of the benchmark
+        answered = False
+    return {"takeover_connected": "connect:Success" in events, "coordinator_dropped": dropped,
+            "coordinator_answers": answered}
+
+def main_logins(out: Path, json_path: Path | None) -> int:
+    """Every login scenario, one line each; 1 when a sealed run lets a tensor be read or a forgery be acted on
+    (on the embedded broker the MAC alone does not hide tensors: only the encrypted run must read nothing)."""
+    from fedsga_edge.broker.launch import embedded_available
+
+    kinds = [k for k, ok in (("embedded", embedded_available()), ("mosquitto", MOSQUITTO is not None)) if ok]
+    rows, bad = [], 0
+    for kind in kinds:
+        for sealed, encrypt in ((False, False), (True, False), (True, True)):
+            r = login_attacks(out, kind, sealed=sealed, encrypt=encrypt)
+            rows.append(r)
+            hides = encrypt or kind == "mosquitto"
+            fails = sealed and (r["forged_orders_acted"] or r["forged_requests_acted"] or not r["coordinator_answers"]
+                                or (hides and r["tensors_read"]))
+            bad += bool(fails)
+            mode = "encrypted" if encrypt else "MAC" if sealed else "plain"
+            print(f"[logins] {'FAILED' if fails else 'ok    '} {kind:9s} {mode:9s} heard {r['messages_heard']} "
+                  f"tensors read {r['tensors_read']} forged orders acted {r['forged_orders_acted']}/"
+                  f"{r['forged_orders_sent']} forged requests acted {r['forged_requests_acted']}/2 "
+                  f"coordinator dropped {r['coordinator_dropped']} answers after {r['coordinator_answers']}", flush=True)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(rows, indent=2))
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -856,7 +1041,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="MiB of int8 bytes declared float64 sent as one activation in round 1 (0: none)")
     ap.add_argument("--concurrent", action="store_true", help="run the clean and the attacked run at the same time")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--logins", action="store_true", help="instead: a device's own login against the others "
+                    "(eavesdropping, forged orders, the coordinator's client id) on the embedded broker and on "
+                    "Mosquitto, with messages plain, MAC-sealed and encrypted (issue 39)")
     args = ap.parse_args(argv)
+    if args.logins:
+        return main_logins(args.out, args.json)
     if args.rounds < 2 or args.clients < 2:
         ap.error("--rounds and --clients must be >= 2: stale-round replays need a second round, and the "
                  "device-topic attack a device whose round has not started")

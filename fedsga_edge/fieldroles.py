@@ -70,10 +70,34 @@ def _transport(broker: str, run: str, client_id: str, max_packet: int, request_t
         raise FieldError(f"cannot use broker {_redacted(broker)}: {exc}", code=2) from None
 
 
+def _sealed(transport: Any, run: str, me: str, keys: dict[str, bytes], encrypt: bool) -> Any:
+    """``transport`` with every message sealed by this party's keys (fedsga_edge/transport/sealed.py)."""
+    from fedsga_edge.transport.sealed import SealedTransport
+    from fedsga_edge.wire import LocalProtocolError
+    from fedsga_edge.wire.auth import Keyring
+
+    try:
+        return SealedTransport(transport, Keyring(me, keys, encrypt=encrypt), run)
+    except LocalProtocolError as exc:  # --encrypt without the cryptography package
+        transport.close()
+        raise FieldError(str(exc), code=2) from None
+
+
+def _read_keys(keys: Path | None, key: Path | None) -> dict[str, bytes] | bytes | None:
+    """The coordinator's key folder or a device's key file, checked before the broker is reached."""
+    from fedsga_edge.wire.auth import KeyFileError, read_key, read_keys
+
+    try:
+        return read_keys(keys) if keys is not None else read_key(key) if key is not None else None
+    except KeyFileError as exc:
+        raise FieldError(str(exc), usage=True) from None
+
+
 def run_coordinator(cfg: Any, broker: str, run_dir: Path, *, resume: bool, min_devices: int | None,
                     register_timeout: float, max_packet: int, classes: Path | None,
-                    test_data: Path | None) -> dict[str, Any]:
-    """Serve the server side of a run until its last round; the run's summary."""
+                    test_data: Path | None, keys: Path | None = None, encrypt: bool = False) -> dict[str, Any]:
+    """Serve the server side of a run until its last round; the run's summary. ``keys``: the folder of the
+    devices' keys (``<device>.key``): every message is then authenticated (and with ``encrypt`` encrypted)."""
     from fedsga_edge.runbuild import coordinator_service, default_run_id
 
     if test_data is not None and classes is None:
@@ -83,11 +107,18 @@ def run_coordinator(cfg: Any, broker: str, run_dir: Path, *, resume: bool, min_d
     if run_data is not None and test_data is None and not cfg.eval_holdout > 0:
         print("warning: no --test-data and --eval-holdout 0: nothing will measure the model's accuracy",
               file=sys.stderr, flush=True)
+    ring = _read_keys(keys, None)
+    if encrypt and ring is None:
+        raise FieldError("--encrypt needs --keys (the devices' keys)", usage=True)
     transport = _transport(broker, default_run_id(cfg), "coordinator", max_packet)
+    if isinstance(ring, dict):
+        transport = _sealed(transport, default_run_id(cfg), "coordinator", ring, encrypt)
     try:
         service = coordinator_service(cfg, transport, run_dir, min_devices=min_devices or cfg.clients,
                                       register_timeout=register_timeout, resume=resume,
                                       run_data=run_data, test_data=test_data)
+        if isinstance(ring, dict):  # frames refused before decode go to coordinator.log beside the Peer's refusals
+            transport.on_reject = service.peer.on_reject
         signal.signal(signal.SIGTERM, lambda *_: service.stop())
         return service.run()
     except ValueError as exc:
@@ -98,8 +129,9 @@ def run_coordinator(cfg: Any, broker: str, run_dir: Path, *, resume: bool, min_d
 
 def run_device(cfg: Any, index: int, broker: str, state_dir: Path, *, backend: str, artifacts: Path | None,
                max_packet: int, threads: int, request_timeout: float, data: Path | None, fleet_link: str,
-               latency_profile: Path | None) -> None:
-    """Run device ``index``'s agent until the coordinator ends the run (or SIGTERM: it says goodbye)."""
+               latency_profile: Path | None, key: Path | None = None, encrypt: bool = False) -> None:
+    """Run device ``index``'s agent until the coordinator ends the run (or SIGTERM: it says goodbye). ``key``:
+    its key file from enrolment: every message is then authenticated (and with ``encrypt`` encrypted)."""
     from fedsga_edge.data.local import LocalDataError
     from fedsga_edge.runbuild import client_id, default_run_id, device_agent
 
@@ -107,7 +139,13 @@ def run_device(cfg: Any, index: int, broker: str, state_dir: Path, *, backend: s
         raise FieldError(f"--fleet-link must be off, delay or emulated (got {fleet_link!r})", usage=True)
     latency_report = _latency_report(cfg, latency_profile)
     cid = client_id(index)
+    own_key = _read_keys(None, key)
+    if encrypt and own_key is None:
+        raise FieldError("--encrypt needs --key (this device's key)", usage=True)
     transport = _transport(broker, default_run_id(cfg), cid, max_packet, request_timeout)
+    sealed = None
+    if isinstance(own_key, bytes):
+        transport = sealed = _sealed(transport, default_run_id(cfg), cid, {"coordinator": own_key}, encrypt)
     link = None
     if fleet_link != "off" and cfg.fleet:
         transport = link = _fleet_link(cfg, index, transport, emulate=fleet_link == "emulated")
@@ -120,6 +158,8 @@ def run_device(cfg: Any, index: int, broker: str, state_dir: Path, *, backend: s
                 from fedsga_edge.transport.link import TimingPeer
 
                 agent.client.peer = TimingPeer(agent.client.peer, link)
+            if sealed is not None:  # frames refused before decode go to agent.log beside the Peer's refusals
+                sealed.on_reject = agent.peer.on_reject
         except TimeoutError as exc:  # --data: the coordinator never described the run
             raise FieldError(f"{cid} is not registered: {exc}") from None
         except LocalDataError as exc:  # --data: its own data cannot be used; nothing was registered

@@ -23,6 +23,7 @@ from typing import Any
 
 from fedsga_edge.fieldconfig import ENV_PREFIX
 from fedsga_edge.fieldroles import FieldError, read_classes
+from fedsga_edge.wire.auth import enrol, key_path
 
 __all__ = ["BROKER_ENV", "TrialSettings", "follow", "run_trial"]
 
@@ -46,6 +47,7 @@ class TrialSettings:
     test_data: Path | None = None
     device_profiles: Path | None = None
     fleet_mode: str = "auto"
+    encrypt: bool = True  # AES-GCM on every payload besides the MAC (the trial always authenticates)
 
 
 @dataclass
@@ -74,13 +76,22 @@ class _Plan:
 
     def coordinator_argv(self) -> list[str]:
         return (CLI + ["coordinator", "--run-dir", str(self.s.out), "--register-timeout", str(self.s.startup_timeout)]
-                + self.common() + self.coordinator_args)
+                + self.common() + self.coordinator_args + ["--keys", str(self.keys_dir)] + self.crypt())
 
     def device_argv(self, i: int) -> list[str]:
         return (CLI + ["device", "--index", str(i), "--state-dir", str(self.s.out / "devices" / f"client-{i:03d}")]
                 + self.common() + self.device_args
                 + (["--data", str(self.device_paths[i])] if self.device_paths else [])
-                + (["--latency-profile", str(self.profiles[i])] if i in self.profiles else []))
+                + (["--latency-profile", str(self.profiles[i])] if i in self.profiles else [])
+                + ["--key", str(key_path(self.keys_dir, self.devices[i]))] + self.crypt())
+
+    @property
+    def keys_dir(self) -> Path:
+        """The run's device keys (mode 0600 each): all for the coordinator, its own for each device."""
+        return self.s.out / "keys"
+
+    def crypt(self) -> list[str]:
+        return ["--encrypt"] if self.s.encrypt else []
 
 
 def _say(text: str, *, err: bool = False) -> None:
@@ -127,6 +138,7 @@ def _plan(cfg: Any, s: TrialSettings) -> _Plan:
         raise FieldError(f"--backend must be torch or onnx (got {s.backend!r})", usage=True)
     (s.out / "logs").mkdir(parents=True, exist_ok=True)
     plan.cfg_path.write_text(json.dumps(cfg.to_dict(), indent=2))
+    enrol(plan.keys_dir, plan.devices)
     if s.backend == "onnx":
         artifacts = s.artifacts or _export_for_devices(cfg, s.out, s.quiet, classes)
         plan.device_args = ["--backend", "onnx", "--artifacts", str(artifacts)]

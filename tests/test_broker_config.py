@@ -266,6 +266,11 @@ def test_cli_writes_private_credentials_and_will_not_silently_change_passwords(t
         assert stat.S_IMODE(p.stat().st_mode) == 0o600
         assert p.read_text().count("FEDSGA_EDGE_BROKER=mqtt://") == 1
     assert stat.S_IMODE((out / "passwd").stat().st_mode) == 0o640
+    from fedsga_edge.wire.auth import read_key, read_keys
+
+    keys = read_keys(out / "keys")  # each device enrolled with its own message key, private to it
+    assert sorted(keys) == ["client-000", "client-001"] and keys["client-000"] != keys["client-001"]
+    assert stat.S_IMODE((out / "keys").stat().st_mode) == 0o700 and "keys/<device>.key" in res.output
     before = (out / "credentials" / "client-000.env").read_text()
     _, pw = before.strip().rsplit("@", 1)[0].rsplit(":", 1)
     user_hash = dict(ln.split(":", 1) for ln in (out / "passwd").read_text().splitlines())
@@ -279,6 +284,8 @@ def test_cli_writes_private_credentials_and_will_not_silently_change_passwords(t
     assert forced.exit_code == 0, forced.output
     assert sorted(p.name for p in (out / "credentials").iterdir()) == ["client-000.env", "coordinator.env"]
     assert (out / "credentials" / "client-000.env").read_text() != before
+    assert sorted(p.name for p in (out / "keys").iterdir()) == ["client-000.key"]
+    assert read_key(out / "keys" / "client-000.key") != keys["client-000"]  # a new enrolment, new keys
 
     (tmp_path / "ids").write_text("ok\nnot/ok\n")
     bad = runner.invoke(app, ["broker-config", "--devices", str(tmp_path / "ids"), "--out", str(tmp_path / "b2")])

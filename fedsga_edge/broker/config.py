@@ -16,7 +16,10 @@ needs for that, and nothing here talks to a broker (no paho):
   installed, so the format is the one the installed broker reads; else ``$7$`` PBKDF2-SHA512 as
   Mosquitto 2.0 writes it);
 * ``credentials/<login>.env``: ``FEDSGA_EDGE_BROKER=mqtts://<login>:<password>@<host>:<port>``,
-  mode 0600, one file to hand to each device (docs/deploy.md).
+  mode 0600, one file to hand to each device (docs/deploy.md);
+* ``keys/<device>.key``: each device's message key (mode 0600, the folder 0700): every message of the run
+  is then authenticated end to end, whatever the broker does (fedsga_edge/wire/auth.py); the device takes
+  its own file (``device --key``), the coordinator the folder (``coordinator --keys``).
 
 ``fedsga-edge broker-config`` (``fedsga_edge/cli/broker_cmd.py``) is the command around it.
 """
@@ -40,6 +43,7 @@ from urllib.parse import quote
 
 from fedsga_edge.transport.base import TransportError, check_address
 from fedsga_edge.transport.mqtt import TOPIC_ROOT
+from fedsga_edge.wire.auth import enrol
 
 __all__ = [
     "COORDINATOR",
@@ -388,6 +392,7 @@ class BrokerFiles:
     credentials: dict[str, Path]
     urls: dict[str, str]  # login -> the URL in its credentials file (secret)
     hasher: str
+    keys: dict[str, Path]  # device -> its message key (keys/<device>.key, mode 0600): the coordinator's --keys
 
 
 def _write(path: Path, text: str, mode: int) -> None:
@@ -416,7 +421,8 @@ def _share_with_broker(path: Path) -> None:
 
 def write_broker_config(spec: BrokerSpec, out: str | Path, *, force: bool = False, hasher: str = "auto",
                         passwords: Mapping[str, str] | None = None) -> BrokerFiles:
-    """Write ``mosquitto.conf``, ``acl``, ``passwd`` and ``credentials/<login>.env`` into ``out``.
+    """Write ``mosquitto.conf``, ``acl``, ``passwd``, ``credentials/<login>.env`` and ``keys/<device>.key``
+    (each device's message key, fedsga_edge/wire/auth.py) into ``out``.
 
     Refuses to overwrite an earlier config unless ``force`` (that would change every password).
     ``passwords`` fixes some logins' passwords (the rest are random).
@@ -454,4 +460,5 @@ def write_broker_config(spec: BrokerSpec, out: str | Path, *, force: bool = Fals
                 f"{CREDENTIALS_ENV}={urls[login]}\n")
         creds[login] = creds_dir / f"{login}.env"
         _write(creds[login], text, 0o600)
-    return BrokerFiles(out / "mosquitto.conf", out / "acl", out / "passwd", creds, urls, used)
+    keys = enrol(out / "keys", spec.devices)
+    return BrokerFiles(out / "mosquitto.conf", out / "acl", out / "passwd", creds, urls, used, keys)

@@ -1,4 +1,5 @@
-"""``fedsga-edge broker-config``: Mosquitto config, password file, ACL and one credentials file per login.
+"""``fedsga-edge broker-config``: Mosquitto config, password file, ACL, one credentials file per login and one
+message key per device.
 
 The work is in ``fedsga_edge.broker.config``; this command only reads flags and
 prints what was written and how to start the broker (docs/deploy.md, "The broker").
@@ -17,7 +18,8 @@ __all__ = ["register"]
 def broker_config(
     devices: str = typer.Option(..., help="N (logins client-000 .. client-{N-1}, the ids `device --index` uses) "
                                 "or a file of device ids, one per line."),
-    out: Path = typer.Option(..., help="Folder for mosquitto.conf, acl, passwd and credentials/<login>.env."),
+    out: Path = typer.Option(..., help="Folder for mosquitto.conf, acl, passwd, credentials/<login>.env and "
+                             "keys/<device>.key."),
     run: Optional[str] = typer.Option(None, help="Allow only this run id's topics (default: any run; "
                                       "the field commands use sim-<seed>)."),
     tls_cert: Optional[Path] = typer.Option(None, help="Broker certificate (PEM): the listener speaks TLS only."),
@@ -60,7 +62,9 @@ def broker_config(
         f", plaintext on 127.0.0.1:{loopback_port}" if loopback_port else "")
     rows = [(str(files.conf), f"the listener: {listener}; client id = login"), (str(files.acl), "each login's topics"),
             (str(files.passwd), f"password hashes ({files.hasher})"),
-            (f"{files.conf.parent / 'credentials'}/<login>.env", "secret, mode 0600: FEDSGA_EDGE_BROKER=<url>")]
+            (f"{files.conf.parent / 'credentials'}/<login>.env", "secret, mode 0600: FEDSGA_EDGE_BROKER=<url>"),
+            (f"{files.conf.parent / 'keys'}/<device>.key", "secret, mode 0600: the device's message key "
+             "(device --key; the folder: coordinator --keys)")]
     width = max(len(path) for path, _ in rows)
     for path, what in rows:
         typer.echo(f"  {path.ljust(width)}  {what}")
@@ -74,6 +78,7 @@ def broker_config(
     typer.echo(f"  sudo ln -s {files.conf} /etc/mosquitto/conf.d/fedsga.conf && sudo systemctl restart mosquitto"
                "   # Debian's service")
     typer.echo("Then copy credentials/<id>.env to each device as /etc/fedsga-edge/credentials.env (mode 0600), "
+               "keys/<id>.key as /etc/fedsga-edge/device.key (mode 0600, owned by the agent's user), "
                f"{'and the CA as /etc/fedsga-edge/ca.crt, ' if spec.tls and spec.tls.ca else ''}"
                f"and give the coordinator credentials/{spec.coordinator}.env (docs/deploy.md).")
     typer.echo(f"Devices will connect to {scheme}://<login>:<password>@{spec.host}:{spec.listen_port}"

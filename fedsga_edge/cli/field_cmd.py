@@ -105,6 +105,11 @@ def coordinator(
     test_data: Optional[Path] = typer.Option(
         None, help="With --classes: an optional test set of this coordinator's own (an image folder or npz, as "
         "device --data reads it) for its test_acc beside the devices' federated figure."),
+    keys: Optional[Path] = typer.Option(
+        None, help="The devices' keys from enrolment (broker-config --keys: a folder of <device>.key): every message "
+        "is then authenticated end to end, and a device without its key is refused (docs/protocol.md, Security)."),
+    encrypt: bool = typer.Option(False, "--encrypt", help="With --keys: encrypt every payload (AES-GCM) and refuse "
+                                 "clear ones, so a broker login that reads every topic learns nothing."),
     **flags: Any,
 ) -> None:
     """Serve the server side of a run: wait for devices, run every round with a deadline, write the run files."""
@@ -122,7 +127,7 @@ def coordinator(
 
     summary = _field(run_coordinator, with_deadline(cfg), broker, run_dir, resume=resume is not None,
                      min_devices=min_devices, register_timeout=register_timeout, max_packet=max_packet,
-                     classes=classes, test_data=test_data)
+                     classes=classes, test_data=test_data, keys=keys, encrypt=encrypt)
     typer.echo(_last_line(summary, run_dir))
 
 
@@ -156,6 +161,11 @@ def device(
         "the run's model (every split). Its hello reports the seconds per sample at each split, and --strategy "
         "resource gives it the deepest split that fits by them instead of a fleet's or a drawn speed "
         "(docs/fleet.md). A missing or malformed file, or one of another model, is an error before it registers."),
+    key: Optional[Path] = typer.Option(
+        None, help="This device's key from enrolment (broker-config --keys: <device>.key, mode 0600): every "
+        "message is then authenticated end to end, and orders not sealed by the coordinator are refused."),
+    encrypt: bool = typer.Option(False, "--encrypt", help="With --key: encrypt every payload (AES-GCM), as the "
+                                 "coordinator's --encrypt."),
     **flags: Any,
 ) -> None:
     """Run one device agent until the coordinator ends the run (or SIGTERM)."""
@@ -170,7 +180,7 @@ def device(
 
     _field(run_device, cfg, index, broker, state_dir, backend=backend, artifacts=artifacts, max_packet=max_packet,
            threads=threads, request_timeout=request_timeout, data=data, fleet_link=fleet_link,
-           latency_profile=latency_profile)
+           latency_profile=latency_profile, key=key, encrypt=encrypt)
 
 
 @with_run_options
@@ -201,6 +211,10 @@ def trial(
         "namespace with rate-limited links: needs root, cgroup v1 cpu, ip and tc, and the embedded broker), emulated "
         "(the devices sleep for their slower CPU and links instead), or auto (the first where the machine can). "
         "Either adds the class's round-trip delay in the device's transport (docs/fleet.md)."),
+    encrypt: bool = typer.Option(True, "--encrypt/--no-encrypt", help="Encrypt every payload (AES-GCM) besides "
+                                 "authenticating it (the trial always gives each device a key): the embedded broker "
+                                 "has no ACL, so without it a device's login reads the others' tensors "
+                                 "(docs/protocol.md, Security)."),
     **flags: Any,
 ) -> None:
     """A field trial on this machine: a broker, the coordinator and N device agents as separate processes."""
@@ -210,7 +224,8 @@ def trial(
     cfg = with_deadline(run_config(**_run_flags_of(flags)))
     settings = TrialSettings(out, broker=broker, startup_timeout=startup_timeout, threads=threads, backend=backend,
                              artifacts=artifacts, quiet=quiet, device_data=device_data, classes=classes,
-                             test_data=test_data, device_profiles=device_profiles, fleet_mode=fleet_mode)
+                             test_data=test_data, device_profiles=device_profiles, fleet_mode=fleet_mode,
+                             encrypt=encrypt)
     summary = _field(run_trial, cfg, settings)
     typer.echo(_last_line(summary, out))
 
