@@ -108,18 +108,20 @@ def run_device(cfg: Any, index: int, broker: str, state_dir: Path, *, backend: s
     latency_report = _latency_report(cfg, latency_profile)
     cid = client_id(index)
     transport = _transport(broker, default_run_id(cfg), cid, max_packet, request_timeout)
-    link = None
     if fleet_link != "off" and cfg.fleet:
         transport = link = _fleet_link(cfg, index, transport, emulate=fleet_link == "emulated")
+    else:  # no fleet class: the link only measures the round (its timing), every trial's devices report it
+        from fedsga_edge.transport.link import FleetLink
+
+        transport = link = FleetLink(transport, rtt_ms=0.0, up_mbps=1.0, down_mbps=1.0)
     try:
         try:
             agent = device_agent(cfg, index, transport, state_dir, backend=backend, artifacts=artifacts,
                                  threads=threads or None, data=data, latency_profile=latency_profile,
                                  latency_report=latency_report)
-            if link is not None:
-                from fedsga_edge.transport.link import TimingPeer
+            from fedsga_edge.transport.link import TimingPeer
 
-                agent.client.peer = TimingPeer(agent.client.peer, link)
+            agent.client.peer = TimingPeer(agent.client.peer, link)
         except TimeoutError as exc:  # --data: the coordinator never described the run
             raise FieldError(f"{cid} is not registered: {exc}") from None
         except LocalDataError as exc:  # --data: its own data cannot be used; nothing was registered
