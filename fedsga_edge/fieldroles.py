@@ -98,13 +98,16 @@ def run_coordinator(cfg: Any, broker: str, run_dir: Path, *, resume: bool, min_d
 
 def run_device(cfg: Any, index: int, broker: str, state_dir: Path, *, backend: str, artifacts: Path | None,
                max_packet: int, threads: int, request_timeout: float, data: Path | None, fleet_link: str,
-               latency_profile: Path | None) -> None:
+               latency_profile: Path | None, memory_mb: float | None = None) -> None:
     """Run device ``index``'s agent until the coordinator ends the run (or SIGTERM: it says goodbye)."""
     from fedsga_edge.data.local import LocalDataError
     from fedsga_edge.runbuild import client_id, default_run_id, device_agent
 
     if fleet_link not in ("off", "delay", "emulated"):
         raise FieldError(f"--fleet-link must be off, delay or emulated (got {fleet_link!r})", usage=True)
+    if memory_mb is not None and latency_profile is None:
+        raise FieldError("--memory-mb needs --latency-profile FILE (the peak memory it measured per split)",
+                         usage=True)
     latency_report = _latency_report(cfg, latency_profile)
     cid = client_id(index)
     transport = _transport(broker, default_run_id(cfg), cid, max_packet, request_timeout)
@@ -118,7 +121,7 @@ def run_device(cfg: Any, index: int, broker: str, state_dir: Path, *, backend: s
         try:
             agent = device_agent(cfg, index, transport, state_dir, backend=backend, artifacts=artifacts,
                                  threads=threads or None, data=data, latency_profile=latency_profile,
-                                 latency_report=latency_report)
+                                 latency_report=latency_report, memory_mb=memory_mb)
             from fedsga_edge.transport.link import TimingPeer
 
             agent.client.peer = TimingPeer(agent.client.peer, link)

@@ -16,6 +16,7 @@ from fedsga_edge.config import RunConfig
 from fedsga_edge.method.policy import reference_index
 from fedsga_edge.wire import RemoteProtocolError
 
+from ..planning import predicted_split_s
 from ..strategy import Method, Strategy, check_split, register_strategy, split_suffix
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
     from fedsga_edge.wire import Message
 
-__all__ = ["FedSGA", "predicted_split_s"]
+__all__ = ["FedSGA"]
 
 _ABLATIONS = ("adapt", "estimator", "harmonizer")
 # A probe's delta and q are clipped to this many times the stored pairs' median (once there are
@@ -33,72 +34,9 @@ _OBS_CLIP, _OBS_MIN = 10.0, 4
 _RECORD_KEYS = ("a", "delta", "q", "r", "r_prev", "k_policy", "L1", "Lref", "s", "descriptor_entropy", "margin")
 # --label-memory: a device's margin log(Lref / L1) is kept within +-_MARGIN_CAP (a loss of 0 would make it infinite)
 _MARGIN_CAP = 10.0
-# Bytes one activation or gradient value takes on the wire per --wire-format (docs/protocol.md, "Messages"): int4
-# packs two values a byte plus a float32 scale per 256 values. Weights, labels and probes are counted as fp32/int64.
-_VALUE_BYTES = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 256}
-# A message's envelope, keys and small fields, each way, and a margin on the whole: the prediction should err long,
-# not short (against the virtual clock it was within 0.5 % either way without the margin: benchmarks/RESULTS.md).
-_MESSAGE_BYTES = 256
-_MARGIN = 1.01
 # FedSGA settings the coordinator alone reads: a device sees their effect in its own round-start fields
 # ("deadline", "margin": device_fields), and a round start without them is what devices that predate them accept
 _SERVER_ONLY = ("deadline_aware", "label_memory", "harmonizer_lr", "harmonizer_form")
-
-
-def _batches(n: int, batch_size: int, max_batches: int) -> int:
-    """Batches a device with ``n`` samples cuts per local epoch (a last batch under 2 samples joins the one before:
-    coordinator/server.py ``samples_per_epoch``), capped at ``max_batches``."""
-    count = max(1, -(-n // batch_size))
-    if count > 1 and n - batch_size * (count - 1) < 2:
-        count -= 1
-    return min(count, max_batches) if max_batches else count
-
-
-def _probe_slice(n: int, fraction: float) -> int:
-    """Samples a device holds out for its probe (device/role.py ``hold_out_probe``; all of them without a slice)."""
-    if fraction <= 0 or n < 4:
-        return n
-    return min(max(2, int(round(fraction * n))), n - 2)
-
-
-def predicted_split_s(cls: Any, costs: Any, num_samples: int, cfg: RunConfig, calibrate: bool, h1_dim: int = 0,
-                      weight_bytes: dict[int, float] | None = None, extra_down: float = 0.0) -> list[float]:
-    """Predicted seconds of one FedSGA device's round at each split k = 1..K on its fleet class ``cls``
-    (fedsga_edge/fleet.py ``DeviceClass.round_s``): the time model of docs/fleet.md applied to what the round
-    would carry, counted from the cost table rather than measured, so the choice is made before the round.
-
-    Compute: the samples trained (|D_i| less the probe's held-out slice, x local epochs, batches as the device
-    cuts them; ``num_samples`` is |D_i| as the device registered it) x the prefix's training
-    FLOPs at k, plus the probe's forward to p_ref on a calibration round (a batch of the held-out probe slice).
-    Up: per sample its activation at k in --wire-format, its label and its pooled p_1 features (``h1_dim``
-    floats), then the update's weights up to p_k (``weight_bytes[k]``, default 4 bytes a parameter). Down: the
-    gradients, the weights up to p_k (round start plus fetch) and ``extra_down`` (the round start's method state).
-    Each message ``_MESSAGE_BYTES`` more each way (envelope, keys); a round trip per request; then 1 % more
-    (``_MARGIN``). Not counted (as on the virtual clock): the observation forward, waiting for the server, held-out
-    evaluations; a device's first round adds its class's ``warmup_s`` (``FedSGA.device_fields``). Against the virtual clock it is long by under 1.5 % (tests/test_fleet_bench.py)."""
-    from fedsga_edge.coordinator.server import samples_per_epoch
-
-    tc = cfg.train
-    # the probe's slice, never trained on (held out only while the estimator calibrates)
-    held = _probe_slice(num_samples, cfg.fedsga.probe_holdout) if cfg.fedsga.estimator else num_samples
-    n = num_samples - held if held < num_samples else num_samples
-    seen = tc.local_epochs * samples_per_epoch(n, tc.batch_size, tc.max_batches, tc.batching)
-    requests = tc.local_epochs * _batches(n, tc.batch_size, tc.max_batches)
-    value = _VALUE_BYTES[cfg.wire_format]
-    K = len(costs.prefix)
-    ref = reference_index(K)
-    probe = min(tc.batch_size, held) if calibrate else 0
-    out = []
-    for k in range(1, K + 1):
-        elems = costs.prefix[k].activation_elems
-        weights = float(weight_bytes[k]) if weight_bytes is not None else 4.0 * costs.params[k]
-        flops = seen * costs.train(k) + probe * costs.prefix_fwd(ref)
-        messages = requests + 1 + (1 if k > 1 else 0) + (1 if probe else 0)  # batches, update, fetch, probe
-        up = seen * (elems * value + 8 + 4 * h1_dim) + weights + messages * _MESSAGE_BYTES
-        up += probe * (4 * (costs.prefix[1].activation_elems + costs.prefix[ref].activation_elems) + 8)
-        down = seen * elems * value + weights + extra_down + (messages + 1) * _MESSAGE_BYTES  # + the round start
-        out.append(_MARGIN * float(cls.round_s(flops, up, down, 0.5 + messages)))  # + half a trip: the round start
-    return out
 
 
 def _server_head(model: Any, num_classes: int, fed: Any) -> Any:

@@ -156,6 +156,10 @@ def device(
         "the run's model (every split). Its hello reports the seconds per sample at each split, and --strategy "
         "resource gives it the deepest split that fits by them instead of a fleet's or a drawn speed "
         "(docs/fleet.md). A missing or malformed file, or one of another model, is an error before it registers."),
+    memory_mb: Optional[float] = typer.Option(
+        None, help="This device's memory budget (MB), checked against the peak memory --latency-profile measured "
+        "per split (needs it): an error when no split fits; its hello reports both, and --strategy planner never "
+        "gives it a split that does not fit (docs/fleet.md)."),
     **flags: Any,
 ) -> None:
     """Run one device agent until the coordinator ends the run (or SIGTERM)."""
@@ -170,7 +174,7 @@ def device(
 
     _field(run_device, cfg, index, broker, state_dir, backend=backend, artifacts=artifacts, max_packet=max_packet,
            threads=threads, request_timeout=request_timeout, data=data, fleet_link=fleet_link,
-           latency_profile=latency_profile)
+           latency_profile=latency_profile, memory_mb=memory_mb)
 
 
 @with_run_options
