@@ -140,6 +140,21 @@ class FleetRates:
     def __init__(self, classes: dict[str, Any] | None = None) -> None:
         self.classes = dict(classes or {})
         self.measured: dict[str, MeasuredRate] = {}
+        self._pending: tuple[dict[str, Any], int] | None = None
+
+    def keep(self, record: dict[str, Any], t: int) -> None:
+        """Round ``t``'s record, from a strategy's ``end_round``: the driver adds the round's ``timing`` to it
+        after that hook, so it is read at the next ``latest``."""
+        self._pending = (record, t)
+
+    def latest(self, cid: str, load_of: Callable[[int, str, int], SplitLoad | None]) -> Any:
+        """``rate(cid)`` once the kept record is taken in (``observe``; ``load_of(t, cid, split)``: what that
+        device's round t carried)."""
+        if self._pending is not None:
+            record, t = self._pending
+            self._pending = None
+            self.observe(record.get("timing") or {}, lambda c, k: load_of(t, c, k))
+        return self.rate(cid)
 
     def rate(self, cid: str) -> Any:
         """What ``cid``'s next round is predicted with: measured, else its class, else None (nothing known)."""

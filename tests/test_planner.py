@@ -104,3 +104,25 @@ def test_a_memory_budget_rules_out_the_splits_it_cannot_fit(tmp_path: Path) -> N
     for rec in sim.rounds():
         assert rec["splits"] == {"client-000": 2, "client-001": 3, "client-002": 3, "client-003": 3}
         assert set(rec["plan"]["client-000"]["predicted_s"]) == {"1", "2"}
+
+
+def test_deadline_aware_fedsga_predicts_from_what_the_devices_measured(tmp_path: Path) -> None:
+    """FedSGA's --deadline-aware predicts with the planner's measured rates: a device whose link slows is predicted
+    slower from the round after, and its prediction then meets the virtual clock."""
+    from fedsga_edge.config import FedSGAConfig
+    from fedsga_edge.simulation import Simulation
+
+    cfg = _config("fedsga", _fleet(tmp_path / "f.toml", {"fast": {**FAST, "count": 4}}), 3, round_timeout=60.0,
+                  fedsga=FedSGAConfig(rho=1.0, deadline_aware=True))
+    sim = Simulation(cfg)
+    recs = [sim.run_round(1)]
+    moved, kept = "client-000", "client-001"
+    classes = sim.scheduler.classes
+    classes[moved] = dataclasses.replace(classes[moved], uplink_mbps=2.0, downlink_mbps=2.0)
+    recs += [sim.run_round(t) for t in (2, 3)]
+    told = [r["deadline"]["split_s"] for r in recs]
+    assert told[2][moved][0] > 5 * told[1][moved][0]  # measured in round 2, predicted in round 3
+    assert told[2][kept][0] == pytest.approx(told[1][kept][0], rel=0.2)
+    t = recs[2]["timing"][moved]
+    predicted = told[2][moved][recs[2]["splits"][moved] - 1]
+    assert 0.8 * predicted <= t["compute_s"] + t["wire_s"] <= 1.2 * predicted

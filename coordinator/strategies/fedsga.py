@@ -16,7 +16,7 @@ from fedsga_edge.config import RunConfig
 from fedsga_edge.method.policy import reference_index
 from fedsga_edge.wire import RemoteProtocolError
 
-from ..planning import predicted_split_s
+from ..planning import FleetRates, predicted_split_s, split_loads
 from ..strategy import Method, Strategy, check_split, register_strategy, split_suffix
 
 if TYPE_CHECKING:
@@ -82,6 +82,7 @@ class FedSGA(Strategy):
             from fedsga_edge.fleet import load_fleet  # torch-free
 
             self.fleet_classes = load_fleet(cfg.fleet).assign(list(clients))
+        self._rates = FleetRates(self.fleet_classes)  # --deadline-aware: its class, then what it measured
 
     @classmethod
     def check_config(cls, cfg: RunConfig, num_splits: int) -> None:
@@ -156,16 +157,24 @@ class FedSGA(Strategy):
         cls = self.fleet_classes.get(cid) if self.fleet_classes is not None else None
         if cls is None:
             return out
-        split_s = self.predict(cls, cid, calibrate)
+        split_s = self.predict(self._rates.latest(cid, self._load), cid, calibrate)
         if cid not in self._told:  # its first round: a fresh process's one-time work (the class's warmup_s) too
             split_s = [s + float(cls.warmup_s) for s in split_s]
             self._told.add(cid)
         self._predicted[cid] = split_s
         return out | {"deadline": {"s": float(self.cfg.round_timeout), "split_s": split_s}}
 
+    def _load(self, t: int, cid: str, split: int) -> Any:
+        """--deadline-aware: what ``cid``'s round ``t`` carried at ``split`` (its probe, its evaluation)."""
+        held = self.co.fed_eval.expected.get(cid, 0) if self.co.fed_eval.evaluates(t) else 0
+        return split_loads(self.co.costs, self.co.clients[cid], self.cfg, calibrate=self.calibrates(t), probe_holdout=(
+            self.cfg.fedsga.probe_holdout if self.cfg.fedsga.estimator else None), h1_dim=self._h1_dim,
+            weight_bytes=self._weight_bytes, eval_samples=held).get(split) if cid in self.co.clients else None
+
     def predict(self, cls: Any, cid: str, calibrate: bool) -> list[float]:
-        """``predicted_split_s`` for device ``cid`` on fleet class ``cls`` with this model's real weight bytes
-        (buffers included) and the round start's method state (estimator, phi_s, prototypes)."""
+        """``predicted_split_s`` for device ``cid`` at the rates ``cls`` (its fleet class or its measured rates)
+        with this model's real weight bytes (buffers included), the round start's method state (estimator,
+        phi_s, prototypes) and, in an evaluation round, its held-out forward."""
         if self._weight_bytes is None:
             model, state = self.co.model, self.co.model.state_dict()
             self._weight_bytes = {k: float(sum(v.numel() * v.element_size() for n, v in state.items()
@@ -173,8 +182,9 @@ class FedSGA(Strategy):
         extra = sum(v.numel() * v.element_size() for module in (self.phi_s, self.prototypes)
                     for v in module.state_dict().values())
         extra += sum(v.numel() * v.element_size() for v in self.estimator.state_dict().values() if hasattr(v, "numel"))
+        held = self.co.fed_eval.expected.get(cid, 0) if self.co.fed_eval.active else 0
         return predicted_split_s(cls, self.co.costs, self.co.clients[cid], self.cfg, calibrate, h1_dim=self._h1_dim,
-                                 weight_bytes=self._weight_bytes, extra_down=float(extra))
+                                 weight_bytes=self._weight_bytes, extra_down=float(extra), eval_samples=held)
 
     # -- the server side ----------------------------------------------------------------------------
     def attach(self, coordinator: Any) -> None:
@@ -322,6 +332,7 @@ class FedSGA(Strategy):
         self._predicted = {}
 
     def end_round(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
+        self._rates.keep(record, self.co.round.t)  # --deadline-aware: its timing, read next round
         self.prototypes.commit()
         record["clients"] = {cid: {k: u[k] for k in _RECORD_KEYS if k in u} for cid, u in updates.items()}
         if self._calibration:  # Alg. 1: refit Gamma once per calibration round, on all pairs; used from round t+1

@@ -43,7 +43,6 @@ class Planner(Strategy):
         self.sample_s: dict[str, dict[int, float]] = {}  # device -> its hello profile's seconds per sample by split
         self.fits: dict[str, set[int]] = {}  # device -> the splits its memory budget fits (all when absent)
         self.co: Any = None
-        self._record: dict[str, Any] | None = None  # the last round's record: the driver adds its timing after end_round
         self._plan: dict[str, dict[str, Any]] = {}
 
     def attach(self, coordinator: Any) -> None:
@@ -66,22 +65,22 @@ class Planner(Strategy):
 
     # -- the plan -------------------------------------------------------------------------------------
     def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
-        if self._record is not None:  # what the last round measured, now that its record holds its timing
-            self.rates.observe(self._record.get("timing") or {}, self._load)
-            self._record = None
-        self._plan = {c: self._choose(c) for c in clients}
+        self._plan = {c: self._choose(t, c) for c in clients}
         return {c: p["split"] for c, p in self._plan.items()}
 
-    def predicted(self, cid: str) -> dict[int, float] | None:
-        """``cid``'s predicted round seconds at each split it may train at; None: nothing known of it yet."""
+    def predicted(self, t: int, cid: str) -> dict[int, float] | None:
+        """``cid``'s predicted round ``t`` seconds at each split it may train at; None: nothing known of it yet."""
         if self.co is None or cid not in self.co.clients:
             return None
-        loads = self._loads(cid)
-        rate = self.rates.rate(cid)
+        loads = self._load(t, cid, None)
+        rate = self.rates.latest(cid, self._load)  # what the last round measured, once its record has its timing
         own = self.sample_s.get(cid) if cid not in self.rates.measured else None
         if rate is None and own is None:
             return None
-        seen = loads[1].flops / max(self.co.costs.train(1), 1)  # samples trained this round
+        from ..server import samples_per_epoch
+
+        tc = self.cfg.train  # the samples it trains, for its profile's seconds per sample
+        seen = tc.local_epochs * samples_per_epoch(self.co.clients[cid], tc.batch_size, tc.max_batches, tc.batching)
         out = {}
         for k, x in loads.items():
             if k not in self.fits.get(cid, loads.keys()):
@@ -92,8 +91,8 @@ class Planner(Strategy):
             out[k] = compute + link
         return out
 
-    def _choose(self, cid: str) -> dict[str, Any]:
-        seconds = self.predicted(cid)
+    def _choose(self, t: int, cid: str) -> dict[str, Any]:
+        seconds = self.predicted(t, cid)
         if not seconds:  # unknown (or nothing fits: the smallest peak is the device's own problem to report)
             return {"split": self._fallback(cid), "predicted_s": None}
         k = min(seconds, key=lambda s: (seconds[s], -s))  # the fastest; on a tie the deeper (fewer bytes)
@@ -106,18 +105,18 @@ class Planner(Strategy):
             return split
         return max((k for k in fits if k < split), default=min(fits))  # the nearest shallower that fits
 
-    def _loads(self, cid: str) -> dict[int, Any]:
+    def _load(self, t: int, cid: str, split: int | None) -> Any:
+        """What ``cid``'s round ``t`` carries at ``split`` (its evaluation included); every split's for None."""
         from ..planning import split_loads
 
-        return split_loads(self.co.costs, int(self.co.clients[cid]), self.cfg)
-
-    def _load(self, cid: str, split: int) -> Any:
-        if self.co is None or cid not in self.co.clients or split not in self.co.costs.prefix:
+        if cid not in self.co.clients:
             return None
-        return self._loads(cid)[split]
+        held = self.co.fed_eval.expected.get(cid, 0) if self.co.fed_eval.evaluates(t) else 0
+        loads = split_loads(self.co.costs, int(self.co.clients[cid]), self.cfg, eval_samples=held)
+        return loads if split is None else loads.get(split)
 
     def end_round(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
         """The round's record keeps the plan (``plan``: each device's split and predicted seconds per split);
         the record is kept until the next ``assign``, by when the driver has added the round's ``timing``."""
         record["plan"] = {c: dict(p) for c, p in self._plan.items()}
-        self._record = record
+        self.rates.keep(record, self.co.round.t)
