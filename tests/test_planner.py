@@ -126,3 +126,12 @@ def test_deadline_aware_fedsga_predicts_from_what_the_devices_measured(tmp_path:
     t = recs[2]["timing"][moved]
     predicted = told[2][moved][recs[2]["splits"][moved] - 1]
     assert 0.8 * predicted <= t["compute_s"] + t["wire_s"] <= 1.2 * predicted
+
+
+def test_a_memory_budget_without_a_profile_is_refused_before_anything_connects(tmp_path: Path) -> None:
+    from fedsga_edge.fieldroles import FieldError, run_device
+
+    with pytest.raises(FieldError, match="--memory-mb needs --latency-profile"):
+        run_device(tiny_config("planner"), 0, "mqtt://127.0.0.1:1", tmp_path, backend="torch", artifacts=None,
+                   max_packet=1 << 16, threads=1, request_timeout=1.0, data=None, fleet_link="off",
+                   latency_profile=None, memory_mb=100.0)
