@@ -1,7 +1,8 @@
 """The planner (beyond the paper): each device's split chosen, before every round, for the round's makespan.
 
-With a server copy per device the split does not change what is learned, so where a device cuts is a pure cost
-choice: its compute at its speed, its activations over its link, its memory. Before each round the planner
+With a server copy per device the split is meant to be a cost choice (with one split for every device the run is
+SplitFed's at it, loss for loss: tests/test_planner.py): its compute at its speed, its activations over its link,
+its memory. Before each round the planner
 predicts every device's round at every split (coordinator/planning.py: the cost table's FLOPs and bytes over the
 device's rates) and gives each device its fastest split that fits its memory budget: the round ends when its
 slowest device does, and no device is held back by another's choice, so each device at its own fastest split
