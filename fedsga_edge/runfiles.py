@@ -120,9 +120,9 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
 # A round record's "timing" map: device -> these fields (docs/method.md, "Time per device"). The one shape for
 # simulate --fleet (its virtual clock fills them) and the field service (real timestamps, when it fills them).
 # trial --fleet adds what the device counted: "steps" (its activations), "requests" (before its update) and
-# "cpu_s" (the CPU seconds its process got in the round).
+# "cpu_s" (the CPU seconds its process got in the round); "link_mbps": the link's measured rate (any timed round).
 TIMING_FIELDS = ("class", "split", "compute_s", "wire_s", "wait_s", "bytes_up", "bytes_down", "done_s", "missed",
-                 "steps", "requests", "cpu_s")
+                 "steps", "requests", "cpu_s", "link_mbps")
 
 
 def device_timing(*, split: int | None, compute_s: float, wire_s: float, wait_s: float, bytes_up: int,
