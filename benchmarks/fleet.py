@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=None, help="Rounds per run (preset: small 5, cifar 14).")
     ap.add_argument("--width", type=float, default=None, help="ResNet width (preset: small 0.125, cifar 0.25).")
     ap.add_argument("--max-batches", type=int, default=None, help="Cap on batches per local epoch (tests).")
+    ap.add_argument("--server-copies", choices=("shared", "per-client"), default=None,
+                    help="The server side (preset: shared); per-client: a copy per device, where the split is a cost "
+                         "choice only (the planner's regime, docs/fleet.md, \"Planning splits\").")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default).")
     ap.add_argument("--tables-only", action="store_true", help="Run nothing: the table from the runs under --out.")
     ap.add_argument("--no-progress", action="store_true")
@@ -153,7 +156,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, float, float, dict[str, Any]
             raise SystemExit(f"--methods {DEADLINE_METHOD} needs a round deadline (--deadline SECONDS)")
     else:
         p.methods = split_methods() + ([DEADLINE_METHOD] if deadline else [])
-    for key in ("rounds", "width", "max_batches"):
+    for key in ("rounds", "width", "max_batches", "server_copies"):
         if getattr(args, key) is not None:
             p.run[key] = getattr(args, key)
     if not p.seeds or not p.methods or not p.partitions:
@@ -190,10 +193,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(threads_before)
     rows = table_rows(out, runs, target)
     md = markdown(rows, target, deadline, Path(flags["fleet"]))
+    paired = paired_planner(out, runs, target)
+    md += ("\n" + paired_markdown(paired)) if paired else ""
     cpu_s = sum(r["cpu_s"] or 0.0 for r in rows)
     payload = {"command": command, "preset": args.preset, "target": target, "deadline_s": deadline,
                "fleet": flags["fleet"], "settings": p.settings() | flags, "seeds": p.seeds,
-               "partitions": p.partitions, "rows": rows, "cpu_s": cpu_s, "table": md}
+               "partitions": p.partitions, "rows": rows, "paired": paired, "cpu_s": cpu_s, "table": md}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(payload, indent=2, default=str))
     (out / "tables.md").write_text(md + "\n")
@@ -279,6 +284,52 @@ def table_rows(out: Path, runs: list[dict[str, Any]], target: float) -> list[dic
             "cpu_s": _sum([s.get("cpu_s") for s in summaries]),
         })
     return rows
+
+
+PLANNER, FIXED_SPLITS, RESOURCE = "planner", ("static-p1", "static", "static-pK"), "resource"
+
+
+def paired_planner(out: Path, runs: list[dict[str, Any]], target: float) -> list[dict[str, Any]]:
+    """Per partition and seed where the planner ran: its fleet seconds to ``target`` over the best fixed split's
+    (that seed's fastest of static at p_1, p_ref, p_K) and over ``resource``'s, the same seed's runs (None where a
+    run is missing or one of the two did not reach the target)."""
+    from fedsga_edge.report.data import seconds_to_target, time_to_accuracy_curves
+    from fedsga_edge.report.runs import load_run
+
+    secs: dict[tuple[str, str, int], float | None] = {}
+    for r in runs:
+        if (out / r["dir"] / "summary.json").exists():
+            _, hits = seconds_to_target(time_to_accuracy_curves([load_run(out / r["dir"])]), target)
+            secs[(r["method"], r["partition"], r["seed"])] = hits[0]["seconds"] if hits and hits[0]["reached"] else None
+    rows = []
+    for (method, part, seed), planned in sorted(secs.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        if method != PLANNER:
+            continue
+        fixed = [v for m in FIXED_SPLITS if (v := secs.get((m, part, seed))) is not None]
+        best, res = (min(fixed) if fixed else None), secs.get((RESOURCE, part, seed))
+        rows.append({"partition": part, "seed": seed, "planner_s": planned, "best_fixed_s": best, "resource_s": res,
+                     "vs_best_fixed": planned / best if planned and best else None,
+                     "vs_resource": planned / res if planned and res else None})
+    return rows
+
+
+def paired_markdown(rows: list[dict[str, Any]]) -> str:
+    """The planner's paired ratios, one line per seed and their geometric mean (empty without planner runs)."""
+    if not rows:
+        return ""
+    out = ["**The planner against the best fixed split and `resource`** (fleet seconds to target, paired by seed)",
+           "", "| partition | seed | planner s | best fixed split s | resource s | planner / best fixed "
+           "| planner / resource |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['partition']} | {r['seed']} | {_cell(r['planner_s'], '.1f')} "
+                   f"| {_cell(r['best_fixed_s'], '.1f')} | {_cell(r['resource_s'], '.1f')} | {_cell(r['vs_best_fixed'], '.2f')} "
+                   f"| {_cell(r['vs_resource'], '.2f')} |")
+    for key in ("vs_best_fixed", "vs_resource"):
+        vals = [r[key] for r in rows if r[key] is not None]
+        if vals:
+            out.append(f"\n{key.replace('_', ' ')}: geometric mean {float(np.exp(np.mean(np.log(vals)))):.2f} over "
+                       f"{len(vals)} seed(s)")
+    return "\n".join(out) + "\n"
 
 
 def slowest_device(records: list[dict[str, Any]]) -> dict[str, Any]:

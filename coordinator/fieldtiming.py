@@ -14,8 +14,9 @@ included), and when the update arrived. Per device, in the shape ``simulate --fl
     wait_s    = the round's seconds - compute_s - wire_s   (replies it waited for, the round's last device)
 
 The wall-clock times compare across processes on one machine (the trial's case); on separate machines
-the clocks differ and the first and last terms carry their offset. The round's ``fleet_s`` is its real
-seconds, from starting the devices to the last update (or the deadline).
+the clocks differ and the first and last terms carry their offset. Under ``--fleet`` the round's ``fleet_s``
+is its real seconds, from starting the devices to the last update (or the deadline); without one the record
+keeps its ``round_s`` (the same seconds) and gets ``timing`` alone: every field run measures its devices.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def _num(value: Any) -> float | None:
 class FieldTiming:
     """Collects one round's timing at the coordinator; ``fields()`` is what the round's record gets."""
 
-    def __init__(self, classes: dict[str, Any], stats: Any, server: str = "coordinator") -> None:
-        self.classes, self.stats, self.server = classes, stats, server
+    def __init__(self, classes: dict[str, Any], stats: Any, server: str = "coordinator", *, fleet: bool = True) -> None:
+        self.classes, self.stats, self.server, self.fleet = classes, stats, server, fleet
         self.t0 = time.time()
         self.devices: list[str] = []
         self._serve: dict[str, float] = {}
@@ -95,7 +96,7 @@ class FieldTiming:
                                      wait_s=max(0.0, round_s - compute - wire), bytes_up=up, bytes_down=down,
                                      done_s=done, cls=getattr(cls, "name", None), steps=steps, requests=requests,
                                      cpu_s=cpu)
-        self._fields = {"fleet_s": round_s, "timing": out}
+        self._fields = {"fleet_s": round_s, "timing": out} if self.fleet else {"timing": out}
 
     def fields(self) -> dict[str, Any]:
         return self._fields

@@ -114,13 +114,14 @@ class CoordinatorService:
         self.resumed_from = 0  # the round the checkpoint held when resuming (0: a fresh run)
         self.files = RunFiles(self.run_dir)
         scheduler = MessageScheduler(self._cond, self._stop, ready=self._ready, devices=self._devices, poll_s=poll_s)
-        self.timing: FieldTiming | None = None
-        if cfg.fleet:  # trial --fleet: per-device timing from the devices' updates and this clock (docs/fleet.md)
+        # per-device timing from the devices' updates and this clock, in every field run (docs/fleet.md)
+        classes: dict[str, Any] = {}
+        if cfg.fleet:
             from fedsga_edge.fleet import load_fleet
 
-            self.timing = FieldTiming(load_fleet(cfg.fleet).assign(list(coordinator.clients)), peer.transport.stats,
-                                      peer.me)
-            scheduler = timed_scheduler(scheduler, self.timing)
+            classes = load_fleet(cfg.fleet).assign(list(coordinator.clients))
+        self.timing: FieldTiming = FieldTiming(classes, peer.transport.stats, peer.me, fleet=bool(cfg.fleet))
+        scheduler = timed_scheduler(scheduler, self.timing)
         checkpoints = CheckpointWriter(self.run_dir / "checkpoint.pt", cfg, resumable=True,
                                        extra=lambda: {"registered": self.registered})
         self.driver = RoundDriver(coordinator, peer, MonotonicClock(), scheduler, test=test, log=self.log,
@@ -156,8 +157,7 @@ class CoordinatorService:
         try:
             with self._cond:
                 out = self.driver.receive(msg)
-                if self.timing is not None:
-                    self.timing.heard(msg, t_in, time.time())
+                self.timing.heard(msg, t_in, time.time())
                 if msg.kind in ("update", "error"):
                     self._cond.notify_all()
         except (CoordinatorBug, Exception) as exc:  # our bug, not the device's: logged, then the run fails with it
@@ -271,8 +271,7 @@ class CoordinatorService:
         with self._cond:
             self._round = t
             devices = [c for c in self.co.clients if c in self.registered]
-            if self.timing is not None:
-                self.timing.begin(devices)
+            self.timing.begin(devices)
             return devices
 
     def counters(self) -> dict[str, Any]:

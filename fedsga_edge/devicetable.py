@@ -1,6 +1,6 @@
 """``trial``'s live table of devices: who is online, in which round, at which split, how long its last
 step took and its link's rate, from what the coordinator writes while it runs (``coordinator.log``'s events
-and ``metrics.jsonl``'s per-round records; step time and rate need a record's ``timing``, i.e. ``--fleet``)."""
+and ``metrics.jsonl``'s per-round records; step time and rate from a record's ``timing``, every field run's)."""
 
 from __future__ import annotations
 

@@ -129,7 +129,8 @@ def run_coordinator(cfg: Any, broker: str, run_dir: Path, *, resume: bool, min_d
 
 def run_device(cfg: Any, index: int, broker: str, state_dir: Path, *, backend: str, artifacts: Path | None,
                max_packet: int, threads: int, request_timeout: float, data: Path | None, fleet_link: str,
-               latency_profile: Path | None, key: Path | None = None, encrypt: bool = False) -> None:
+               latency_profile: Path | None, key: Path | None = None, encrypt: bool = False,
+               memory_mb: float | None = None) -> None:
     """Run device ``index``'s agent until the coordinator ends the run (or SIGTERM: it says goodbye). ``key``:
     its key file from enrolment: every message is then authenticated (and with ``encrypt`` encrypted)."""
     from fedsga_edge.data.local import LocalDataError
@@ -137,6 +138,9 @@ def run_device(cfg: Any, index: int, broker: str, state_dir: Path, *, backend: s
 
     if fleet_link not in ("off", "delay", "emulated"):
         raise FieldError(f"--fleet-link must be off, delay or emulated (got {fleet_link!r})", usage=True)
+    if memory_mb is not None and latency_profile is None:
+        raise FieldError("--memory-mb needs --latency-profile FILE (the peak memory it measured per split)",
+                         usage=True)
     latency_report = _latency_report(cfg, latency_profile)
     cid = client_id(index)
     own_key = _read_keys(None, key)
@@ -146,18 +150,20 @@ def run_device(cfg: Any, index: int, broker: str, state_dir: Path, *, backend: s
     sealed = None
     if isinstance(own_key, bytes):
         transport = sealed = _sealed(transport, default_run_id(cfg), cid, {"coordinator": own_key}, encrypt)
-    link = None
     if fleet_link != "off" and cfg.fleet:
         transport = link = _fleet_link(cfg, index, transport, emulate=fleet_link == "emulated")
+    else:  # no fleet class: the link only measures the round (its timing), every trial's devices report it
+        from fedsga_edge.transport.link import FleetLink
+
+        transport = link = FleetLink(transport, rtt_ms=0.0, up_mbps=1.0, down_mbps=1.0)
     try:
         try:
             agent = device_agent(cfg, index, transport, state_dir, backend=backend, artifacts=artifacts,
                                  threads=threads or None, data=data, latency_profile=latency_profile,
-                                 latency_report=latency_report)
-            if link is not None:
-                from fedsga_edge.transport.link import TimingPeer
+                                 latency_report=latency_report, memory_mb=memory_mb)
+            from fedsga_edge.transport.link import TimingPeer
 
-                agent.client.peer = TimingPeer(agent.client.peer, link)
+            agent.client.peer = TimingPeer(agent.client.peer, link)
             if sealed is not None:  # frames refused before decode go to agent.log beside the Peer's refusals
                 sealed.on_reject = agent.peer.on_reject
         except TimeoutError as exc:  # --data: the coordinator never described the run

@@ -13,12 +13,14 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MAX_SAMPLE_S", "MAX_TEXT", "ProfileError", "check_model", "hello_profile", "hello_profile_problem",
-           "profile_latency", "read_profile", "reported_latency", "split_latency"]
+__all__ = ["MAX_SAMPLE_S", "MAX_TEXT", "ProfileError", "check_model", "fitting_splits", "hello_profile",
+           "hello_profile_problem", "profile_latency", "read_profile", "reported_latency", "split_latency",
+           "split_peak_mb"]
 
 MAX_TEXT = 120  # characters of the hello's runtime and cpu strings
 MAX_SAMPLE_S = 3600.0  # seconds per sample: more is no device a run could wait for, so no measurement either
-_FIELDS = ("model", "runtime", "cpu", "sample_s")
+MAX_MB = 1e7  # megabytes of a peak or a budget: more is no device's memory
+_FIELDS = ("model", "runtime", "cpu", "sample_s", "peak_mb", "memory_mb")
 
 
 class ProfileError(ValueError):
@@ -73,14 +75,41 @@ def split_latency(report: Any, K: int, where: str = "profile") -> dict[int, floa
     return {k: s for k, (_, s) in sorted(best.items())}
 
 
+def split_peak_mb(report: Any, K: int) -> dict[int, float]:
+    """Per split 1..K, the largest resident memory (MB) the profile measured running it (``rss_peak_mb`` of
+    its rows, any variant or batch): what the device needs to train there. Empty when the profile has none."""
+    rows = report.get("results") if isinstance(report, dict) else report
+    out: dict[int, float] = {}
+    for row in rows if isinstance(rows, list) else []:
+        k, mb = (row.get("split"), row.get("rss_peak_mb")) if isinstance(row, dict) else (None, None)
+        if _is_int(k) and 1 <= k <= K and _is_number(mb) and 0 < mb <= MAX_MB:
+            out[k] = max(out.get(k, 0.0), float(mb))
+    return dict(sorted(out.items()))
+
+
 def hello_profile(report: Any, model: str, K: int, *, width: float | None = None,
-                  where: str = "profile") -> dict[str, Any]:
-    """What a device's hello says of its profile: the model, the runtime and CPU it was measured on, and
-    the seconds per sample at each split 1..K (``sample_s``, keyed "1".."K"): K numbers, whatever the
-    file's size. ProfileError when the profile is of another model (or width) or lacks a split."""
+                  where: str = "profile", memory_mb: float | None = None) -> dict[str, Any]:
+    """What a device's hello says of its profile: the model, the runtime and CPU it was measured on, the
+    seconds per sample at each split 1..K (``sample_s``, keyed "1".."K"): K numbers, whatever the
+    file's size; the peak memory per split where the profile measured it (``peak_mb``) and the device's
+    memory budget (``memory_mb``, its ``--memory-mb``). ProfileError when the profile is of another model
+    (or width) or lacks a split, or when a budget is given and the profile measured no peak or no split fits."""
     check_model(report, model, width=width, where=where)
     out: dict[str, Any] = {"model": model,
                            "sample_s": {str(k): s for k, s in split_latency(report, K, where).items()}}
+    peaks = split_peak_mb(report, K)
+    if len(peaks) == K:
+        out["peak_mb"] = {str(k): mb for k, mb in peaks.items()}
+    if memory_mb is not None:
+        if not (_is_number(memory_mb) and 0 < memory_mb <= MAX_MB):
+            raise ProfileError(f"--memory-mb must be a number of megabytes in (0, {MAX_MB:g}] (got {memory_mb!r})")
+        if len(peaks) != K:
+            raise ProfileError(f"--memory-mb needs the peak memory of every split, and {where} has rss_peak_mb for "
+                               f"split(s) {sorted(peaks) or 'none'} of 1..{K} (profile it with `fedsga-edge profile`)")
+        if min(peaks.values()) > memory_mb:
+            raise ProfileError(f"--memory-mb {memory_mb:g}: no split fits; {where} measured at least "
+                               f"{min(peaks.values()):.0f} MB (split {min(peaks, key=peaks.__getitem__)})")
+        out["memory_mb"] = float(memory_mb)
     device = report.get("device")
     for key in ("runtime", "cpu"):
         value = device.get(key) if isinstance(device, dict) else None
@@ -116,6 +145,12 @@ def hello_profile_problem(value: Any, model: str, K: int) -> str | None:
     for key in ("runtime", "cpu"):
         if key in value and not (isinstance(value[key], str) and len(value[key]) <= MAX_TEXT):
             return f"profile.{key} must be a string of at most {MAX_TEXT} characters"
+    peaks, budget = value.get("peak_mb"), value.get("memory_mb")
+    if peaks is not None and not (isinstance(peaks, dict) and set(peaks) == {str(k) for k in range(1, K + 1)}
+                                  and all(_is_number(mb) and 0 < mb <= MAX_MB for mb in peaks.values())):
+        return f"profile.peak_mb must map \"1\"..\"{K}\" to megabytes in (0, {MAX_MB:g}]"
+    if budget is not None and not (peaks is not None and _is_number(budget) and 0 < budget <= MAX_MB):
+        return f"profile.memory_mb must be megabytes in (0, {MAX_MB:g}], beside profile.peak_mb"
     seconds = value.get("sample_s")
     if not isinstance(seconds, dict):
         return "profile.sample_s must be a map of split -> seconds per sample"
@@ -130,6 +165,13 @@ def hello_profile_problem(value: Any, model: str, K: int) -> str | None:
 def reported_latency(value: dict[str, Any]) -> dict[int, float]:
     """A checked hello ``profile``'s seconds per sample by split index."""
     return {int(k): float(s) for k, s in value["sample_s"].items()}
+
+
+def fitting_splits(value: dict[str, Any]) -> set[int] | None:
+    """The splits whose measured peak fits a checked hello ``profile``'s memory budget; None: no budget given."""
+    if value.get("memory_mb") is None or value.get("peak_mb") is None:
+        return None
+    return {int(k) for k, mb in value["peak_mb"].items() if float(mb) <= float(value["memory_mb"])}
 
 
 def _is_int(x: Any) -> bool:

@@ -326,6 +326,7 @@ def device_agent(
     data: str | Path | None = None,
     latency_profile: str | Path | None = None,
     latency_report: Any = None,
+    memory_mb: float | None = None,
     **agent_kwargs: Any,
 ) -> Any:
     """Device ``i``'s DeviceAgent on ``transport`` (not started); restores its state from ``state_dir``.
@@ -335,7 +336,9 @@ def device_agent(
     error here, before the device registers (issue 18 item 1). ``latency_profile``: this device's
     `fedsga-edge profile --json`, summarised into its hello; a bad one (unreadable, another model, a split
     missing) is a ``ProfileError`` (a ValueError) here, before the device registers. ``latency_report``: that
-    file's JSON where the caller has read it already (the CLI checks it before it connects), so it is read once."""
+    file's JSON where the caller has read it already (the CLI checks it before it connects), so it is read once.
+    ``memory_mb``: the device's memory budget, checked against the profile's peak per split (fedsga_edge/latency.py
+    ``hello_profile``)."""
     from fedsga_edge.device.agent import DeviceAgent
 
     report = latency_report
@@ -354,7 +357,7 @@ def device_agent(
     if report is not None:
         try:
             agent.profile = hello_profile(report, cfg.model, agent.client.backend.num_splits, width=cfg.width,
-                                          where=f"--latency-profile {latency_profile}")
+                                          where=f"--latency-profile {latency_profile}", memory_mb=memory_mb)
         except ProfileError:
             agent.log.close()
             raise

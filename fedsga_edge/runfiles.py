@@ -120,9 +120,9 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
 # A round record's "timing" map: device -> these fields (docs/method.md, "Time per device"). The one shape for
 # simulate --fleet (its virtual clock fills them) and the field service (real timestamps, when it fills them).
 # trial --fleet adds what the device counted: "steps" (its activations), "requests" (before its update) and
-# "cpu_s" (the CPU seconds its process got in the round).
+# "cpu_s" (the CPU seconds its process got in the round); "link_mbps": the link's measured rate (any timed round).
 TIMING_FIELDS = ("class", "split", "compute_s", "wire_s", "wait_s", "bytes_up", "bytes_down", "done_s", "missed",
-                 "steps", "requests", "cpu_s")
+                 "steps", "requests", "cpu_s", "link_mbps")
 
 
 def device_timing(*, split: int | None, compute_s: float, wire_s: float, wait_s: float, bytes_up: int,
@@ -133,11 +133,15 @@ def device_timing(*, split: int | None, compute_s: float, wire_s: float, wait_s:
     waiting (for the server's replies and for the round's last device), its bytes each way, its split
     (0: the whole model; None: it sent none), when it was done (None: never, e.g. the deadline took it),
     its fleet class (None outside a fleet) and whether it missed the round; ``steps``, ``requests`` and
-    ``cpu_s``: what a real device counted (trial --fleet), absent when not given."""
+    ``cpu_s``: what a real device counted (a field run), absent when not given. ``link_mbps``: its link's
+    measured rate, both ways' bytes over its wire seconds (absent when it moved nothing), what a planner
+    predicts the next round's transfers from."""
     rec: dict[str, Any] = {"class": cls, "split": split, "compute_s": round(float(compute_s), 6),
                            "wire_s": round(float(wire_s), 6), "wait_s": round(float(wait_s), 6),
                            "bytes_up": int(bytes_up), "bytes_down": int(bytes_down),
                            "done_s": None if done_s is None else round(float(done_s), 6)}
+    if wire_s > 0 and bytes_up + bytes_down > 0:
+        rec["link_mbps"] = round((bytes_up + bytes_down) * 8 / wire_s / 1e6, 6)
     if missed:
         rec["missed"] = True
     if steps is not None:

@@ -119,3 +119,20 @@ def test_runs_without_timing_show_no_timeline(tmp_path: Path) -> None:
     for key in ("timeline", "time_to_accuracy"):
         sec = rep.section(key)
         assert sec.png is None and sec.data == [] and "--fleet" in sec.note and sec.extra_html == ""
+
+
+def test_a_plain_field_runs_timing_shows_in_the_timeline_from_its_round_s(tmp_path: Path) -> None:
+    """A trial without --fleet records ``timing`` and its ``round_s`` (no ``fleet_s``): the timeline shows it."""
+    row = {"round_s": 6.0, "timing": {
+        "client-000": {"class": None, "split": 2, "compute_s": 2.0, "wire_s": 1.0, "wait_s": 3.0, "done_s": 3.0,
+                       "bytes_up": 1000, "bytes_down": 500, "link_mbps": 0.012},
+        "client-001": {"class": None, "split": 1, "compute_s": 4.0, "wire_s": 2.0, "wait_s": 0.0, "done_s": 6.0,
+                       "bytes_up": 2000, "bytes_down": 500, "link_mbps": 0.01}}}
+    run = tmp_path / "plain"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({**row, "round": 1, "test_acc": 0.5}) + "\n")
+    (t1,) = D.fleet_timelines(discover([run])[0])
+    assert (t1["round"], t1["fleet_s"], t1["last"]) == (1, 6.0, "client-001")
+    assert t1["devices"][0]["wait_after"] == pytest.approx(3.0)
+    rep = build_report([run], [], tmp_path / "out")
+    assert rep.section("timeline").png is not None

@@ -112,6 +112,12 @@ def test_trial_runs_every_device_in_every_round_on_the_embedded_broker(tmp_path,
     for r in rows:
         assert set(r["splits"]) == {"client-000", "client-001", "client-002"} and r["failures"] == {}
     assert "L1" in rows[0]["clients"]["client-000"]  # round 1 calibrates over the wire too
+    for r in rows:  # a plain trial measures every device: compute, wire (its link's rate) and waiting seconds
+        assert "fleet_s" not in r and set(r["timing"]) == set(r["splits"])
+        for cid, tm in r["timing"].items():
+            assert tm["split"] == r["splits"][cid] and tm["class"] is None and tm["steps"] >= 1
+            assert tm["compute_s"] > 0 and tm["wire_s"] > 0 and tm["link_mbps"] > 0 and tm["wait_s"] >= 0
+            assert tm["compute_s"] + tm["wire_s"] <= r["round_s"] + 1.0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds"] == 2 and summary["failures"] == 0
     # the headline is the last evaluation's count of right answers over the whole digits test set

@@ -301,6 +301,8 @@ class FedSGA(Strategy):
         self._phi_loss, self._phi_steps = 0.0, 0
 
     def end_round(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
+        if self.deadlines is not None:  # --deadline-aware: its timing, read at the next round start
+            self.deadlines.keep(record, self.co.round.t)
         self.prototypes.commit()
         record["clients"] = {cid: {k: u[k] for k in _RECORD_KEYS if k in u} for cid, u in updates.items()}
         if self._calibration:  # Alg. 1: refit Gamma once per calibration round, on all pairs; used from round t+1

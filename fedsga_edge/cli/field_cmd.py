@@ -166,6 +166,10 @@ def device(
         "message is then authenticated end to end, and orders not sealed by the coordinator are refused."),
     encrypt: bool = typer.Option(False, "--encrypt", help="With --key: encrypt every payload (AES-GCM), as the "
                                  "coordinator's --encrypt."),
+    memory_mb: Optional[float] = typer.Option(
+        None, help="This device's memory budget (MB), checked against the peak memory --latency-profile measured "
+        "per split (needs it): an error when no split fits; its hello reports both, and --strategy planner never "
+        "gives it a split that does not fit (docs/fleet.md)."),
     **flags: Any,
 ) -> None:
     """Run one device agent until the coordinator ends the run (or SIGTERM)."""
@@ -180,7 +184,7 @@ def device(
 
     _field(run_device, cfg, index, broker, state_dir, backend=backend, artifacts=artifacts, max_packet=max_packet,
            threads=threads, request_timeout=request_timeout, data=data, fleet_link=fleet_link,
-           latency_profile=latency_profile, key=key, encrypt=encrypt)
+           latency_profile=latency_profile, key=key, encrypt=encrypt, memory_mb=memory_mb)
 
 
 @with_run_options

@@ -523,7 +523,13 @@ def federated_device_rows(runs: list[Run]) -> list[dict[str, Any]]:
 # -- fleets: per-device timing and time to accuracy (issue 20) -------------------------------------------
 def _timed_rounds(run: Run) -> list[dict[str, Any]]:
     return [row for row in run.rows if isinstance(row.get("timing"), dict) and row["timing"]
-            and _num(row.get("fleet_s")) is not None and isinstance(row.get("round"), int)]
+            and _round_end(row) is not None and isinstance(row.get("round"), int)]
+
+
+def _round_end(row: dict[str, Any]) -> float | None:
+    """A timed round's seconds: ``fleet_s`` on a fleet, ``round_s`` in a plain field run (the same figure)."""
+    end = _num(row.get("fleet_s"))
+    return _num(row.get("round_s")) if end is None else end
 
 
 def round_timeline(row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -534,7 +540,7 @@ def round_timeline(row: dict[str, Any]) -> list[dict[str, Any]]:
     Returns [{"device", "class", "split", "compute", "wire", "wait_before", "wait_after", "done", "missed"}];
     ``done`` None: the device never finished (the deadline took it) or missed the round.
     """
-    end = _num(row.get("fleet_s")) or 0.0
+    end = _round_end(row) or 0.0
     out = []
     for cid, t in row["timing"].items():
         if not isinstance(t, dict):
@@ -569,7 +575,7 @@ def fleet_timelines(runs: list[Run], max_runs: int = 4) -> list[dict[str, Any]]:
             devices = round_timeline(row)
             done = [d for d in devices if d["done"] is not None]
             out.append({"label": f"{r.method} · {r.name}" if r.name != r.method else r.method, "method": r.method,
-                        "run": r.name, "round": int(row["round"]), "fleet_s": float(row["fleet_s"]),
+                        "run": r.name, "round": int(row["round"]), "fleet_s": float(_round_end(row) or 0.0),
                         "last": max(done, key=lambda d: d["done"])["device"] if done else None,
                         "devices": devices})
     return out
