@@ -169,7 +169,10 @@ def test_mergesfl_trial_answers_held_activations_over_mqtt_as_simulate_does(tmp_
     assert row["failures"] == {} and sorted(row["splits"]) == ["client-000", "client-001"]
     ref = Simulation(tiny_config("mergesfl", clients=2, rounds=1, max_batches=2), digits).run_round(1)
     assert row["train_loss"] == pytest.approx(ref["train_loss"], rel=1e-4)
-    assert (row["bytes_up"], row["bytes_down"]) == (ref["bytes_up"], ref["bytes_down"])
+    # the same messages, each a little longer on the field's wire: every frame is sealed (a MAC, and the trial's
+    # AES-GCM: 56-60 bytes), and a field device's update also reports its round's timing (a few hundred bytes)
+    for key in ("bytes_up", "bytes_down"):
+        assert 0 < row[key] - ref[key] < 2048, (key, row[key], ref[key])
 
 
 def test_trial_with_an_unreachable_broker_says_so_before_starting_anything(tmp_path) -> None:
