@@ -251,7 +251,7 @@ class Coordinator:
         k = check_split(self, msg.body, msg.sender)
         z, y = self.check_activation(msg.body, "z", k)
         extra = self.strategy.check_activation(msg.body, len(y))
-        z, scale, clipped, norms = self.bounds.clip(k, z, fleet=len(self.round.assigned))
+        z, scale, clipped, norms = self.bounds.clip(k, z, msg.sender)
         # validated whole: stepped now, or held by a side that merges (its reply comes with its step)
         return self._answers(self.server.submit(Activation(msg, k, z, y, scale, clipped, norms, extra), self.strategy))
 
