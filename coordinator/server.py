@@ -89,7 +89,8 @@ class Coordinator:
         self.num_classes = num_classes
         strategy.attach(self)
         self.head = strategy.server_head().to(self.device)
-        weight = lambda d: strategy.weight(self.clients[d])
+        self.unverified: set[str] = set()  # devices whose sample count is their own claim (their own data)
+        weight = lambda d: strategy.weight(self.samples(d))
         # the strategy's own server side (MultiSFL's branches), else the one cfg asks for
         self.server = strategy.server_side(self.model, self.head, cfg, weight) or make_server_side(
             self.model, self.head, cfg, weight, steps=strategy.server_steps())
@@ -312,11 +313,20 @@ class Coordinator:
         global_units = group_by_unit(self._snapshot, unit)
         self._stats["clipped"]["updates"] = clip_updates(global_units, states, self.cfg.clip_updates)
         weight = self.strategy.aggregation_weight  # the strategy's weight(n) unless it weighs otherwise (FedAS)
-        device_updates = [DeviceUpdate(cid, int(u["depth"]), weight(cid, u, self.strategy.weight(self.clients[cid])),
+        device_updates = [DeviceUpdate(cid, int(u["depth"]), weight(cid, u, self.strategy.weight(self.samples(cid))),
                                        states[cid]) for cid, u in updates.items()]
-        new = aggregate_round(global_units, device_updates,
-                              group_by_unit(self.model.state_dict(), unit))
+        new = aggregate_round(global_units, device_updates, group_by_unit(self.model.state_dict(), unit),
+                              rule=self.cfg.aggregation, trim=self.cfg.trim_fraction)
         self.model.load_state_dict({n: v for u in new.values() for n, v in u.items()})
+
+    def samples(self, device: str) -> float:
+        """``device``'s sample count as aggregation weighs it: a count it claimed (its own data, which the
+        coordinator cannot see) at most ``--sample-cap`` x the fleet's median count (docs/protocol.md, "Claims")."""
+        n = self.clients[device]
+        cap = self.cfg.sample_cap
+        if not cap or device not in self.unverified:
+            return n
+        return min(n, cap * float(np.median(list(self.clients.values()))))
 
     # -- evaluation -------------------------------------------------------------------------------
     def headline_split(self) -> int:
