@@ -216,6 +216,13 @@ class RunConfig:
     trim_fraction: float = opt(
         0.2, "--aggregation trimmed-mean: the fraction of copies cut at each end of every coordinate.", ge=0,
         lt=0.5, when=lambda c: c.aggregation == "trimmed_mean")
+    quarantine: float = opt(
+        0.0, "Quarantine a device whose activation or update norm stays more than 2^S times (or less than 2^-S "
+        "times) the other devices' for --quarantine-rounds rounds in a row: its updates leave aggregation and its "
+        "activations are refused for the rest of the run; 0 = off (scores are recorded either way; "
+        "docs/protocol.md, \"Anomaly scores and quarantine\").", ge=0, finite=True)
+    quarantine_rounds: int = opt(
+        2, "--quarantine: consecutive rounds beyond the threshold before a device is quarantined.", ge=1)
     sample_cap: float = opt(
         3.0, "A sample count the coordinator cannot verify (devices bringing their own data) weighs at most "
         "this many times the fleet's median count; 0 = the counts as claimed (docs/protocol.md, \"Claims\").",
