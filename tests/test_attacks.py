@@ -87,3 +87,25 @@ def test_a_forged_evaluation_moves_the_weighted_figure_but_not_the_median(attack
     honest = [v["acc"] for d, v in by_device.items() if d != attacks.ATTACKER]
     assert min(honest) <= rec["fed_acc_median"] <= max(honest)
     assert rec["fed_acc_median"] == pytest.approx(float(np.median(honest + [1.0])))
+
+
+def test_quarantine_needs_a_streak_of_rounds_and_survives_a_checkpoint() -> None:
+    from fedsga_edge.coordinator.anomaly import AnomalyScores
+    from fedsga_edge.wire import RemoteProtocolError
+
+    scores = AnomalyScores(threshold=1.0, rounds=2)
+    honest = {"a": 0.1, "b": -0.2}
+    scores.observe(1, honest | {"evil": 1.5}, {})
+    scores.observe(2, honest | {"evil": 0.3}, {})  # one odd round, then an ordinary one: the streak restarts
+    assert not scores.quarantined
+    scores.observe(3, honest, {"evil": -3.0})
+    rec = scores.observe(4, honest, {"evil": 2.0})
+    assert rec["evil"] == {"update": 2.0} and set(scores.quarantined) == {"evil"}
+    assert "round 4" in scores.quarantined["evil"] and "update +2.00" in scores.quarantined["evil"]
+    restored = AnomalyScores(threshold=1.0, rounds=2)
+    restored.load_state_dict(scores.state_dict())
+    with pytest.raises(RemoteProtocolError, match="quarantined: round 4"):
+        restored.check("evil")
+    restored.check("a")
+    off = AnomalyScores(threshold=0.0, rounds=1)  # off: scores recorded, nobody quarantined
+    assert off.observe(1, {"evil": 9.0}, {}) == {"evil": {"act": 9.0}} and not off.quarantined
