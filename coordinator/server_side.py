@@ -317,7 +317,6 @@ class PerClientServer(ServerSide):
         self._copies.clear()
         self._done.clear()
 
-
     def _robust(self, ref: dict[str, Tensor], by_unit: Callable[[dict[str, Tensor]], dict[Any, dict[str, Tensor]]]
                 ) -> dict[str, Tensor]:
         """The copies combined unit by unit under ``--aggregation`` (fedsga_edge/method/aggregation.py)."""
