@@ -82,7 +82,8 @@ class Attacker:
             ref = self.sim.coordinator._snapshot
             weights = {n: (ref[n].cpu().numpy() - 4.9 * (w - ref[n].cpu().numpy())).astype(w.dtype)
                        if w.dtype.kind == "f" else w for n, w in body["weights"].items()}
-            return dict(body, weights=weights)
+            # the update repeats the hello's count (coordinator/checks.py): the liar repeats its lie
+            return dict(body, weights=weights, **({"num_samples": 10**9} if s == "sample_lie" else {}))
         if kind == "update" and s == "forged_eval" and "eval_acc" in body:
             return dict(body, eval_acc=1.0, eval_loss=0.0)
         return body

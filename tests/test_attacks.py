@@ -77,6 +77,7 @@ def test_a_claimed_sample_count_weighs_at_most_the_cap_times_the_fleets_median(a
     honest = [n for d, n in co.clients.items() if d != attacks.ATTACKER]
     assert weighed_samples(co, attacks.ATTACKER) == pytest.approx(3.0 * float(np.median(honest + [10**9])))
     assert weighed_samples(co, "client-000") == co.clients["client-000"]  # an honest claim under the cap stands
+    assert attacks.ATTACKER in sim.run_round(1)["splits"]  # the lie is consistent, so its update is accepted
 
 
 def test_a_forged_evaluation_moves_the_weighted_figure_but_not_the_median(attacks, digits) -> None:
