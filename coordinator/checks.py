@@ -44,7 +44,8 @@ def check_batch(co: Any, body: dict[str, Any], key: str, k: int) -> tuple[Tensor
 
 
 def check_split(co: Any, body: dict[str, Any], device: str) -> int:
-    """The request's split: in range, and one this round lets ``device`` train at."""
+    """The request's split: in range, and one this round lets ``device`` train at (not quarantined)."""
+    co.anomaly.check(device)
     k = body.get("split")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= co.model.num_splits:
         raise RemoteProtocolError(f"split {k!r} out of range 1..{co.model.num_splits}")
@@ -67,6 +68,7 @@ def check_blocks(raw: Any, num_blocks: int) -> set[int]:
 def check_update(co: Any, body: dict[str, Any], device: str) -> tuple[int, int]:
     """An update's split, depth, weights, sample count and reported numbers: its ``(split, depth)``, the
     split 0 and the depth past the head for a whole-model device."""
+    co.anomaly.check(device)
     L = co.model.num_blocks
     full = co.round.assigned[device] == 0
     k = 0 if full else check_split(co, body, device)

@@ -156,7 +156,8 @@ class RoundDriver:
         rec["wall_s"] = time.perf_counter() - started
         self.log.log("round_end", "warning" if rec["failures"] else "info", round=t, updates=sorted(rec["splits"]),
                      failures=rec["failures"], train_loss=rec["train_loss"], test_acc=rec.get("test_acc"),
-                     wall_s=rec["wall_s"], bytes_up_by_device={c: n for c, n in up_by.items() if n > 0})
+                     wall_s=rec["wall_s"], bytes_up_by_device={c: n for c, n in up_by.items() if n > 0},
+                     **({"quarantined": rec["quarantined"]} if rec.get("quarantined") else {}))  # device -> why
         return rec
 
     def _start_devices(self, starts: Outgoing) -> None:

@@ -118,7 +118,9 @@ class FederatedEvaluation:
     of a held-out batch at its split, with labels) runs through a copy of the suffix and of the strategy's
     head taken at round start, so the devices' training in the same round does not leak into the figure;
     a whole-model device reports ``eval_count``, ``eval_loss`` and ``eval_acc`` in its update. The round's
-    record gets the count-weighted ``fed_acc`` and ``fed_loss``, ``fed_count`` and ``fed_by_device``.
+    record gets the count-weighted ``fed_acc`` and ``fed_loss``, ``fed_count`` and ``fed_by_device``, and
+    ``fed_acc_median`` and ``fed_loss_median``: the median over devices, which one device forging its figure
+    cannot move (these figures are device-claimed; the coordinator's own is ``test_acc``).
 
     Under a strategy with ``finetuned_eval`` (FedBABU) a whole-model device's figures come with the fine-tuned
     model's ``eval_loss_finetuned`` and ``eval_acc_finetuned`` (the same slice, so the same count): required
@@ -239,6 +241,9 @@ class FederatedEvaluation:
         record["fed_model_round"] = self.t - 1
         record["fed_by_device"] = {cid: {"acc": v[2] / v[0], "loss": v[1] / v[0], "count": int(v[0])}
                                    for cid, v in sorted(tally.items())}
+        # what devices claim, which one device can forge: its median over devices is what one liar cannot move
+        record["fed_acc_median"] = float(np.median([v[2] / v[0] for v in tally.values()]))
+        record["fed_loss_median"] = float(np.median([v[1] / v[0] for v in tally.values()]))
         if tuned:  # every device that reported a global figure here (check_update requires the pair)
             n_tuned = sum(v[0] for v in tuned.values())
             record["fed_acc_finetuned"] = sum(v[2] for v in tuned.values()) / n_tuned

@@ -4,12 +4,18 @@ Values that are finite and under ``MAX_ABS_VALUE`` can still wreck a run: one ac
 at ~9x the honest maximum took a digits run from 0.81 to 0.16. The bounds here come from what the
 fleet itself has been sending, so they need no tuning per backbone:
 
-* **Activations** (``ActivationBound``): per split, each device's recent per-sample L2 norms;
-  the bound is ``factor`` x the median over devices of each device's median norm. A sample above
-  it is scaled down onto it (its direction kept) and counted. A median over devices means one
-  device cannot move the bound: it would need to be most of the fleet.
+* **Activations** (``ActivationBound``): per split, each device's recent per-sample L2 norms, as
+  sent (before clipping); a device's bound is ``factor`` x the upper median over the *other*
+  devices of each one's median norm. A sample above it is scaled down onto it (its direction kept)
+  and counted.
 * **Updates** (``clip_updates``): per aggregation unit, each device's change from the round's
-  global weights is scaled down to ``factor`` x the median change of the round's devices.
+  global weights is scaled down to ``factor`` x the upper median change of the *other* devices.
+
+Leave-one-out: a device's own values never enter its own bound, so a device cannot raise its bound
+by sending more, round after round. The upper median over the others means one device sending
+tiny values (x 1e-3) cannot drag an honest device's bound down either: with two others it is their
+larger one, so the lone attacker can only raise an honest device's bound, which costs nothing. In a
+fleet of two each device's bound is the other's: nothing there can tell who is lying.
 
 Clipping, not refusal: an honest device whose batch lands just over the bound loses a little
 signal, not its round. docs/protocol.md, "Bounded influence", gives what it costs honest runs.
@@ -23,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ActivationBound", "clip_updates"]
+__all__ = ["ActivationBound", "clip_updates", "upper_median"]
 
 _PER_DEVICE = 256  # per-sample norms kept per device and split
 
@@ -36,30 +42,36 @@ class ActivationBound:
         self.norms: dict[int, dict[str, deque[float]]] = {}
         self._medians: dict[int, dict[str, float]] = {}  # split -> device -> median of its norms (kept current)
 
-    def bound(self, k: int, fleet: int) -> float | None:
-        """factor x median over devices of their median norm at split k; None until at least
-        min(2, fleet) devices have been heard at k (nothing to compare a lone device with)."""
-        seen = self.norms.get(k, {})
-        if not self.factor or len(seen) < min(2, fleet) or not seen:
+    def bound(self, k: int, device: str | None = None) -> float | None:
+        """``device``'s bound at split k: factor x the upper median over the other devices heard at k
+        of their median norm; None while no other device has been heard there."""
+        medians = self._medians.get(k, {})
+        others = [m for d, m in medians.items() if d != device]
+        if not self.factor or not others:
             return None
-        return self.factor * _lower_median([self._medians[k][d] for d in seen])
+        return self.factor * upper_median(others)
 
-    def clip(self, k: int, z: Tensor, fleet: int) -> tuple[Tensor, Tensor | None, int, Tensor | None]:
-        """``z`` with every sample's norm at most the bound, the per-sample scale (None: untouched;
-        shaped to broadcast over ``z``), how many samples were scaled, and the per-sample norms after
-        clipping (for ``accept``; None when off)."""
+    def median(self, k: int, device: str) -> float | None:
+        """The median norm ``device`` has sent at split k (None: nothing yet)."""
+        return self._medians.get(k, {}).get(device)
+
+    def clip(self, k: int, z: Tensor, device: str) -> tuple[Tensor, Tensor | None, int, Tensor | None]:
+        """``z`` with every sample's norm at most ``device``'s bound, the per-sample scale (None:
+        untouched; shaped to broadcast over ``z``), how many samples were scaled, and the per-sample
+        norms as sent (for ``accept``; None when off)."""
         if not self.factor:
             return z, None, 0, None
         norms = z.detach().flatten(1).norm(dim=1)
-        limit = self.bound(k, fleet)
+        limit = self.bound(k, device)
         if limit is None or not bool((over := norms > limit).any()):
             return z, None, 0, norms
         scale = torch.where(over, limit / norms.clamp_min(1e-30), torch.ones_like(norms))
         return z * scale.view(-1, *([1] * (z.dim() - 1))), scale.view(-1, *([1] * (z.dim() - 1))), \
-            int(over.sum()), norms.clamp_max(limit)
+            int(over.sum()), norms
 
     def accept(self, device: str, k: int, norms: Tensor | None) -> None:
-        """Remember an accepted activation's per-sample norms (after clipping, as ``clip`` returned them)."""
+        """Remember an accepted activation's per-sample norms as the device sent them (before clipping:
+        a bound that stored its own output would follow a device that keeps sending less)."""
         if norms is None:
             return
         rows = self.norms.setdefault(k, {}).setdefault(device, deque(maxlen=_PER_DEVICE))
@@ -80,12 +92,18 @@ def _lower_median(values: Any) -> float:
     return float(ordered[(len(ordered) - 1) // 2])
 
 
+def upper_median(values: Any) -> float:
+    """The upper middle value: of two, the larger (one low value among the others cannot pull it down)."""
+    ordered = sorted(values)
+    return float(ordered[len(ordered) // 2])
+
+
 @torch.no_grad()
 def clip_updates(global_units: dict[int, dict[str, Tensor]], updates: dict[str, dict[int, dict[str, Tensor]]],
                  factor: float) -> dict[str, int]:
-    """Scale each device's change of each unit down to ``factor`` x the round's median change of
-    that unit (in place); returns how many units were clipped per device. Needs 3 devices or more
-    for a median that one device cannot set."""
+    """Scale each device's change of each unit down to ``factor`` x the upper median change of that
+    unit among the round's *other* devices (in place); returns how many units were clipped per
+    device. Needs 3 devices or more, so that two others set each device's bound."""
     clipped: dict[str, int] = {}
     if not factor or len(updates) < 3:
         return clipped
@@ -97,8 +115,8 @@ def clip_updates(global_units: dict[int, dict[str, Tensor]], updates: dict[str, 
             continue
         deltas = {d: {n: v - ref[n] for n, v in st.items() if v.is_floating_point()} for d, st in holders.items()}
         norms = {d: float(torch.sqrt(sum((t.double() ** 2).sum() for t in ds.values()))) for d, ds in deltas.items()}
-        limit = factor * float(torch.tensor(list(norms.values())).median())
         for d, norm in norms.items():
+            limit = factor * upper_median(v for o, v in norms.items() if o != d)
             if norm > limit > 0:
                 s = limit / norm
                 for n, delta in deltas[d].items():

@@ -9,7 +9,7 @@ import numpy as np
 
 from fedsga_edge.wire import RemoteProtocolError
 
-__all__ = ["MAX_ABS_VALUE", "REPORT_FIELDS", "check_values", "all_finite", "check_report"]
+__all__ = ["MAX_ABS_VALUE", "REPORT_FIELDS", "check_values", "all_finite", "check_report", "capped_samples"]
 
 # Largest |value| accepted in an activation, h1 or weight. Honest ones are O(1)-O(1e3); anything this
 # big means a diverged or hostile device, and would overflow float32 a few layers on.
@@ -50,3 +50,13 @@ def check_report(body: dict[str, Any]) -> None:
     for key in ("probe_samples", "obs_samples"):  # counts that FLOPs are multiplied by
         if body.get(key) is not None and (not isinstance(body[key], int) or body[key] < 0):
             raise RemoteProtocolError(f"{key} must be a non-negative integer")
+
+
+def capped_samples(clients: dict[str, int], device: str, cap: float) -> float:
+    """``device``'s sample count, at most ``cap`` x the median count of ``clients`` (0: as it stands).
+
+    A count the coordinator cannot check (a device with its own data) is a claim: one device saying
+    10^9 would otherwise take all of aggregation's weight. The median over the fleet is what one liar
+    cannot move."""
+    n = clients[device]
+    return min(n, cap * float(np.median(list(clients.values())))) if cap else n

@@ -49,6 +49,7 @@ class Registry:
         expected = self.co.clients[sender]
         if self.local_data:  # its own data: the size it reports weighs its updates (docs/protocol.md)
             expected = self.co.clients[sender] = body["num_samples"]
+            self.co.unverified.add(sender)  # a claim: weighed at most --sample-cap x the fleet's median
             self.co.fed_eval.expected[sender] = body.get("eval_samples", 0)
         info = {"backend": body["backend"], "num_samples": expected, "since": time.time(),
                 "capabilities": dict(body.get("capabilities", {}))}
@@ -75,6 +76,7 @@ class Registry:
             n, e = info.get("num_samples"), info.get("eval_samples", 0)
             if isinstance(n, int) and not isinstance(n, bool) and n > 0:
                 self.co.clients[d] = n
+                self.co.unverified.add(d)
             if isinstance(e, int) and not isinstance(e, bool) and e >= 0:
                 self.co.fed_eval.expected[d] = e
         for d, info in self.registered.items():

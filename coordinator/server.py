@@ -39,15 +39,17 @@ from fedsga_edge.models import CostTable, SplitModel
 from fedsga_edge.tensors import from_numpy, to_numpy, to_numpy_state
 from fedsga_edge.wire import Message, Outgoing, RemoteProtocolError, check_body
 
+from .anomaly import AnomalyScores
 from .checks import check_batch, check_blocks, check_split, check_update
 from .evaluation import FederatedEvaluation, evaluate, evaluate_models, headline_split
 from .influence import ActivationBound, clip_updates
 from .instructions import Instruction, check_instructions, round_start_body
+from .limits import capped_samples
 from .round import RoundError, RoundState
 from .server_side import Activation, Stepped, make_server_side
 from .strategy import Strategy
 
-__all__ = ["Coordinator", "samples_per_epoch"]
+__all__ = ["Coordinator", "samples_per_epoch", "weighed_samples"]
 
 _MAX_REFUSALS_KEPT = 50  # reasons kept per round in the record; the count goes on
 
@@ -90,12 +92,14 @@ class Coordinator:
         self.num_classes = num_classes
         strategy.attach(self)
         self.head = strategy.server_head().to(self.device)
-        weight = lambda d: strategy.weight(self.clients[d])
+        self.unverified: set[str] = set()  # devices whose sample count is their own claim (their own data)
+        weight = lambda d: strategy.weight(weighed_samples(self, d))
         # the strategy's own server side (MultiSFL's branches), else the one cfg asks for
         self.server = strategy.server_side(self.model, self.head, cfg, weight) or make_server_side(
             self.model, self.head, cfg, weight, steps=strategy.server_steps())
         self.round = RoundState()
         self.bounds = ActivationBound(cfg.clip_activations)  # docs/protocol.md, "Bounded influence"
+        self.anomaly = AnomalyScores(cfg.quarantine, cfg.quarantine_rounds)  # the same, round after round
         # split -> samples trained there in the latest round that trained a split (the headline's embedding)
         self.split_samples: dict[int, int] = {}
         self.remote_errors = 0  # requests refused over the whole run
@@ -182,6 +186,7 @@ class Coordinator:
         clipped = {kind: counts for kind, counts in self._stats["clipped"].items() if counts}
         if clipped:  # samples / units scaled down to the fleet's bound, per device
             record["clipped"] = clipped
+        record.update(self.anomaly.record if updates else {})  # anomaly scores, who is quarantined and why
         if self._stats["remote_errors"]:
             record["remote_errors"] = list(self._stats["remote_errors"])  # later refusals must not grow a written record
             record["remote_errors_count"] = self._stats["refused"]
@@ -243,7 +248,7 @@ class Coordinator:
         k = check_split(self, msg.body, msg.sender)
         z, y = self.check_activation(msg.body, "z", k)
         extra = self.strategy.check_activation(msg.body, len(y))
-        z, scale, clipped, norms = self.bounds.clip(k, z, fleet=len(self.round.assigned))
+        z, scale, clipped, norms = self.bounds.clip(k, z, msg.sender)
         # validated whole: stepped now, or held by a side that merges (its reply comes with its step)
         return self._answers(self.server.submit(Activation(msg, k, z, y, scale, clipped, norms, extra), self.strategy))
 
@@ -302,12 +307,14 @@ class Coordinator:
         states = {cid: group_by_unit({n: from_numpy(a, self.device) for n, a in u["weights"].items()}, unit)
                   for cid, u in updates.items()}
         global_units = group_by_unit(self._snapshot, unit)
+        updates, states = self.anomaly.score(self.round.t, self.bounds, updates, global_units, states)
         self._stats["clipped"]["updates"] = clip_updates(global_units, states, self.cfg.clip_updates)
         weight = self.strategy.aggregation_weight  # the strategy's weight(n) unless it weighs otherwise (FedAS)
-        device_updates = [DeviceUpdate(cid, int(u["depth"]), weight(cid, u, self.strategy.weight(self.clients[cid])),
-                                       states[cid]) for cid, u in updates.items()]
-        new = aggregate_round(global_units, device_updates,
-                              group_by_unit(self.model.state_dict(), unit))
+        n = {cid: self.strategy.weight(weighed_samples(self, cid)) for cid in updates}  # claims capped
+        device_updates = [DeviceUpdate(cid, int(u["depth"]), weight(cid, u, n[cid]), states[cid])
+                          for cid, u in updates.items()]
+        new = aggregate_round(global_units, device_updates, group_by_unit(self.model.state_dict(), unit),
+                              rule=self.cfg.aggregation, trim=self.cfg.trim_fraction)
         self.model.load_state_dict({n: v for u in new.values() for n, v in u.items()})
 
     # -- evaluation -------------------------------------------------------------------------------
@@ -331,6 +338,7 @@ class Coordinator:
         return {"coordinator": self.state_dict(), **self.server.state_dict(),
                 "strategy_opt": self.strategy.optimizer_state(), "split_samples": dict(self.split_samples),
                 "remote_errors": self.remote_errors, "activation_norms": self.bounds.state_dict(),
+                "anomaly": self.anomaly.state_dict(),
                 "strategy_rngs": {name: g.bit_generator.state for name, g in vars(self.strategy).items()
                                   if isinstance(g, np.random.Generator)}}
 
@@ -345,12 +353,19 @@ class Coordinator:
         self.split_samples = {int(k): int(v) for k, v in state["split_samples"].items()}
         self.remote_errors = int(state["remote_errors"])
         self.bounds.load_state_dict(state.get("activation_norms", {}))
+        self.anomaly.load_state_dict(state.get("anomaly", {}))
         for name, rng_state in state["strategy_rngs"].items():
             getattr(self.strategy, name).bit_generator.state = rng_state
 
     def state_dict(self) -> dict[str, Any]:
         """The trained server state (checkpoint.pt's "coordinator"): weights, head, the strategy's own."""
         return {"model": self.model.state_dict(), "head": self.head.state_dict(), "strategy": self.strategy.state_dict()}
+
+
+def weighed_samples(co: Coordinator, device: str) -> float:
+    """``device``'s sample count as aggregation weighs it: a count it claimed (its own data, which the
+    coordinator cannot see) at most ``--sample-cap`` x the fleet's median count (docs/protocol.md, "Claims")."""
+    return capped_samples(co.clients, device, co.cfg.sample_cap if device in co.unverified else 0.0)
 
 
 def client_costs(cfg: RunConfig, clients: dict[str, int], costs: CostTable, updates: dict[str, dict[str, Any]],

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from fedsga_edge.config import RunConfig
+from fedsga_edge.method.aggregation import robust_average
 from fedsga_edge.tensors import round_average_bn
 from fedsga_edge.wire import RemoteProtocolError
 
@@ -301,7 +302,11 @@ class PerClientServer(ServerSide):
                 sums[n] = sums.get(n, 0) + w * v.double()
                 weights[n] = weights.get(n, 0.0) + w
 
+        robust = self._robust(ref, by_unit) if self.cfg.aggregation != "mean" else {}
+
         def mean(key: str, like: Tensor) -> Tensor:
+            if key in robust:
+                return robust[key]
             if key not in sums:
                 return like
             m = sums[key] / weights[key]
@@ -311,6 +316,18 @@ class PerClientServer(ServerSide):
         self.head.load_state_dict({n: mean("head:" + n, v) for n, v in self.head.state_dict().items()})
         self._copies.clear()
         self._done.clear()
+
+    def _robust(self, ref: dict[str, Tensor], by_unit: Callable[[dict[str, Tensor]], dict[Any, dict[str, Tensor]]]
+                ) -> dict[str, Tensor]:
+        """The copies combined unit by unit under ``--aggregation`` (fedsga_edge/method/aggregation.py)."""
+        done = [(w, by_unit(trained)) for w, trained in self._done.values()]
+        out: dict[str, Tensor] = {}
+        for u, r in by_unit(ref).items():
+            parts = [(w, units[u]) for w, units in done if u in units and w > 0]
+            if parts:
+                out.update(robust_average([p for _, p in parts], [w for w, _ in parts], self.cfg.aggregation,
+                                          self.cfg.trim_fraction, r))
+        return out
 
 
 class BranchServer(ServerSide):

@@ -23,6 +23,8 @@ SCHEDULES = ("round_robin", "random", "sequential")
 DEVICE_ORDERS = ("shuffled", "fixed")
 # Activations / gradients on the wire (weights stay fp32): runbuild.WIRE_FORMATS maps them to codecs.
 WIRE_FORMATS = ("fp32", "fp16", "int8", "int4")
+# How the copies of one unit become its new global value (fedsga_edge/method/aggregation.py ``RULES``).
+AGGREGATIONS = ("mean", "trimmed_mean", "median", "norm_bounded")
 # Options whose default changed after runs were recorded: a run record (config.json, a checkpoint) that lacks
 # the key ran with this value, not today's default (docs/method.md, "Batches": every run before the option cut
 # its epochs with the tail rule). ``RunConfig.from_record`` applies it; so does the benchmark's record check.
@@ -199,11 +201,32 @@ class RunConfig:
         ge=0)
     clip_activations: float = opt(
         3.0, "Bounded influence of one device: an activation sample whose L2 norm exceeds this many times the "
-        "fleet's typical norm at its split (the median over devices of each device's median) is scaled down to "
-        "that bound before the server step; 0 = off (docs/protocol.md, \"Bounded influence\").", ge=0, finite=True)
+        "other devices' typical norm at its split (the upper median over them of each one's median) is scaled "
+        "down to that bound before the server step; 0 = off (docs/protocol.md, \"Bounded influence\").", ge=0,
+        finite=True)
     clip_updates: float = opt(
         5.0, "Bounded influence of one device: its change of an aggregation unit is scaled down to this many "
-        "times the round's median change of that unit (with 3 or more devices); 0 = off.", ge=0, finite=True)
+        "times the other devices' median change of that unit (with 3 or more devices); 0 = off.", ge=0,
+        finite=True)
+    aggregation: str = opt(
+        "mean", "How the copies of a unit are combined, whatever the strategy: mean (weighted by data) | "
+        "trimmed-mean (coordinate-wise, the --trim-fraction largest and smallest values left out) | median "
+        "(coordinate-wise) | norm-bounded (each copy's change scaled to at most the median change, then the "
+        "weighted mean); docs/protocol.md, \"Robust aggregation\".", choices=AGGREGATIONS, dashed=True)
+    trim_fraction: float = opt(
+        0.2, "--aggregation trimmed-mean: the fraction of copies cut at each end of every coordinate.", ge=0,
+        lt=0.5, when=lambda c: c.aggregation == "trimmed_mean")
+    quarantine: float = opt(
+        0.0, "Quarantine a device whose activation or update norm stays more than 2^S times (or less than 2^-S "
+        "times) the other devices' for --quarantine-rounds rounds in a row: its updates leave aggregation and its "
+        "activations are refused for the rest of the run; 0 = off (scores are recorded either way; "
+        "docs/protocol.md, \"Anomaly scores and quarantine\").", ge=0, finite=True)
+    quarantine_rounds: int = opt(
+        2, "--quarantine: consecutive rounds beyond the threshold before a device is quarantined.", ge=1)
+    sample_cap: float = opt(
+        3.0, "A sample count the coordinator cannot verify (devices bringing their own data) weighs at most "
+        "this many times the fleet's median count; 0 = the counts as claimed (docs/protocol.md, \"Claims\").",
+        ge=0, finite=True)
     schedule: str = opt(
         "round_robin", "How devices interleave: round-robin (one local step each in turn) | random (seeded) | "
         "sequential (one device after another).", choices=SCHEDULES, dashed=True)  # simulation only

@@ -179,3 +179,32 @@ def test_units_come_from_the_given_map_not_from_names() -> None:
     }
     with pytest.raises(KeyError):
         group_by_unit({"blocks.0.w": torch.zeros(1)}, units.__getitem__)
+
+
+def test_robust_rules_leave_one_hostile_copy_out_and_keep_the_counters_rule() -> None:
+    from fedsga_edge.method.aggregation import robust_average
+
+    ref = {"w": torch.zeros(2), "n": torch.tensor(0)}
+    copies = [{"w": torch.tensor([v, -v]), "n": torch.tensor(i)} for i, v in enumerate([1.0, 2.0, 3.0, -400.0])]
+    ones = [1.0] * 4
+    assert robust_average(copies, ones, "mean")["w"].tolist() == pytest.approx([-98.5, 98.5])
+    assert robust_average(copies, ones, "median")["w"].tolist() == pytest.approx([1.5, -1.5])
+    assert robust_average(copies, ones, "trimmed_mean", 0.25)["w"].tolist() == pytest.approx([1.5, -1.5])
+    assert robust_average(copies, ones, "trimmed_mean", 0.0)["w"].tolist() == pytest.approx([-98.5, 98.5])
+    bounded = robust_average(copies, ones, "norm_bounded", ref=ref)["w"]  # each change cut to the median, 2.5 * sqrt 2
+    assert bounded.tolist() == pytest.approx([(1 + 2 + 2.5 - 2.5) / 4, -(1 + 2 + 2.5 - 2.5) / 4])
+    assert all(robust_average(copies, ones, r, ref=ref)["n"].item() == 3 for r in ("median", "trimmed_mean"))
+
+
+def test_robust_rules_are_weighted_so_the_servers_copy_counts_for_its_devices() -> None:
+    from fedsga_edge.method.aggregation import robust_average
+
+    copies = [{"w": torch.tensor([v])} for v in (0.0, 10.0, 11.0)]
+    assert robust_average(copies, [5.0, 1.0, 1.0], "median")["w"].item() == 0.0  # 5 of 7 samples say 0
+    assert robust_average(copies[:2], [1.0, 1.0], "median")["w"].item() == 5.0  # two equal weights: their mean
+    # trim 0.2 of 10: cuts 2 units of weight from each end
+    assert robust_average(copies, [8.0, 1.0, 1.0], "trimmed_mean", 0.2)["w"].item() == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="not one of"):
+        robust_average(copies, [1.0] * 3, "krum")
+    with pytest.raises(ValueError, match="reference"):
+        robust_average(copies, [1.0] * 3, "norm_bounded")

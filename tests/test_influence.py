@@ -15,33 +15,66 @@ from fedsga_edge.simulation import Simulation
 from fedsga_edge.wire import Message
 
 
-def test_activation_bound_is_the_fleet_median_and_one_device_cannot_move_it() -> None:
+def test_activation_bound_is_the_other_devices_median_and_one_device_cannot_move_it() -> None:
     bound = ActivationBound(factor=5.0)
     z = torch.ones(4, 2, 2)  # per-sample norm 2
-    assert bound.clip(1, z, fleet=3)[1] is None  # nobody heard yet: nothing to compare with
+    assert bound.clip(1, z, "a")[1] is None  # nobody heard yet: nothing to compare with
     bound.accept("a", 1, z.flatten(1).norm(dim=1))
-    assert bound.bound(1, fleet=3) is None  # one device alone sets no bound in a fleet
+    assert bound.bound(1, "a") is None  # a device's own values never set its own bound
     bound.accept("b", 1, (2 * z).flatten(1).norm(dim=1))  # norm 4
+    bound.accept("c", 1, (2 * z).flatten(1).norm(dim=1))  # norm 4
     bound.accept("evil", 1, (1e4 * z).flatten(1).norm(dim=1))  # norm 2e4
-    assert bound.bound(1, fleet=3) == pytest.approx(5.0 * 4.0)  # median over devices: the hostile one is an end
-    big = torch.cat([z, 1e3 * z[:1]])  # 3 honest samples... and one at norm 2000
-    clipped, scale, n, _ = bound.clip(1, big, fleet=3)
+    assert bound.bound(1, "evil") == pytest.approx(5.0 * 4.0)  # from the others only
+    big = torch.cat([z, 1e3 * z[:1]])  # 4 honest-sized samples... and one at norm 2000
+    clipped, scale, n, sent = bound.clip(1, big, "evil")
     assert n == 1 and torch.equal(clipped[:4], z) and float(clipped[4].norm()) == pytest.approx(20.0)
     assert torch.allclose(clipped[4] / clipped[4].norm(), z[0] / z[0].norm())  # the direction is kept
     assert scale is not None and scale[4].item() == pytest.approx(20.0 / 2000.0) and scale[0].item() == 1.0
-    assert ActivationBound(0.0).bound(1, fleet=3) is None  # 0 = off
+    assert float(sent[4]) == pytest.approx(2000.0)  # kept as sent: what is stored is not the bound's own output
+    for _ in range(20):  # the attacker keeps at it: its own bound does not follow it
+        bound.accept("evil", 1, (1e4 * z).flatten(1).norm(dim=1))
+    assert bound.bound(1, "evil") == pytest.approx(20.0)
+    assert ActivationBound(0.0).bound(1, "a") is None  # 0 = off
 
 
-def test_clip_updates_scales_one_units_change_to_the_rounds_median() -> None:
+@pytest.mark.parametrize("fleet", [3, 5])
+def test_a_device_sending_tiny_activations_does_not_drag_the_others_bound(fleet: int) -> None:
+    bound = ActivationBound(factor=3.0)
+    z = torch.ones(8, 4)  # per-sample norm 2
+    honest = [f"h{i}" for i in range(fleet - 1)]
+    for _ in range(5):  # persistently, from the first batch on
+        bound.accept("evil", 1, (1e-3 * z).flatten(1).norm(dim=1))
+        for h in honest:
+            bound.accept(h, 1, z.flatten(1).norm(dim=1))
+    for h in honest:
+        assert bound.bound(1, h) == pytest.approx(6.0)  # the honest devices' 3 x 2, never evil's 0.006
+        assert bound.clip(1, z, h)[2] == 0  # an honest batch is left alone
+    assert bound.bound(1, "evil") == pytest.approx(6.0)
+
+
+def test_in_a_fleet_of_two_each_device_is_bounded_by_the_other() -> None:
+    bound = ActivationBound(factor=3.0)
+    z = torch.ones(8, 4)
+    bound.accept("a", 1, z.flatten(1).norm(dim=1))
+    bound.accept("evil", 1, (1e4 * z).flatten(1).norm(dim=1))
+    assert bound.bound(1, "evil") == pytest.approx(6.0) and bound.clip(1, 1e4 * z, "evil")[2] == 8
+
+
+def test_clip_updates_scales_one_units_change_to_the_other_devices_median() -> None:
     ref = {0: {"w": torch.zeros(2), "n": torch.tensor(3)}}
     states = {d: {0: {"w": torch.tensor([v, 0.0]), "n": torch.tensor(5)}} for d, v in
               (("a", 1.0), ("b", 2.0), ("c", 3.0), ("evil", 1000.0))}
     assert clip_updates(ref, states, factor=2.0) == {"evil": 1}
-    median = float(torch.tensor([1.0, 2.0, 3.0, 1000.0]).median())  # torch's: the lower middle, 2
-    assert states["evil"][0]["w"].tolist() == pytest.approx([2.0 * median, 0.0])
+    assert states["evil"][0]["w"].tolist() == pytest.approx([2.0 * 2.0, 0.0])  # upper median of 1, 2, 3: 2
     assert states["c"][0]["w"].tolist() == [3.0, 0.0] and states["evil"][0]["n"].item() == 5  # counters untouched
     two = {d: {0: {"w": torch.tensor([v, 0.0])}} for d, v in (("a", 1.0), ("evil", 1000.0))}
     assert clip_updates(ref, two, factor=2.0) == {} and two["evil"][0]["w"][0] == 1000.0  # no median of two
+
+
+def test_a_tiny_update_does_not_drag_the_others_update_bound() -> None:
+    ref = {0: {"w": torch.zeros(2)}}
+    states = {d: {0: {"w": torch.tensor([v, 0.0])}} for d, v in (("a", 1.0), ("b", 1.2), ("evil", 1e-6))}
+    assert clip_updates(ref, states, factor=2.0) == {}  # a's bound: 2 x the larger of b and evil
 
 
 def test_a_hostile_activation_in_a_running_round_is_clipped_counted_and_its_gradient_scaled(digits) -> None:
@@ -60,10 +93,10 @@ def test_a_hostile_activation_in_a_running_round_is_clipped_counted_and_its_grad
     reply = only_reply(co.receive(Message("activation", "sim-0", 1, 1, "client-002",
                                           {"z": evil, "y": np.arange(8, dtype=np.int64), "split": 2})))
     assert reply.kind == "gradient" and np.isfinite(reply.body["dz"]).all()
-    limit = co.bounds.bound(2, fleet=3)
+    limit = co.bounds.bound(2, "client-002")
     assert limit is not None and limit < 10 * typical  # the bound is the fleet's, not the attacker's
     held = co.bounds.norms[2]["client-002"]
-    assert max(held) <= limit * (1 + 1e-5)  # what entered the server step was clipped
+    assert min(held) > limit  # stored as sent: the attacker's values never become the bound's
     rec, _ = co.end_round()
     assert rec["clipped"]["activations"] == {"client-002": 8}
 

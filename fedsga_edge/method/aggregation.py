@@ -9,6 +9,11 @@ maximum, since averaging a count has no meaning.
 ``weighted_average`` is the plain reference; ``weighted_average_fast`` flattens all floating
 tensors into one matrix and does one matrix-vector product. Tests check they agree.
 
+``robust_average`` is the same average under a rule one device cannot steer (``--aggregation``,
+docs/protocol.md "Robust aggregation"): a coordinate-wise weighted trimmed mean or median (Flower's
+FedTrimmedAvg / FedMedian, weighted so that the server's copy still counts for the devices whose data
+it trained), or norm-bounded averaging (each copy's change scaled to at most the median change).
+
 ``round_contributions`` / ``aggregate_round`` turn one round's device updates (plus the server's
 copy) into that rule, so the coordinator's aggregation can be tested without a coordinator. Units:
 blocks 0..L-1 are units 0..L-1 and the classifier head is unit L; which key belongs to which unit
@@ -25,17 +30,21 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "RULES",
     "Contribution",
     "DeviceUpdate",
     "aggregate_blocks",
     "aggregate_round",
     "group_by_unit",
+    "robust_average",
     "round_contributions",
     "weighted_average",
     "weighted_average_fast",
 ]
 
 State = Mapping[str, Tensor]
+# fedsga_edge/config.py AGGREGATIONS: how the copies of one unit are combined
+RULES = ("mean", "trimmed_mean", "median", "norm_bounded")
 
 
 def _check(states: Sequence[State], weights: Sequence[float]) -> float:
@@ -86,6 +95,79 @@ def weighted_average_fast(states: Sequence[State], weights: Sequence[float]) -> 
     return {k: out[k] for k in ref}
 
 
+def robust_average(states: Sequence[State], weights: Sequence[float], rule: str = "mean", trim: float = 0.2,
+                   ref: State | None = None) -> dict[str, Tensor]:
+    """The copies combined under ``rule`` (``RULES``); integer counters take the maximum, as in the mean.
+
+    ``trimmed_mean`` cuts ``trim`` of the total weight at each end of every coordinate's sorted values;
+    ``median`` is every coordinate's weighted median (of two equal weights, their mean); ``norm_bounded``
+    scales each copy's change from ``ref`` (required) down to the weighted median change first.
+    """
+    if rule not in RULES:
+        raise ValueError(f"aggregation rule {rule!r} is not one of {', '.join(RULES)}")
+    if rule == "mean" or len(states) < 2:
+        return weighted_average_fast(states, weights)
+    if rule == "norm_bounded":
+        if ref is None:
+            raise ValueError("norm_bounded aggregation needs the reference state the changes are measured from")
+        return weighted_average_fast(_norm_bounded(states, weights, ref), weights)
+    _check(states, weights)
+    ref0 = states[0]
+    float_keys = [k for k, v in ref0.items() if v.is_floating_point()]
+    out = weighted_average_fast(states, weights)  # the counters (and the layout)
+    if not float_keys:
+        return out
+    mat = torch.stack([torch.cat([s[k].reshape(-1).to(torch.float64) for k in float_keys]) for s in states])
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64, device=mat.device)
+    flat = _trimmed(mat, w, trim) if rule == "trimmed_mean" else _median(mat, w)
+    offset = 0
+    for k in float_keys:
+        n = ref0[k].numel()
+        out[k] = flat[offset: offset + n].view_as(ref0[k]).to(ref0[k].dtype)
+        offset += n
+    return out
+
+
+def _sorted(mat: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Each column's values sorted, their weights, and the cumulative weight at each one's upper end."""
+    values, order = mat.sort(dim=0)
+    weights = w[order]
+    return values, weights, weights.cumsum(dim=0)
+
+
+def _trimmed(mat: Tensor, w: Tensor, trim: float) -> Tensor:
+    """Per column: the weighted mean of the values between the ``trim`` and ``1 - trim`` weight quantiles."""
+    values, weights, upper = _sorted(mat, w)
+    total = float(w.sum())
+    lo, hi = trim * total, (1.0 - trim) * total
+    kept = (upper.clamp(max=hi) - (upper - weights).clamp(min=lo)).clamp(min=0)
+    return (kept * values).sum(dim=0) / kept.sum(dim=0).clamp_min(1e-300)
+
+
+def _median(mat: Tensor, w: Tensor) -> Tensor:
+    """Per column: the weighted median (the mean of the two middle values when the weight splits evenly)."""
+    values, _, upper = _sorted(mat, w)
+    half = float(w.sum()) / 2
+    lo = (upper < half * (1 - 1e-12)).sum(dim=0, keepdim=True)  # first value whose cumulative weight reaches half
+    hi = (upper <= half * (1 + 1e-12)).sum(dim=0, keepdim=True).clamp(max=len(w) - 1)  # first past it
+    return (values.gather(0, lo) + values.gather(0, hi)).squeeze(0) / 2
+
+
+def _norm_bounded(states: Sequence[State], weights: Sequence[float], ref: State) -> list[dict[str, Tensor]]:
+    """Each state with its change from ``ref`` scaled down to the weighted median change (floats only)."""
+    deltas = [{k: v.to(torch.float64) - ref[k].to(torch.float64) for k, v in s.items() if v.is_floating_point()}
+              for s in states]
+    norms = torch.tensor([float(torch.sqrt(sum((d ** 2).sum() for d in ds.values()))) if ds else 0.0
+                          for ds in deltas], dtype=torch.float64)
+    limit = float(_median(norms.view(-1, 1), torch.tensor([float(x) for x in weights], dtype=torch.float64)))
+    out: list[dict[str, Tensor]] = []
+    for s, ds, norm in zip(states, deltas, norms.tolist()):
+        scale = limit / norm if norm > limit > 0 else 1.0
+        out.append({k: (ref[k].to(torch.float64) + ds[k] * scale).to(v.dtype) if k in ds else v
+                    for k, v in s.items()})
+    return out
+
+
 class Contribution:
     """One trained copy of some blocks: ``states[j]`` is block j's state, weighted by ``weight``."""
 
@@ -100,13 +182,21 @@ def aggregate_blocks(
     global_states: Mapping[int, State],
     contributions: Sequence[Contribution],
     fast: bool = True,
+    rule: str = "mean",
+    trim: float = 0.2,
 ) -> dict[int, dict[str, Tensor]]:
-    """New value of every block: the weighted mean of the copies that trained it; untouched blocks stay."""
-    average = weighted_average_fast if fast else weighted_average
+    """New value of every block: the copies that trained it combined under ``rule`` (``robust_average``;
+    the weighted mean by default); untouched blocks stay."""
     out: dict[int, dict[str, Tensor]] = {}
     for j, old in global_states.items():
         parts = [(c.states[j], c.weight) for c in contributions if j in c.states and c.weight > 0]
-        out[j] = average([p for p, _ in parts], [w for _, w in parts]) if parts else dict(old)
+        states, weights = [p for p, _ in parts], [w for _, w in parts]
+        if not parts:
+            out[j] = dict(old)
+        elif rule == "mean":
+            out[j] = (weighted_average_fast if fast else weighted_average)(states, weights)
+        else:
+            out[j] = robust_average(states, weights, rule, trim, old)
     return out
 
 
@@ -191,6 +281,10 @@ def aggregate_round(
     updates: Sequence[DeviceUpdate],
     server_units: Mapping[int, State] | None = None,
     fast: bool = True,
+    rule: str = "mean",
+    trim: float = 0.2,
 ) -> dict[int, dict[str, Tensor]]:
-    """New global value of every unit after one round; units nobody trained keep ``global_units``."""
-    return aggregate_blocks(global_units, round_contributions(global_units, updates, server_units), fast=fast)
+    """New global value of every unit after one round (``rule``: ``robust_average``); units nobody
+    trained keep ``global_units``."""
+    return aggregate_blocks(global_units, round_contributions(global_units, updates, server_units), fast=fast,
+                            rule=rule, trim=trim)

@@ -1,0 +1,162 @@
+"""A device that keeps attacking inside the bounds, round after round, with the defences off and on.
+
+Each scenario is one device (``client-001``) of the fleet doing one thing every round, in-process
+(the loopback transport carries the real encoded bytes; the attacks are on values and claims, not
+on the transport, which benchmarks/hostile.py covers):
+
+* ``scaled``: its activations at 2.9x (under the 3x activation bound);
+* ``label_flip``: its labels flipped (y -> C-1-y) at normal scale; ``label_flip_scaled``: and at 2.9x;
+* ``sign_flip``: its update is the round's global weights minus 4.9x its own change (under the 5x bound);
+* ``drag``: its activations x 1e-3 (dragging the activation bound of the others down);
+* ``sample_lie``: it claims 10^9 samples, the fleet bringing its own data (counts unverified),
+  with its update sign-flipped as above (the claim is what makes one update weigh);
+* ``forged_eval``: it reports ``eval_acc = 1.0`` for its held-out slice (whole-model devices, FedAvg).
+
+"off" is the bounds alone (``--aggregation mean --sample-cap 0 --quarantine 0``); "on" adds
+``--aggregation median --sample-cap 3 --quarantine 1`` (the median's honest cost is measured by the
+``clean`` row). Every run is paired with the clean run of the same seed and defences::
+
+    python benchmarks/attacks.py                                  # every scenario, 5 devices, seeds 0-2
+    python benchmarks/attacks.py --scenarios scaled,drag --clients 10 --seeds 0 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedsga_edge.config import RunConfig, TrainConfig
+from fedsga_edge.simulation import Simulation
+
+ATTACKER = "client-001"
+SCENARIOS = ("clean", "scaled", "label_flip", "label_flip_scaled", "sign_flip", "drag", "sample_lie", "forged_eval")
+DEFENCES = {"off": {"aggregation": "mean", "sample_cap": 0.0, "quarantine": 0.0},
+            "on": {"aggregation": "median", "sample_cap": 3.0, "quarantine": 1.0}}
+
+
+def config(scenario: str, defences: str, *, seed: int, clients: int, rounds: int, width: float,
+           max_batches: int, server_copies: str) -> RunConfig:
+    """The run: digits, a narrow resnet18_cifar at split 1 (FedAvg with a held-out slice for ``forged_eval``)."""
+    fedavg = scenario == "forged_eval"
+    return RunConfig(dataset="digits", clients=clients, rounds=rounds, model="resnet18_cifar", width=width,
+                     seed=seed, device="cpu", strategy="fedavg" if fedavg else "static", split=1,
+                     server_copies=server_copies, eval_holdout=0.2 if fedavg else 0.0,
+                     train=TrainConfig(local_epochs=1, batch_size=32, max_batches=max_batches),
+                     **DEFENCES[defences])
+
+
+class Attacker:
+    """Wraps the attacker's Peer: rewrites what it sends as the scenario says, every round."""
+
+    def __init__(self, sim: Simulation, scenario: str, num_classes: int = 10) -> None:
+        self.sim, self.scenario, self.num_classes = sim, scenario, num_classes
+        co = sim.coordinator
+        if scenario == "sample_lie":  # the fleet brings its own data: every count is a claim
+            co.unverified = set(co.clients)
+            co.clients[ATTACKER] = 10**9
+        client = next(c for c in sim.clients if c.cid == ATTACKER)
+        client.peer.call = self._wrap(client.peer.call)
+
+    def _wrap(self, call: Any) -> Any:
+        def wrapped(dst: str, kind: str, rnd: int, body: dict[str, Any], *a: Any, **k: Any) -> Any:
+            return call(dst, kind, rnd, self.rewrite(kind, body), *a, **k)
+        return wrapped
+
+    def rewrite(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        s = self.scenario
+        if kind == "activation":
+            z, y = body["z"], body["y"]
+            if s in ("scaled", "label_flip_scaled"):
+                z = (z * 2.9).astype(z.dtype)
+            if s == "drag":
+                z = (z * 1e-3).astype(z.dtype)
+            if s in ("label_flip", "label_flip_scaled"):
+                y = (self.num_classes - 1 - y).astype(y.dtype)
+            return dict(body, z=z, y=y)
+        if kind == "update" and s in ("sign_flip", "sample_lie"):
+            ref = self.sim.coordinator._snapshot
+            weights = {n: (ref[n].cpu().numpy() - 4.9 * (w - ref[n].cpu().numpy())).astype(w.dtype)
+                       if w.dtype.kind == "f" else w for n, w in body["weights"].items()}
+            # the update repeats the hello's count (coordinator/checks.py): the liar repeats its lie
+            return dict(body, weights=weights, **({"num_samples": 10**9} if s == "sample_lie" else {}))
+        if kind == "update" and s == "forged_eval" and "eval_acc" in body:
+            return dict(body, eval_acc=1.0, eval_loss=0.0)
+        return body
+
+
+def simulate(scenario: str, defences: str, data: Any = None, **kw: Any) -> tuple[Simulation, list[dict[str, Any]]]:
+    """One run under attack (``clean``: none): the simulation and its round records."""
+    from fedsga_edge.data import load_dataset
+
+    torch.manual_seed(kw["seed"])
+    sim = Simulation(config(scenario, defences, **kw), data if data is not None else load_dataset("digits"))
+    if scenario != "clean":
+        Attacker(sim, scenario)
+    return sim, list(sim.rounds())
+
+
+def run(scenario: str, defences: str, **kw: Any) -> dict[str, Any]:
+    """One run; its final figures and what the defences recorded."""
+    _, records = simulate(scenario, defences, **kw)
+    last = records[-1]
+    out = {"final_acc": last["test_acc"], "quarantined": last.get("quarantined", {}),
+           "anomaly": last.get("anomaly", {}).get(ATTACKER),
+           "clipped_activations": sum(sum(r.get("clipped", {}).get("activations", {}).values()) for r in records)}
+    fed = [r for r in records if "fed_acc" in r]
+    if fed:
+        out |= {"fed_acc": fed[-1]["fed_acc"], "fed_acc_median": fed[-1]["fed_acc_median"],
+                "test_acc_then": next(r["test_acc"] for r in records if r["round"] == fed[-1]["fed_model_round"])
+                if fed[-1]["fed_model_round"] else None}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--defences", default="off,on")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--clients", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--width", type=float, default=0.125)
+    ap.add_argument("--max-batches", type=int, default=6)
+    ap.add_argument("--server-copies", default="per_client", choices=("shared", "per_client"))
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    kw = dict(clients=args.clients, rounds=args.rounds, width=args.width, max_batches=args.max_batches,
+              server_copies=args.server_copies)
+    results: dict[str, Any] = {"setup": vars(args) | {"json": str(args.json)}, "runs": {}}
+    for d in args.defences.split(","):
+        for sc in args.scenarios.split(","):
+            for seed in (int(s) for s in args.seeds.split(",")):
+                r = run(sc, d, seed=seed, **kw)
+                results["runs"][f"{d}/{sc}/{seed}"] = r
+                print(f"{d:3s} {sc:18s} seed {seed}: acc {r['final_acc']:.4f} quarantined "
+                      f"{sorted(r['quarantined'])} fed {r.get('fed_acc')} fed_median {r.get('fed_acc_median')}",
+                      flush=True)
+                if args.json:
+                    args.json.write_text(json.dumps(results, indent=1, default=str))
+    print(summary(results))
+    return results
+
+
+def summary(results: dict[str, Any]) -> str:
+    """Per defence setting and scenario: mean final accuracy and the mean paired difference to clean."""
+    rows: dict[tuple[str, str], list[float]] = {}
+    for key, r in results["runs"].items():
+        d, sc, seed = key.split("/")
+        rows.setdefault((d, sc), []).append(r["final_acc"])
+    lines = ["| defences | scenario | final acc (mean) | vs clean (points, mean) |", "|---|---|---:|---:|"]
+    for (d, sc), accs in rows.items():
+        clean = rows.get((d, "clean"))
+        diff = f"{100 * (np.mean(accs) - np.mean(clean)):+.1f}" if clean and len(clean) == len(accs) else "-"
+        lines.append(f"| {d} | {sc} | {np.mean(accs):.3f} | {diff} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""A device that keeps attacking inside the bounds (issue 39; benchmarks/attacks.py, docs/protocol.md "Robust
+aggregation", "Claims", "Anomaly scores and quarantine"): each class of attack against the defence meant for it,
+on a tiny run (digits, a narrow resnet, one batch a round)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _bench import load_bench
+
+from fedsga_edge.coordinator.limits import capped_samples
+from fedsga_edge.coordinator.server import weighed_samples
+
+TINY = dict(seed=0, width=0.125, max_batches=1, server_copies="per_client")
+
+
+@pytest.fixture(scope="module")
+def attacks():
+    return load_bench("attacks")
+
+
+def _capture_updates(sim) -> dict[str, dict]:
+    """Every device's update weights as the coordinator receives them (the attacker's after its rewrite)."""
+    seen: dict[str, dict] = {}
+    receive = sim.coordinator.receive
+
+    def wrapped(msg, *a, **k):
+        if msg.kind == "update":
+            seen[msg.sender] = {n: np.array(v) for n, v in msg.body["weights"].items()}
+        return receive(msg, *a, **k)
+    sim.coordinator.receive = wrapped
+    return seen
+
+
+@pytest.mark.parametrize("scenario", ["scaled", "drag"])
+def test_a_device_whose_activations_stay_off_the_fleets_is_quarantined_and_nobody_else(attacks, digits,
+                                                                                      scenario) -> None:
+    _, records = attacks.simulate(scenario, "on", digits, clients=4, rounds=3, **TINY)
+    attacker = attacks.ATTACKER
+    score = records[0]["anomaly"][attacker]["act"]
+    assert (score > 1.0) if scenario == "scaled" else (score < -5.0)  # log2 of 2.9 and of 1e-3
+    assert all(abs(s.get("act", 0.0)) < 1.0 for d, s in records[0]["anomaly"].items() if d != attacker)
+    assert set(records[1]["quarantined"]) == {attacker} and "activations" in records[1]["quarantined"][attacker]
+    assert attacker not in records[2]["splits"]  # refused from then on
+    assert not records[2].get("clipped", {}).get("activations")  # the honest devices' bound was never dragged
+
+
+@pytest.mark.parametrize("scenario", ["sign_flip", "label_flip"])
+def test_median_aggregation_keeps_every_coordinate_within_the_honest_copies(attacks, digits, scenario) -> None:
+    from fedsga_edge.simulation import Simulation
+
+    sim = Simulation(attacks.config(scenario, "on", clients=5, rounds=1, **TINY) , digits)
+    attacks.Attacker(sim, scenario)
+    seen = _capture_updates(sim)
+    rec = sim.run_round(1)
+    assert set(rec["splits"]) == set(seen)
+    new = sim.coordinator.model.state_dict()
+    honest = [w for d, w in seen.items() if d != attacks.ATTACKER]
+    for name, w in seen[attacks.ATTACKER].items():  # the device-side block at split 1
+        if w.dtype.kind != "f":
+            continue
+        lo, hi = np.min([h[name] for h in honest], axis=0), np.max([h[name] for h in honest], axis=0)
+        got = new[name].numpy()
+        assert (got >= lo - 1e-6).all() and (got <= hi + 1e-6).all(), name
+    if scenario == "sign_flip":  # its change is 4.9x the others' the wrong way: the update score says so
+        assert rec["anomaly"][attacks.ATTACKER]["update"] > 1.0
+
+
+def test_a_claimed_sample_count_weighs_at_most_the_cap_times_the_fleets_median(attacks, digits) -> None:
+    from fedsga_edge.simulation import Simulation
+
+    assert capped_samples({"a": 100, "b": 120, "evil": 10**9}, "evil", 3.0) == 360.0
+    assert capped_samples({"a": 100, "b": 120, "evil": 10**9}, "evil", 0.0) == 10**9  # 0: as claimed
+    sim = Simulation(attacks.config("sample_lie", "on", clients=4, rounds=1, **TINY), digits)
+    attacks.Attacker(sim, "sample_lie")
+    co = sim.coordinator
+    honest = [n for d, n in co.clients.items() if d != attacks.ATTACKER]
+    assert weighed_samples(co, attacks.ATTACKER) == pytest.approx(3.0 * float(np.median(honest + [10**9])))
+    assert weighed_samples(co, "client-000") == co.clients["client-000"]  # an honest claim under the cap stands
+    assert attacks.ATTACKER in sim.run_round(1)["splits"]  # the lie is consistent, so its update is accepted
+
+
+def test_a_forged_evaluation_moves_the_weighted_figure_but_not_the_median(attacks, digits) -> None:
+    _, records = attacks.simulate("forged_eval", "on", digits, clients=5, rounds=2, **TINY)
+    rec = next(r for r in records if "fed_by_device" in r)
+    by_device = rec["fed_by_device"]
+    assert by_device[attacks.ATTACKER]["acc"] == 1.0  # accepted: a figure in range is a claim, not an error
+    honest = [v["acc"] for d, v in by_device.items() if d != attacks.ATTACKER]
+    assert min(honest) <= rec["fed_acc_median"] <= max(honest)
+    assert rec["fed_acc_median"] == pytest.approx(float(np.median(honest + [1.0])))
+
+
+def test_quarantine_needs_a_streak_of_rounds_and_survives_a_checkpoint() -> None:
+    from fedsga_edge.coordinator.anomaly import AnomalyScores
+    from fedsga_edge.wire import RemoteProtocolError
+
+    scores = AnomalyScores(threshold=1.0, rounds=2)
+    honest = {"a": 0.1, "b": -0.2}
+    scores.observe(1, honest | {"evil": 1.5}, {})
+    scores.observe(2, honest | {"evil": 0.3}, {})  # one odd round, then an ordinary one: the streak restarts
+    assert not scores.quarantined
+    scores.observe(3, honest, {"evil": -3.0})
+    rec = scores.observe(4, honest, {"evil": 2.0})
+    assert rec["evil"] == {"update": 2.0} and set(scores.quarantined) == {"evil"}
+    assert "round 4" in scores.quarantined["evil"] and "update +2.00" in scores.quarantined["evil"]
+    restored = AnomalyScores(threshold=1.0, rounds=2)
+    restored.load_state_dict(scores.state_dict())
+    with pytest.raises(RemoteProtocolError, match="quarantined: round 4"):
+        restored.check("evil")
+    restored.check("a")
+    off = AnomalyScores(threshold=0.0, rounds=1)  # off: scores recorded, nobody quarantined
+    assert off.observe(1, {"evil": 9.0}, {}) == {"evil": {"act": 9.0}} and not off.quarantined
