@@ -102,7 +102,7 @@ def test_without_the_option_nothing_changes_on_the_wire(digits) -> None:
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), True, "0.5", 1e9])
 def test_a_round_start_with_a_bad_margin_is_refused(bad: Any) -> None:
-    body = {"train": {"local_epochs": 1}, "weights": {}, "split": 1, "margin": bad}
+    body = {"train": {"local_epochs": 1}, "weights": {}, "split": 1, "fedsga": {"cal_every": 1}, "margin": bad}
     with pytest.raises(RemoteProtocolError, match="margin"):
         check_round_start(body)
     check_round_start(body | {"margin": -0.25})  # a finite one is accepted

@@ -10,6 +10,7 @@ from fedsga_edge.config import FedSGAConfig
 from fedsga_edge.coordinator.limits import check_report
 from fedsga_edge.method.policy import reference_index
 from fedsga_edge.simulation import Simulation
+from fedsga_edge.wire import RemoteProtocolError
 
 
 def test_observation_and_probe_flops_count_what_each_device_ran(digits) -> None:
@@ -26,5 +27,5 @@ def test_observation_and_probe_flops_count_what_each_device_ran(digits) -> None:
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "16"])
 def test_obs_samples_is_checked_like_the_other_counts(bad) -> None:
     check_report({"train_loss": 1.0, "obs_samples": 16})
-    with pytest.raises(ValueError, match="obs_samples"):
+    with pytest.raises(RemoteProtocolError, match="obs_samples"):
         check_report({"train_loss": 1.0, "obs_samples": bad})
