@@ -62,7 +62,8 @@ class AnomalyScores:
               ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[int, dict[str, Tensor]]]]:
         """Round t's scores from its accepted updates (each one's ``split``) and their states by unit;
         the updates and states of the devices not quarantined (one quarantined now is out already)."""
-        splits = {d: int(u["split"]) for d, u in updates.items() if int(u["split"]) > 0}
+        # whole-model updates (no split, or 0) have no activations to score
+        splits = {d: int(u["split"]) for d, u in updates.items() if (u.get("split") or 0) > 0}
         scores = self.observe(t, self.activation_scores(bounds, splits), self.update_scores(global_units, states))
         self.record = {k: v for k, v in (("anomaly", scores), ("quarantined", dict(self.quarantined))) if v}
         kept = [d for d in updates if d not in self.quarantined]
