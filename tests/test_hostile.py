@@ -26,6 +26,8 @@ def hostile():
     return load_bench("hostile", needs_mosquitto=True)
 
 
+@pytest.mark.full("a field run with a hostile device process (55-60 s, the suite's longest test); the codec fuzz, "
+                  "the login attacks and the in-process attacks cover its message classes in the default run")
 def test_a_hostile_device_changes_nothing_in_a_running_field_run(hostile, tmp_path) -> None:
     res = hostile.run_pair(tmp_path, clients=2, rounds=3, examples=40, flood_mb=150, misdeclared_mb=16, concurrent=True,
                            log=lambda s: print(s, flush=True))
