@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from fedsga_edge.config import FedSGAConfig, RunConfig, TrainConfig
@@ -22,3 +24,14 @@ def assert_test_accuracy(rec: dict[str, Any], n_test: int) -> None:
     split = rec.get("eval_split")
     assert rec["test_acc_by_split"][str(split) if split else "1"] == acc
     assert abs(sum(rec["test_pred_share"]) - 1.0) < 1e-3
+
+
+def write_fleet(path: Path, classes: dict[str, dict[str, Any]]) -> str:
+    """A fleet file with these classes (each a map of its keys); its path, as --fleet takes it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for name, keys in classes.items():
+        lines.append(f"[classes.{name}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in keys.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)

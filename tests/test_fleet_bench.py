@@ -9,20 +9,10 @@ from typing import Any
 
 import pytest
 from _bench import load_bench
-from _runs import tiny_config
+from _runs import tiny_config, write_fleet
 
 from fedsga_edge.config import FedSGAConfig, TrainConfig
 from fedsga_edge.method.policy import deadline_split
-
-
-def _fleet(path: Path, classes: dict[str, dict[str, Any]]) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for name, keys in classes.items():
-        lines.append(f"[classes.{name}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in keys.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
 
 
 # -- the rule -------------------------------------------------------------------------------------------------
@@ -66,7 +56,7 @@ DEADLINE = 2.5
 def _deadline_run(tmp_path: Path, aware: bool) -> tuple[Any, list[dict[str, Any]]]:
     from fedsga_edge.simulation import Simulation
 
-    fleet = _fleet(tmp_path / "fleet.toml", {"fast": FAST, "slow_cpu": SLOW_CPU})
+    fleet = write_fleet(tmp_path / "fleet.toml", {"fast": FAST, "slow_cpu": SLOW_CPU})
     cfg = tiny_config("fedsga", clients=4, rounds=2, width=0.125, fleet=fleet, round_timeout=DEADLINE,
                       fedsga=FedSGAConfig(rho=1.0, deadline_aware=aware),
                       train=TrainConfig(local_epochs=1, batch_size=16, max_batches=2))
@@ -109,7 +99,7 @@ def test_a_devices_first_round_is_predicted_with_its_warm_up(tmp_path: Path) -> 
     from fedsga_edge.simulation import Simulation
 
     warm = 0.6
-    fleet = _fleet(tmp_path / "fleet.toml", {"fast": FAST, "slow_cpu": {**SLOW_CPU, "warmup_s": warm}})
+    fleet = write_fleet(tmp_path / "fleet.toml", {"fast": FAST, "slow_cpu": {**SLOW_CPU, "warmup_s": warm}})
     cfg = tiny_config("fedsga", clients=4, rounds=2, width=0.125, fleet=fleet, round_timeout=5.0,
                       fedsga=FedSGAConfig(rho=1.0, deadline_aware=True),
                       train=TrainConfig(local_epochs=1, batch_size=16, max_batches=2))
@@ -132,7 +122,7 @@ def test_a_devices_first_round_is_predicted_with_its_warm_up(tmp_path: Path) -> 
 def test_deadline_aware_needs_a_fleet_and_a_deadline(tmp_path: Path) -> None:
     from fedsga_edge.simulation import Simulation
 
-    fleet = _fleet(tmp_path / "fleet.toml", {"fast": FAST, "slow_cpu": SLOW_CPU})
+    fleet = write_fleet(tmp_path / "fleet.toml", {"fast": FAST, "slow_cpu": SLOW_CPU})
     for kw in ({"fleet": fleet}, {"round_timeout": 2.0}):
         with pytest.raises(ValueError, match="--deadline-aware needs --fleet"):
             Simulation(tiny_config("fedsga", clients=4, fedsga=FedSGAConfig(deadline_aware=True), **kw))
@@ -150,10 +140,10 @@ def test_split_methods_are_the_prefix_trainers_and_fedavg(bench) -> None:
     assert not {"fedprox", "fedbabu", "fedgh", "fedas", "fedmut", "fedsga-no-adapt", "fedsga-deadline"} & set(methods)
 
 
-def test_table_from_a_fast_and_a_slow_fleet(bench, tmp_path: Path, digits) -> None:
+def test_table_from_a_fast_and_a_slowwrite_fleet(bench, tmp_path: Path, digits) -> None:
     link = {"gflops": 20.0, "rtt_ms": 2.0}
-    fast = _fleet(tmp_path / "fast.toml", {"lan": {"count": 10, "uplink_mbps": 500.0, "downlink_mbps": 500.0, **link}})
-    slow = _fleet(tmp_path / "slow.toml", {"lan": {"count": 5, "uplink_mbps": 500.0, "downlink_mbps": 500.0, **link},
+    fast = write_fleet(tmp_path / "fast.toml", {"lan": {"count": 10, "uplink_mbps": 500.0, "downlink_mbps": 500.0, **link}})
+    slow = write_fleet(tmp_path / "slow.toml", {"lan": {"count": 5, "uplink_mbps": 500.0, "downlink_mbps": 500.0, **link},
                                            "weak": {"count": 5, "uplink_mbps": 2.0, "downlink_mbps": 4.0, **link}})
     common = ["--methods", "static", "--rounds", "2", "--max-batches", "1", "--deadline", "0", "--no-progress"]
     rows = {}

@@ -4,12 +4,11 @@ rate, re-planned every round; on the virtual clock (``simulate --fleet``) and di
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _runs import tiny_config
+from _runs import tiny_config, write_fleet
 
 from fedsga_edge.config import TrainConfig
 
@@ -17,16 +16,6 @@ from fedsga_edge.config import TrainConfig
 # and 2048 values. On a 0.5 GFLOP/s CPU, p_1 is the faster split over a fast link and p_3 over a slow one.
 FAST = {"count": 2, "gflops": 50.0, "uplink_mbps": 200.0, "downlink_mbps": 400.0, "rtt_ms": 2.0}
 SLOW_CPU = {"count": 2, "gflops": 0.5, "uplink_mbps": 100.0, "downlink_mbps": 100.0, "rtt_ms": 2.0}
-
-
-def _fleet(path: Path, classes: dict[str, dict[str, Any]]) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for name, keys in classes.items():
-        lines.append(f"[classes.{name}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in keys.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
 
 
 def _config(strategy: str, fleet: str, rounds: int, **kw: Any) -> Any:
@@ -37,7 +26,7 @@ def _config(strategy: str, fleet: str, rounds: int, **kw: Any) -> Any:
 def test_a_device_whose_link_slows_mid_run_moves_its_split_within_two_rounds(tmp_path: Path) -> None:
     from fedsga_edge.simulation import Simulation
 
-    sim = Simulation(_config("planner", _fleet(tmp_path / "f.toml", {"fast": FAST, "slow_cpu": SLOW_CPU}), 5))
+    sim = Simulation(_config("planner", write_fleet(tmp_path / "f.toml", {"fast": FAST, "slow_cpu": SLOW_CPU}), 5))
     classes = sim.scheduler.classes
     slow = [c for c in sim.client_ids if classes[c].name == "slow_cpu"]
     records = [sim.run_round(t) for t in (1, 2)]
@@ -64,7 +53,7 @@ def test_with_per_client_server_copies_the_planner_trains_as_splitfed_does(tmp_p
     loss for loss (with a server copy per device the split is a cost choice only)."""
     from fedsga_edge.simulation import Simulation
 
-    fleet = _fleet(tmp_path / "f.toml", {"slow_cpu": {**SLOW_CPU, "count": 4}})
+    fleet = write_fleet(tmp_path / "f.toml", {"slow_cpu": {**SLOW_CPU, "count": 4}})
     plan = Simulation(_config("planner", fleet, 2))
     planned = list(plan.rounds())
     assert {k for r in planned for k in r["splits"].values()} == {1}
@@ -99,7 +88,7 @@ def test_a_memory_budget_rules_out_the_splits_it_cannot_fit(tmp_path: Path) -> N
 
     # over slow links p_3 is the fastest split; the device whose budget p_3's peak exceeds trains at p_2
     slow_link = {**FAST, "count": 4, "uplink_mbps": 1.0, "downlink_mbps": 1.0}
-    sim = Simulation(_config("planner", _fleet(tmp_path / "f.toml", {"slow_link": slow_link}), 2))
+    sim = Simulation(_config("planner", write_fleet(tmp_path / "f.toml", {"slow_link": slow_link}), 2))
     sim.strategy.device_registered("client-000", {"profile": hello})
     for rec in sim.rounds():
         assert rec["splits"] == {"client-000": 2, "client-001": 3, "client-002": 3, "client-003": 3}
@@ -112,7 +101,7 @@ def test_deadline_aware_fedsga_predicts_from_what_the_devices_measured(tmp_path:
     from fedsga_edge.config import FedSGAConfig
     from fedsga_edge.simulation import Simulation
 
-    cfg = _config("fedsga", _fleet(tmp_path / "f.toml", {"fast": {**FAST, "count": 4}}), 3, round_timeout=60.0,
+    cfg = _config("fedsga", write_fleet(tmp_path / "f.toml", {"fast": {**FAST, "count": 4}}), 3, round_timeout=60.0,
                   fedsga=FedSGAConfig(rho=1.0, deadline_aware=True))
     sim = Simulation(cfg)
     recs = [sim.run_round(1)]
