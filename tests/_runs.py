@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,3 +37,25 @@ def write_fleet(path: Path, classes: dict[str, dict[str, Any]]) -> str:
         lines += [f"{k} = {json.dumps(v)}" for k, v in keys.items()]
     path.write_text("\n".join(lines) + "\n")
     return str(path)
+
+
+@contextmanager
+def loopback_field_run(cfg: RunConfig, bundle: Any, tmp_path: Path) -> Iterator[Any]:
+    """The coordinator service and one device agent per client over the loopback transport, in real time: the
+    started service (``wait`` runs the rounds); the agents are stopped on the way out."""
+    from fedsga_edge.runbuild import coordinator_service, device_agent
+    from fedsga_edge.transport import LoopbackTransport
+
+    transport = LoopbackTransport()
+    service = coordinator_service(cfg, transport, tmp_path / "run", bundle=bundle, register_timeout=60)
+    service.start()
+    agents = []
+    try:
+        for i in range(cfg.clients):
+            agent = device_agent(cfg, i, transport, tmp_path / f"state-{i}", bundle=bundle)
+            agent.start(timeout=30)
+            agents.append(agent)
+        yield service
+    finally:
+        for a in agents:
+            a.stop()

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _coordinator import only_reply
-from _runs import tiny_config
+from _runs import loopback_field_run, tiny_config
 
 from fedsga_edge.coordinator.strategies.mergesfl import MergeSFL
 from fedsga_edge.coordinator.strategies.static import Static
@@ -22,26 +22,27 @@ from fedsga_edge.simulation import Simulation
 from fedsga_edge.wire import Message
 
 
-class _StepBug(Static):
-    """Static SplitFed whose ``after_step`` hook has a bug (a ValueError of its own)."""
+class _AfterStepBug:
+    """A strategy whose ``after_step`` hook has a bug (a ValueError of its own)."""
+
+    def after_step(self, Z: Any, y: Any, extra: Any) -> None:
+        raise ValueError("our bug in after_step")
+
+
+class _StepBug(_AfterStepBug, Static):
+    """Static SplitFed with the bug."""
 
     name = "step-bug-test"
     help = "throwaway test strategy: after_step raises"
     label = "Step bug (test)"
 
-    def after_step(self, Z: Any, y: Any, extra: Any) -> None:
-        raise ValueError("our bug in after_step")
 
-
-class _MergedStepBug(MergeSFL):
+class _MergedStepBug(_AfterStepBug, MergeSFL):
     """MergeSFL with the same bug: it surfaces when the merged step releases the held activations."""
 
     name = "merged-step-bug-test"
     help = "throwaway test strategy: MergeSFL whose after_step raises"
     label = "Merged step bug (test)"
-
-    def after_step(self, Z: Any, y: Any, extra: Any) -> None:
-        raise ValueError("our bug in after_step")
 
 
 class _EndRoundBug(Static):
@@ -96,24 +97,9 @@ def test_a_devices_bad_activation_is_still_refused_and_the_round_goes_on(digits)
 def test_a_strategy_hook_raising_value_error_fails_the_field_run(buggy, digits, tmp_path) -> None:
     """The coordinator service (real time, device agents over the loopback): the bug stops the run, which
     fails with it (``wait`` raises it), and the coordinator refused no one."""
-    from fedsga_edge.runbuild import coordinator_service, device_agent
-    from fedsga_edge.transport import LoopbackTransport
-
     cfg = tiny_config(_StepBug.name, clients=2, rounds=2, max_batches=2)
     cfg.round_timeout = 120.0
-    transport = LoopbackTransport()
-    service = coordinator_service(cfg, transport, tmp_path / "run", bundle=digits, register_timeout=60)
-    service.start()
-    agents = []
-    try:
-        for i in range(cfg.clients):
-            agent = device_agent(cfg, i, transport, tmp_path / f"state-{i}", bundle=digits)
-            agent.start(timeout=30)
-            agents.append(agent)
-        with pytest.raises(ValueError, match="our bug in after_step"):
-            service.wait(120)
-    finally:
-        for a in agents:
-            a.stop()
+    with loopback_field_run(cfg, digits, tmp_path) as service, pytest.raises(ValueError, match="our bug in after_step"):
+        service.wait(120)
     assert service.peer.encoded_bytes.get("error", 0) == 0 and service.co.remote_errors == 0
     assert len(service.records) <= 1  # stopped in its first round

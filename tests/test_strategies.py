@@ -11,15 +11,13 @@ from collections.abc import Iterator
 import pytest
 import typer
 from _bench import load_bench
-from _runs import tiny_config
+from _runs import loopback_field_run, tiny_config
 from typer.testing import CliRunner
 
 from fedsga_edge.coordinator import strategy as registry
 from fedsga_edge.coordinator.strategy import Method, Strategy, list_strategies, register_strategy, unregister_strategy
 from fedsga_edge.options import Opt
-from fedsga_edge.runbuild import coordinator_service, device_agent
 from fedsga_edge.simulation import run_simulation
-from fedsga_edge.transport import LoopbackTransport
 
 WAIT = 240
 
@@ -39,19 +37,8 @@ def test_every_registered_strategy_runs_a_round_in_the_field_service(name, digit
     """The coordinator service and two device agents (real time, loopback transport): all devices finish."""
     cfg = tiny_config(name, clients=2, rounds=1, max_batches=2)
     cfg.round_timeout = 120.0
-    transport = LoopbackTransport()
-    service = coordinator_service(cfg, transport, tmp_path / "run", bundle=digits, register_timeout=60)
-    service.start()
-    agents = []
-    try:
-        for i in range(cfg.clients):
-            agent = device_agent(cfg, i, transport, tmp_path / f"state-{i}", bundle=digits)
-            agent.start(timeout=30)
-            agents.append(agent)
+    with loopback_field_run(cfg, digits, tmp_path) as service:
         service.wait(WAIT)
-    finally:
-        for a in agents:
-            a.stop()
     (rec,) = service.records
     assert rec["failures"] == {} and sorted(rec["splits"]) == ["client-000", "client-001"]
 
