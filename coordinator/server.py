@@ -63,9 +63,9 @@ def samples_per_epoch(n: int, batch_size: int, max_batches: int, batching: str =
     return sum(sizes[:max_batches] if max_batches else sizes)
 
 
-def _client_part(flops: Any) -> int:
-    """The "client" count of a strategy's ``{"client": int, ...}`` FLOPs field; 0 when it is absent."""
-    value = flops.get("client", 0) if isinstance(flops, dict) else 0
+def _flops_part(flops: Any, who: str = "client") -> int:
+    """The ``who`` count of a strategy's ``{"client": int, "server": int}`` FLOPs field; 0 when it is absent."""
+    value = flops.get(who, 0) if isinstance(flops, dict) else 0
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
 
 
@@ -95,8 +95,12 @@ class Coordinator:
         self.unverified: set[str] = set()  # devices whose sample count is their own claim (their own data)
         weight = lambda d: strategy.weight(weighed_samples(self, d))
         # the strategy's own server side (MultiSFL's branches), else the one cfg asks for
-        self.server = strategy.server_side(self.model, self.head, cfg, weight) or make_server_side(
-            self.model, self.head, cfg, weight, steps=strategy.server_steps())
+        own = strategy.server_side(self.model, self.head, cfg, weight)
+        if own is not None and cfg.server_steps != 1:
+            raise ValueError(f"--server-steps {cfg.server_steps}: {strategy.name} trains its own server side "
+                             f"({type(own).__name__}), which does not take steps per activation from it")
+        self.server = own or make_server_side(self.model, self.head, cfg, weight,
+                                              steps=strategy.server_steps() * cfg.server_steps)
         self.round = RoundState()
         self.bounds = ActivationBound(cfg.clip_activations)  # docs/protocol.md, "Bounded influence"
         self.anomaly = AnomalyScores(cfg.quarantine, cfg.quarantine_rounds)  # the same, round after round
@@ -127,6 +131,7 @@ class Coordinator:
         self.fed_eval.begin_round(t)
         self.server.set_lr_scale(self.strategy.lr_scale(t))
         self.server.begin_round(self._snapshot)
+        self.server.work.begin_round()
         self.strategy.begin_round(t, calibrate)
         self._stats = {"server_samples": {}, "remote_errors": [], "refused": 0, "started": now,
                        "clipped": {"activations": {}, "updates": {}}}
@@ -183,6 +188,8 @@ class Coordinator:
         self.strategy.end_round(updates, record)
         self.fed_eval.end_round(updates, record)
         record.update(client_costs(self.cfg, self.clients, self.costs, updates, record))
+        # the server's steps and FLOPs (coordinator/server_work.py), its calibration probes' forwards included
+        record.update(self.server.work.record(_flops_part(record.get("calibration_flops"), "server")))
         clipped = {kind: counts for kind, counts in self._stats["clipped"].items() if counts}
         if clipped:  # samples / units scaled down to the fleet's bound, per device
             record["clipped"] = clipped
@@ -385,7 +392,7 @@ def client_costs(cfg: RunConfig, clients: dict[str, int], costs: CostTable, upda
         return {"client_flops_per_sample": 0.0, "client_train_flops_per_sample": 0.0,
                 "client_method_flops_per_sample": 0.0, "client_params": 0.0, "client_samples": 0}
     train = sum(seen[c] * costs.train(int(u["split"])) for c, u in updates.items())
-    method = sum(_client_part(record.get(key)) for key in ("observation_flops", "calibration_flops"))
+    method = sum(_flops_part(record.get(key)) for key in ("observation_flops", "calibration_flops"))
     params = sum(seen[c] * costs.params[int(u["split"])] for c, u in updates.items())
     return {"client_flops_per_sample": (train + method) / total, "client_train_flops_per_sample": train / total,
             "client_method_flops_per_sample": method / total, "client_params": params / total,

@@ -18,7 +18,8 @@
 Each is a ``ServerSide``: the coordinator ``submit``s each accepted activation and gets back what
 became of it (stepped now, or nothing yet while held), asks ``release`` after every event that can
 complete a held step, tells it when a device is done and when the round ends. A new variant is a
-subclass registered in ``SERVER_SIDES`` or built by its strategy's ``server_side`` hook.
+subclass registered in ``SERVER_SIDES`` or built by its strategy's ``server_side`` hook. Every optimizer
+step a side takes is counted, with its FLOPs, in its ``work`` (coordinator/server_work.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from fedsga_edge.wire import RemoteProtocolError
 
 from .influence import clip_updates
 from .limits import all_finite
+from .server_work import ServerWork, step_flops
 
 __all__ = ["ServerCopy", "ServerSide", "SharedServer", "ContextServer", "PerClientServer",
            "BranchServer", "MergedServer", "SERVER_SIDES", "make_server_side"]
@@ -107,8 +109,9 @@ class ServerSide:
         self.weight = weight  # device -> its weight in the copies' average
         self.shared = ServerCopy(model, head, cfg)
         self.lr_scale = 1.0  # the round's factor of every copy's rate (set_lr_scale)
-        # optimizer steps per accepted activation (MU-SplitFed's tau; make_server_side sets it)
+        # optimizer steps per accepted activation (MU-SplitFed's tau, --server-steps; make_server_side sets it)
         self.steps = 1
+        self.work = ServerWork()  # every step this side takes, and its FLOPs (coordinator/server_work.py)
 
     def set_lr_scale(self, factor: float) -> None:
         """The learning-rate schedule's factor for the round about to start (RunConfig.lr_scale): the shared copy
@@ -193,6 +196,8 @@ class ServerSide:
             side.opt.zero_grad(set_to_none=True)
             raise RemoteProtocolError("the activation gives a non-finite loss or gradient: refused, nothing changed")
         side.opt.step()
+        rows = len(z) + sum(len(c) for c in context)  # the context rows ran forward and backward too
+        self.work.add(("step", k), rows, lambda: step_flops(strategy, side.model, side.head, z, k))
         self.remember(device, k, z)
         return loss, Z
 
@@ -516,6 +521,7 @@ class MergedServer(SharedServer):
             side.opt.zero_grad(set_to_none=True)
             raise RemoteProtocolError("the merged batch gives a non-finite loss or gradient: refused, nothing changed")
         side.opt.step()
+        self.work.add(("step", k), len(y), lambda: step_flops(strategy, side.model, side.head, z, k))
         out: dict[str, Tensor] = {}
         start, total = 0, len(y)
         for device, zi, _ in batches:
@@ -531,7 +537,7 @@ SERVER_SIDES: dict[str, type[ServerSide]] = {"shared": SharedServer, "per_client
 def make_server_side(model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float],
                      steps: int = 1) -> ServerSide:
     """The server side ``cfg`` asks for, taking ``steps`` optimizer steps per activation (the strategy's
-    ``server_steps``: MU-SplitFed's tau) on the shared copy or on each device's own."""
+    ``server_steps``, MU-SplitFed's tau, times ``--server-steps``) on the shared copy or on each device's own."""
     if steps < 1:
         raise ValueError(f"the server takes at least one step per activation, got {steps}")
     if cfg.server_copies == "shared" and cfg.server_bn_context:

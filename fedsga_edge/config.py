@@ -199,6 +199,11 @@ class RunConfig:
         "the latest activations of up to N other devices at the same split (no loss on their rows). Under label "
         "skew a single device's batch is nearly one class (docs/method.md, \"Server-side BatchNorm statistics\").",
         ge=0)
+    server_steps: int = opt(
+        1, "Server optimizer steps on each accepted activation, on the copy it trains (the device's gradient is "
+        "the first's), times a method's own (MU-SplitFed's tau): SplitFed at another method's server work "
+        "(docs/method.md, \"Costs\"). Not with --server-bn-context, nor with MultiSFL's or MergeSFL's own server "
+        "sides.", ge=1, le=64)
     clip_activations: float = opt(
         3.0, "Bounded influence of one device: an activation sample whose L2 norm exceeds this many times the "
         "other devices' typical norm at its split (the upper median over them of each one's median) is scaled "

@@ -226,6 +226,9 @@ def summarize(records: list[dict[str, Any]], cfg: "RunConfig", wall_s: float) ->
         "failures": sum(len(r.get("failures", {})) for r in records),
         "wall_s": wall_s,
     }
+    if records and all("server_steps" in r for r in records):  # the server's work (docs/method.md, "Costs")
+        out["server_steps"] = int(sum(r["server_steps"] for r in records))
+        out["server_flops"] = int(sum(r["server_flops"] for r in records))
     fleet = [r["fleet_s"] for r in records if "fleet_s" in r]
     if fleet:  # simulate --fleet: the seconds the fleet would have taken (docs/fleet.md); absent otherwise
         out["fleet_s"] = float(sum(fleet))

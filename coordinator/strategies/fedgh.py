@@ -53,6 +53,18 @@ def train_head(head: "nn.Module", samples: list[tuple["Tensor", int]], lr: float
     return losses
 
 
+def _head_flops(head: "nn.Module", sample: tuple["Tensor", int]) -> float:
+    """FLOPs of one of ``train_head``'s steps (one class mean through the head, forward and backward)."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..server_work import pass_flops
+
+    mean, label = sample
+    target = torch.tensor([label], device=mean.device)
+    return pass_flops((head,), lambda h: F.cross_entropy(h(mean.reshape(1, -1)), target), 1)
+
+
 @register_strategy
 class FedGH(FedAvg):
     name = "fedgh"
@@ -121,6 +133,9 @@ class FedGH(FedAvg):
                    for cid in sorted(updates)
                    for c, mean in zip(updates[cid]["method"]["classes"], updates[cid]["method"]["means"])]
         losses = train_head(model.head, samples, self.args["server_lr"], self.args["server_epochs"])
+        if losses:  # the server's work (coordinator/server_work.py): one step per class mean and epoch
+            self._coordinator.server.work.add("head", len(losses), lambda: _head_flops(model.head, samples[0]),
+                                              steps=len(losses))
         record["head_loss"] = float(np.mean(losses)) if losses else None
         record["class_means"] = len(samples)
         head = head_state(model)

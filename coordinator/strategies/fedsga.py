@@ -230,6 +230,10 @@ class FedSGA(Strategy):
         loss = phi_s_loss(self.phi_s(h1), y, self.prototypes.protos, self.cfg.fedsga.tau_a)
         loss.backward()
         self.phi_opt.step()
+        from ..server_work import pass_flops  # the server's work (coordinator/server_work.py)
+
+        self.co.server.work.add("phi_s", len(y), lambda: pass_flops(
+            (self.phi_s,), lambda phi: phi_s_loss(phi(h1), y, self.prototypes.protos, self.cfg.fedsga.tau_a), len(y)))
         self._phi_loss += float(loss.detach())
         self._phi_steps += 1
 

@@ -22,13 +22,18 @@ class Static(Strategy):
     def methods(cls) -> dict[str, Method]:
         return {"static-p1": Method("Static at p_1 (shallowest)", split="1", default=False),
                 "static": Method(cls.label, split="ref"),
+                # SplitFed at MU-SplitFed's server work (tau 2): a method's gain compared at equal server steps
+                "static-steps2": Method("Static at p_ref, 2 server steps per activation (SplitFed at MU-SplitFed's "
+                                        "server work)", split="ref", overrides={"server_steps": 2}, default=False),
                 "static-pK": Method("Static at p_K (deepest)", split="K", default=False)}
 
     @classmethod
     def method_name(cls, cfg: RunConfig, num_splits: int) -> str:
         if not num_splits or cfg.split == reference_index(num_splits):
-            return "static"
-        return f"static-{split_suffix(cfg.split, num_splits)}"
+            name = "static"
+        else:
+            name = f"static-{split_suffix(cfg.split, num_splits)}"
+        return name if cfg.server_steps == 1 else f"{name}-steps{cfg.server_steps}"
 
     def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
         return {c: self.cfg.split for c in clients}
