@@ -573,12 +573,17 @@ def _acc_table(g: dict, parts: list[str], methods: list[str], title: str, rows: 
 def _cost_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:
     """Table 5: client cost per method and partition."""
     out: list[str] = []
-    out.append("**Table 5 (shape of the paper's): client cost** — means over rounds, clients and seeds")
+    out.append("**Table 5 (shape of the paper's): client and server cost** — means over rounds, clients and seeds; "
+               "server steps and GFLOPs per round: every server optimizer step of the round (server blocks, "
+               "MU-SplitFed's tau, MultiSFL's replay, MergeSFL's merged batches, FedSGA's phi_s, FedGH's head) and "
+               "the forward + backward FLOPs before it, FedSGA's probe forwards included, counted where the server "
+               "steps (coordinator/server_work.py); — where a run's records predate that count (not estimated)")
     out.append("")
     out.append("| Method | Partition | client params (K) | client MFLOPs/sample (training + method) | of which the method's "
-               "(observation, probes) | client FLOPs / static's (per seed) | split histogram (k: client-rounds, all seeds) "
+               "(observation, probes) | client FLOPs / static's (per seed) | server steps / round "
+               "| server GFLOPs / round | split histogram (k: client-rounds, all seeds) "
                "| wall s / run (CPU s) | MB on the wire / run |")
-    out.append("|---|---|---:|---:|---:|---:|---|---:|---:|")
+    out.append("|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for m in methods:
         for p in parts:
             ss = g.get((m, p))
@@ -592,7 +597,8 @@ def _cost_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:
             out.append(
                 f"| {LABELS.get(m, m)} | {partition_label(p)} | {np.mean([s['client_params'] for s in ss]) / 1e3:.1f} "
                 f"| {np.mean([s['client_flops_per_sample'] for s in ss]) / 1e6:.2f} | {_method_flops(ss)} "
-                f"| {_flops_ratio(ss, g.get((REFERENCE, p), []))} | {hist_s} "
+                f"| {_flops_ratio(ss, g.get((REFERENCE, p), []))} | {_server_work(ss, 'server_steps', 1, 1)} "
+                f"| {_server_work(ss, 'server_flops', 1e9, 2)} | {hist_s} "
                 f"| {np.mean([s['wall_s'] for s in ss]):.0f}{_cpu(ss)} | {np.mean([s['bytes_total'] for s in ss]) / 1e6:.1f} |"
             )
     out.append("")
@@ -684,6 +690,15 @@ def _method_flops(ss: list[dict[str, Any]]) -> str:
     "—" for runs summarised before the cost was split (their figure is training only)."""
     vals = [s.get("client_method_flops_per_sample") for s in ss]
     return "—" if any(v is None for v in vals) else f"{np.mean(vals) / 1e6:.2f}"
+
+
+def _server_work(ss: list[dict[str, Any]], key: str, unit: float, digits: int) -> str:
+    """The server's ``key`` total (steps, FLOPs) per round in ``unit``, mean over seeds; "—" when a run's
+    records predate the count (summary.json without it: its work was not counted, and is not guessed)."""
+    vals = [s.get(key) for s in ss]
+    if any(v is None for v in vals):
+        return "—"
+    return f"{np.mean([v / s['rounds'] for v, s in zip(vals, ss)]) / unit:.{digits}f}"
 
 
 def _flops_ratio(ss: list[dict[str, Any]], ref: list[dict[str, Any]]) -> str:

@@ -128,8 +128,10 @@ def test_a_config_the_strategy_cannot_run_is_refused_before_the_cost_table(name,
 
 # -- options a strategy declares it never reads --------------------------------------------------------
 # Two settings of the server side that differ in every option (server_bn_context needs the shared copy)
-_SERVER_A = {"server_copies": "per_client", "server_bn": "round", "server_lr": 0.7, "server_bn_context": 0}
-_SERVER_B = {"server_copies": "shared", "server_bn": "ema", "server_lr": None, "server_bn_context": 2}
+_SERVER_A = {"server_copies": "per_client", "server_bn": "round", "server_lr": 0.7, "server_bn_context": 0,
+             "server_steps": 2}
+_SERVER_B = {"server_copies": "shared", "server_bn": "ema", "server_lr": None, "server_bn_context": 2,
+             "server_steps": 1}
 
 
 def _ignoring() -> list[str]:
