@@ -59,6 +59,16 @@ def _server_head(model: Any, num_classes: int, fed: Any) -> Any:
     return ServerHead()
 
 
+def _phi_s_flops(fed: "FedSGA", h1: "Tensor", y: "Tensor") -> float:
+    """FLOPs per row of phi_s's step (its forward and backward on the pooled p_1 features): the server's work."""
+    from fedsga_edge.method import phi_s_loss
+
+    from ..server_work import pass_flops
+
+    protos, tau = fed.prototypes.protos, fed.cfg.fedsga.tau_a
+    return pass_flops((fed.phi_s,), lambda phi: phi_s_loss(phi(h1), y, protos, tau), len(y))
+
+
 @register_strategy
 class FedSGA(Strategy):
     name = "fedsga"
@@ -230,10 +240,7 @@ class FedSGA(Strategy):
         loss = phi_s_loss(self.phi_s(h1), y, self.prototypes.protos, self.cfg.fedsga.tau_a)
         loss.backward()
         self.phi_opt.step()
-        from ..server_work import pass_flops  # the server's work (coordinator/server_work.py)
-
-        self.co.server.work.add("phi_s", len(y), lambda: pass_flops(
-            (self.phi_s,), lambda phi: phi_s_loss(phi(h1), y, self.prototypes.protos, self.cfg.fedsga.tau_a), len(y)))
+        self.co.server.work.add("phi_s", len(y), lambda: _phi_s_flops(self, h1, y))  # coordinator/server_work.py
         self._phi_loss += float(loss.detach())
         self._phi_steps += 1
 
