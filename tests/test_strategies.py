@@ -30,6 +30,15 @@ def test_every_registered_strategy_runs_a_round_in_simulate(name, digits, tmp_pa
     assert summary["rounds"] == 1 and summary["failures"] == 0
     assert sorted(records[0]["splits"]) == ["client-000", "client-001"]  # both devices' updates arrived
     assert config["method"]["name"] in registry.all_methods() and config["method"]["label"]
+    _assert_server_work(records[0])
+    assert summary["server_steps"] == records[0]["server_steps"]
+
+
+def _assert_server_work(rec: dict) -> None:
+    """Every record has the round's server work; a device trained at a split: the server stepped on it."""
+    steps, flops = rec["server_steps"], rec["server_flops"]
+    assert isinstance(steps, int) and isinstance(flops, int) and (steps > 0) == (flops > 0)
+    assert steps > 0 or all(k == 0 for k in rec["splits"].values())
 
 
 @pytest.mark.parametrize("name", list_strategies())
@@ -41,6 +50,7 @@ def test_every_registered_strategy_runs_a_round_in_the_field_service(name, digit
         service.wait(WAIT)
     (rec,) = service.records
     assert rec["failures"] == {} and sorted(rec["splits"]) == ["client-000", "client-001"]
+    _assert_server_work(rec)  # a field run's records count it where simulate's do
 
 
 # -- a throwaway strategy: one class and its registration, nothing else ----------------------------
