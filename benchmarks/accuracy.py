@@ -2,8 +2,9 @@
 
 Runs every (method, partition, seed) as one in-process simulation, then prints tables shaped
 like the paper's Table 2 (accuracy, mean ± std over seeds), Table 4 (ablations) and Table 5
-(client parameters, client FLOPs/sample, wall time, bytes), plus FedSGA's calibration cost
-against probing all K depths every round (the O(|T_cal|) vs O(KT) claim), as markdown.
+(client parameters, client FLOPs/sample, server steps and FLOPs per round, wall time, bytes), plus
+FedSGA's calibration cost against probing all K depths every round (the O(|T_cal|) vs O(KT) claim),
+as markdown.
 
     python benchmarks/accuracy.py                       # --preset cpu: about an hour on 2 cores
     python benchmarks/accuracy.py --preset paper --device auto   # records in benchmarks/records/<preset>
