@@ -14,9 +14,16 @@ from fedsga_edge.runfiles import summarize
 from fedsga_edge.simulation import Simulation
 
 
+_RUNS: dict[str, tuple[Simulation, list[dict]]] = {}
+
+
 def _run(strategy: str, digits, **kw) -> tuple[Simulation, list[dict]]:
-    sim = Simulation(tiny_config(strategy, clients=2, rounds=1, max_batches=2, eval_every=1, **kw), digits)
-    return sim, list(sim.rounds())
+    """One round of two devices, two batches each; the same run once for every test of this file."""
+    key = f"{strategy} {sorted(kw.items())}"
+    if key not in _RUNS:
+        sim = Simulation(tiny_config(strategy, clients=2, rounds=1, max_batches=2, eval_every=1, **kw), digits)
+        _RUNS[key] = sim, list(sim.rounds())
+    return _RUNS[key]
 
 
 def test_server_steps_k_multiplies_the_recorded_steps_and_changes_the_weights(digits) -> None:
@@ -54,6 +61,17 @@ def test_a_method_without_a_server_step_records_none_and_fedgh_its_head_steps(di
     assert (avg[0]["server_steps"], avg[0]["server_flops"]) == (0, 0)
     _, gh = _run("fedgh", digits, strategy_args={"server_lr": 0.01, "server_epochs": 2})
     assert gh[0]["server_steps"] == 2 * gh[0]["class_means"] > 0 and gh[0]["server_flops"] > 0
+
+
+def test_fedsgas_phi_s_steps_count_beside_the_server_blocks(digits) -> None:
+    """FedSGA's server also trains phi_s, one step per activation once the prototypes exist (from round 2):
+    round 2 counts twice round 1's steps; round 1's FLOPs include the calibration probes' server forwards."""
+    sim = Simulation(tiny_config("fedsga", clients=2, rounds=2, max_batches=1), digits)
+    first, second = sim.rounds()
+    activations = 2  # two devices, one batch each
+    assert first["server_steps"] == activations and "phi_s_loss" not in first
+    assert second["server_steps"] == 2 * activations and "phi_s_loss" in second
+    assert first["server_flops"] > first["calibration_flops"]["server"] > 0
 
 
 def test_splitfed_at_matched_steps_takes_musplitfeds_server_steps(digits) -> None:
