@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FED_KEYS", "fed_evaluations", "own_acc", "own_data_of", "final_own_data"]
+__all__ = ["FED_KEYS", "fed_evaluations", "own_acc", "device_mean", "own_data_of", "final_own_data"]
 
 # the figures of one evaluation, as a round's record and ``fed_final`` hold them
 FED_KEYS = ("fed_acc", "fed_loss", "fed_count", "fed_model_round", "fed_by_device", "fed_acc_median",
@@ -36,6 +36,15 @@ def own_acc(fig: dict[str, Any]) -> float:
     fine-tune their copies of the head (``fed_acc_finetuned``), every other method's model as its devices
     use it (``fed_acc``: FedGH's own body under the server's head, FedAS's aligned body and own head)."""
     return float(fig.get("fed_acc_finetuned", fig["fed_acc"]))
+
+
+def device_mean(fig: dict[str, Any]) -> float:
+    """The mean over devices of each one's own-data accuracy (``own_acc``'s figure per device: each device
+    counts once, whatever its slice's size); the count-weighted ``own_acc`` where devices are not listed."""
+    devices = fig.get("fed_by_device")
+    if not devices:
+        return own_acc(fig)
+    return float(sum(d.get("acc_finetuned", d["acc"]) for d in devices.values()) / len(devices))
 
 
 def own_data_of(records: list[dict[str, Any]], model_round: int) -> dict[str, Any] | None:

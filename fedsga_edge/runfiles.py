@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
-from fedsga_edge.owndata import fed_evaluations
+from fedsga_edge.owndata import device_mean, fed_evaluations, final_own_data
 
 if TYPE_CHECKING:
     from fedsga_edge.config import RunConfig
@@ -238,6 +238,9 @@ def summarize(records: list[dict[str, Any]], cfg: "RunConfig", wall_s: float) ->
         out["final_fed_acc"], out["fed_model_round"] = fed[-1]["fed_acc"], fed[-1]["fed_model_round"]
         if "fed_acc_finetuned" in fed[-1]:  # FedBABU: the devices' fine-tuned heads on the same model
             out["final_fed_acc_finetuned"] = fed[-1]["fed_acc_finetuned"]
+    final = final_own_data(records)
+    if final is not None:  # the final model as each device uses it, on its own data: mean over devices
+        out["final_own_acc"] = device_mean(final)
     return out
 
 
