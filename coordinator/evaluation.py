@@ -122,6 +122,11 @@ class FederatedEvaluation:
     ``fed_acc_median`` and ``fed_loss_median``: the median over devices, which one device forging its figure
     cannot move (these figures are device-claimed; the coordinator's own is ``test_acc``).
 
+    After the last round the final evaluation (``begin_round(t, only=True)``, ``t`` the last round + 1) has
+    every device evaluate the model the run ended with and nothing else: the round start says
+    ``evaluate_only``, ``check_kind`` refuses training requests, ``on_final_update`` takes the figures without
+    weights and ``end_final`` gives them with ``fed_model_round`` the last round (the driver's ``fed_final``).
+
     Under a strategy with ``finetuned_eval`` (FedBABU) a whole-model device's figures come with the fine-tuned
     model's ``eval_loss_finetuned`` and ``eval_acc_finetuned`` (the same slice, so the same count): required
     there and refused elsewhere; the record gets ``fed_acc_finetuned`` and ``fed_loss_finetuned`` (weighted by

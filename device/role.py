@@ -382,6 +382,8 @@ def check_round_start(body: dict[str, Any]) -> None:
         method = check_method(body)  # the device side it arms (device/methods.py), its settings checked
         if not isinstance(body["weights"], dict):
             raise TypeError("weights must be a map of arrays")
+        if not isinstance(body.get("evaluate_only", False), bool):
+            raise TypeError("evaluate_only must be true or false")
         split = body.get("split")
         if split is not None and (not isinstance(split, int) or isinstance(split, bool)):
             raise TypeError("split must be an integer")
