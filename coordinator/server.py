@@ -202,14 +202,8 @@ class Coordinator:
         full = k == 0
         depth = self.model.num_blocks + 1 if full else self.model.depth_of(k if k is not None else 1)
         names = [n for n in self._snapshot if self.model.unit_of(n) < depth]
-        return round_start_body(instruction, to_numpy_state(self._device_copy(cid, names)), self.fed_eval.active,
+        return round_start_body(instruction, to_numpy_state(device_copy(self, cid, names)), self.fed_eval.active,
                                 self.fed_eval.only)
-
-    def _device_copy(self, cid: str, names: Any) -> dict[str, Tensor]:
-        """The snapshot's ``names`` as ``cid`` receives them: the strategy's copy (FedMut's mutation; the snapshot
-        itself by default), the snapshot itself in the final evaluation (the model as the run ends)."""
-        weights = {n: self._snapshot[n] for n in names}
-        return weights if self.fed_eval.only else self.strategy.device_weights(cid, self.round.t, weights)
 
     # -- message handling -------------------------------------------------------------------------
     def receive(self, msg: Message, now: float | None = None) -> Outgoing:
@@ -298,7 +292,7 @@ class Coordinator:
         blocks = check_blocks(msg.body["blocks"], self.model.num_blocks)
         if bool(msg.body.get("head")):
             blocks.add(self.model.num_blocks)
-        weights = self._device_copy(msg.sender, [n for n in self._snapshot if self.model.unit_of(n) in blocks])
+        weights = device_copy(self, msg.sender, [n for n in self._snapshot if self.model.unit_of(n) in blocks])
         return "weights", {"weights": to_numpy_state(weights)}
 
     def _on_update(self, msg: Message) -> tuple[str, dict[str, Any]]:
@@ -372,6 +366,13 @@ class Coordinator:
     def state_dict(self) -> dict[str, Any]:
         """The trained server state (checkpoint.pt's "coordinator"): weights, head, the strategy's own."""
         return {"model": self.model.state_dict(), "head": self.head.state_dict(), "strategy": self.strategy.state_dict()}
+
+
+def device_copy(co: Coordinator, cid: str, names: Any) -> dict[str, Tensor]:
+    """The round snapshot's ``names`` as ``cid`` receives them: the strategy's copy (FedMut's mutation; the
+    snapshot itself by default), the snapshot itself in the final evaluation (the model as the run ended)."""
+    weights = {n: co._snapshot[n] for n in names}
+    return weights if co.fed_eval.only else co.strategy.device_weights(cid, co.round.t, weights)
 
 
 def weighed_samples(co: Coordinator, device: str) -> float:
