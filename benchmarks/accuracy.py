@@ -544,15 +544,16 @@ def _acc_table(g: dict, parts: list[str], methods: list[str], title: str, rows: 
     rows = [m for m in rows if m in methods and any((m, p) in g for p in parts)]
     if not rows:
         return out
+    own = any(own_data_acc(s) is not None for m in rows for p in parts for s in g.get((m, p), []))
     out.append(f"**{title}** — test accuracy (%, the headline: mean of the last evaluations on the full test set), "
                f"mean ± std over seeds; Δ: paired difference to {LABELS.get(REFERENCE, REFERENCE)} over the same "
                "seeds, mean ± standard error (wins k/n)" + ("; Δ full: the same, to the variant's full method"
-                                                          if vs_full else ""))
+                                                          if vs_full else "") + (f"; {OWN_DATA_NOTE}" if own else ""))
     out.append("")
     cols = [f"{partition_label(p)} | Δ {partition_label(p)}" + (f" | Δ full {partition_label(p)}" if vs_full else "")
-            for p in parts]
+            + (f" | own data {partition_label(p)}" if own else "") for p in parts]
     out.append("| Method | " + " | ".join(cols) + " | seeds |")
-    out.append("|---|" + ("---:|---:|---:|" if vs_full else "---:|---:|") * len(parts) + "---:|")
+    out.append("|---|" + ("---:|" * (2 + vs_full + own)) * len(parts) + "---:|")
     for m in rows:
         cells = []
         full = REGISTERED[m][0] if m in REGISTERED else m
@@ -564,11 +565,35 @@ def _acc_table(g: dict, parts: list[str], methods: list[str], title: str, rows: 
             if vs_full:
                 cells.append("0 (full)" if m == full and ss else _paired_cell(paired(ss, g.get((full, p), [])))
                              if ss else "—")
+            if own:
+                cells.append(_own_data_cell(ss))
         n = max(len(g.get((m, p), [])) for p in parts)
         out.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + f" | {n} |")
     out.append("")
-
+    if not own:
+        out += [f"No own-data column: {OWN_DATA_MISSING}.", ""]
     return out
+
+
+OWN_DATA_NOTE = ("test accuracy scores the global model on the test set (FedGH's: each device's body under the "
+                 "server's head, averaged); own data: each device's held-out slice of its own data (--eval-holdout) "
+                 "scored on the model it uses after the last round (FedBABU's after fine-tuning its head, FedGH's "
+                 "own body, FedAS's aligned body and own head), mean over devices, mean ± std over seeds; the same "
+                 "model as the final test evaluation")
+OWN_DATA_MISSING = ("these records have no devices' evaluation of the final model (recorded before the final "
+                    "evaluation existed, or run without --eval-holdout); \"—\" where one run lacks it")
+
+
+def own_data_acc(summary: dict[str, Any]) -> float | None:
+    """A run's own-data accuracy of its final model (``summarize``'s ``final_own_acc``), None where its
+    records predate the final evaluation or the run had no ``--eval-holdout``: never an earlier model's."""
+    return summary.get("final_own_acc")
+
+
+def _own_data_cell(ss: list[dict[str, Any]]) -> str:
+    """The own-data cell: mean ± std over the seeds; "—" when any seed's run lacks the figure (no mixing)."""
+    vals = [own_data_acc(s) for s in ss]
+    return "—" if not vals or None in vals else _ms(vals)
 
 
 def _cost_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:

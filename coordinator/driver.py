@@ -8,7 +8,10 @@ does one round around it the same way whatever the devices are:
 2. the scheduler advances the devices until ``tick`` says the round is over (all done, or the
    deadline on the clock passed);
 3. ``end_round`` (aggregation), the wire bytes each way, evaluation when
-   ``t % eval_every == 0 or t == rounds``, the round's wall time.
+   ``t % eval_every == 0 or t == rounds``, the round's wall time;
+4. after the last round, with ``--eval-holdout``, the final evaluation: an evaluation-only exchange
+   (round ``rounds + 1``: round starts with ``evaluate_only``, the devices' held-out figures, no training)
+   whose figures are the last round's ``fed_final``, so the final model has its own-data figure.
 
 Every call into the Coordinator returns what it wants sent (``Outgoing``: device, message). The
 round starts are new messages (``peer.send``); everything else answers a device's request. What a
@@ -64,7 +67,8 @@ class Driven(Protocol):
     clients: dict[str, int]  # device -> partition size, in partition order
     round: Any  # RoundState: calibrate, waiting
 
-    def begin_round(self, t: int, now: float | None = None, devices: list[str] | None = None) -> Outgoing: ...
+    def begin_round(self, t: int, now: float | None = None, devices: list[str] | None = None,
+                    evaluate_only: bool = False) -> Outgoing: ...
     def receive(self, msg: Any, now: float | None = None) -> Outgoing: ...
     def tick(self, now: float | None = None) -> Outgoing: ...
     def fail(self, device: str, reason: str) -> Outgoing: ...
@@ -133,18 +137,7 @@ class RoundDriver:
         started = time.perf_counter()
         up0 = {c: stats.bytes_sent(src=c) for c in co.clients}
         down0 = stats.bytes_sent(src=self.peer.me)
-        with lock:
-            starts = co.begin_round(t, self.clock.now(), devices=devices)
-            calibrate = co.round.calibrate
-        self.log.info("round_begin", round=t, devices=devices, calibrate=calibrate, round_timeout=cfg.round_timeout)
-        self._start_devices(starts)
-        with lock:
-            self.scheduler.advance(co, self.clock, self.send)
-            rec, out = co.end_round(self.clock.now())
-            self.send(out)  # what the closed round still held: refused, not left waiting
-            fields = getattr(self.scheduler, "round_fields", None)  # a fleet's fleet_s and per-device timing
-            if fields is not None:
-                rec.update(fields())
+        rec = self._exchange(t, devices)
         # bytes each device sent this round: a failed device's partial work shows here (docs/protocol.md, "Faults")
         up_by = {c: stats.bytes_sent(src=c) - up0[c] for c in co.clients}
         rec["bytes_up"] = sum(up_by.values())
@@ -153,11 +146,33 @@ class RoundDriver:
             images, mean, std = self.test
             with lock:
                 rec.update(co.evaluate(images, mean, std))
+        if t == cfg.rounds and cfg.eval_holdout > 0:  # the final model's own-data figure, beside its test figure
+            rec["fed_final"] = self._exchange(t + 1, self.scheduler.devices(t + 1), evaluate_only=True)
         rec["wall_s"] = time.perf_counter() - started
         self.log.log("round_end", "warning" if rec["failures"] else "info", round=t, updates=sorted(rec["splits"]),
                      failures=rec["failures"], train_loss=rec["train_loss"], test_acc=rec.get("test_acc"),
                      wall_s=rec["wall_s"], bytes_up_by_device={c: n for c, n in up_by.items() if n > 0},
                      **({"quarantined": rec["quarantined"]} if rec.get("quarantined") else {}))  # device -> why
+        return rec
+
+    def _exchange(self, t: int, devices: list[str], evaluate_only: bool = False) -> dict[str, Any]:
+        """Round ``t`` with ``devices``, from its round starts to its close: its record. ``evaluate_only``: the
+        final evaluation after the last round (the devices' figures of the model as the run ends; its record is
+        the ``fed_final`` of the last round's)."""
+        co, lock = self.co, self.scheduler.lock
+        with lock:
+            starts = co.begin_round(t, self.clock.now(), devices=devices, evaluate_only=evaluate_only)
+            calibrate = co.round.calibrate
+        self.log.info("round_begin", round=t, devices=devices, calibrate=calibrate,
+                      round_timeout=co.cfg.round_timeout, **({"evaluate_only": True} if evaluate_only else {}))
+        self._start_devices(starts)
+        with lock:
+            self.scheduler.advance(co, self.clock, self.send)
+            rec, out = co.end_round(self.clock.now())
+            self.send(out)  # what the closed round still held: refused, not left waiting
+            fields = getattr(self.scheduler, "round_fields", None)  # a fleet's fleet_s and per-device timing
+            if fields is not None and not evaluate_only:
+                rec.update(fields())
         return rec
 
     def _start_devices(self, starts: Outgoing) -> None:

@@ -122,6 +122,11 @@ class FederatedEvaluation:
     ``fed_acc_median`` and ``fed_loss_median``: the median over devices, which one device forging its figure
     cannot move (these figures are device-claimed; the coordinator's own is ``test_acc``).
 
+    After the last round the final evaluation (``begin_round(t, only=True)``, ``t`` the last round + 1) has
+    every device evaluate the model the run ended with and nothing else: the round start says
+    ``evaluate_only``, ``check_kind`` refuses training requests, ``on_final_update`` takes the figures without
+    weights and ``end_final`` gives them with ``fed_model_round`` the last round (the driver's ``fed_final``).
+
     Under a strategy with ``finetuned_eval`` (FedBABU) a whole-model device's figures come with the fine-tuned
     model's ``eval_loss_finetuned`` and ``eval_acc_finetuned`` (the same slice, so the same count): required
     there and refused elsewhere; the record gets ``fed_acc_finetuned`` and ``fed_loss_finetuned`` (weighted by
@@ -131,9 +136,13 @@ class FederatedEvaluation:
     MAX_COUNT = 10**9
     FINETUNED = ("eval_loss_finetuned", "eval_acc_finetuned")  # a ``finetuned_eval`` strategy's second figure
 
+    # what a device may send in the final evaluation: its weights, its held-out batches, its figures
+    FINAL_KINDS = ("fetch", "evaluate", "update", "error")
+
     def __init__(self, co: Any) -> None:
         self.co = co
         self.active = False
+        self.only = False  # the final evaluation after the last round runs: nothing trains
         self.t = 0
         self.expected: dict[str, int] = {}  # device -> its held-out slice's size, where known (hello, simulate)
         self._model: Any = None
@@ -145,15 +154,35 @@ class FederatedEvaluation:
         cfg = self.co.cfg
         return cfg.eval_holdout > 0 and (t - 1) % max(int(cfg.eval_every), 1) == 0
 
-    def begin_round(self, t: int) -> None:
-        """Call when the round's snapshot is taken: the model and head as the round starts are kept."""
-        import copy
-
-        self.t, self.tally = t, {}
-        self.active = self.evaluates(t)
+    def begin_round(self, t: int, only: bool = False) -> None:
+        """Call when the round's snapshot is taken: the model and head as the round starts are kept. ``only``:
+        the final evaluation (``t`` the last round + 1): the model as the run ends, evaluated and nothing else."""
+        self.t, self.tally, self.only = t, {}, only
+        self.active = only or self.evaluates(t)
         self._model = copy.deepcopy(self.co.model).eval() if self.active else None
         self._head_state = ({k: v.detach().clone() for k, v in self.co.head.state_dict().items()}
                             if self.active else None)
+
+    def check_kind(self, kind: str) -> None:
+        """The final evaluation trains nothing: a device's activation or probe there is refused."""
+        if self.only and kind not in self.FINAL_KINDS:
+            raise RemoteProtocolError(f"round {self.t} is the final evaluation: no {kind!r}, only "
+                                      f"{', '.join(self.FINAL_KINDS)}")
+
+    def on_final_update(self, msg: Any) -> tuple[str, dict[str, Any]]:
+        """A device's update in the final evaluation: its figures checked as in a round's update; any weights it
+        carries are not read (nothing is aggregated), so the round's record gets the figures alone."""
+        self.check_update(msg.sender, msg.body)
+        self.co.round.accept_update(msg.sender, {k: v for k, v in msg.body.items() if k.startswith("eval_")})
+        return "ack", {}
+
+    def end_final(self, updates: dict[str, dict[str, Any]], failures: dict[str, str]) -> dict[str, Any]:
+        """The final evaluation's figures (``fed_*`` as in a round's record, ``fed_model_round`` the last round),
+        with the devices that did not report and why (``failures``)."""
+        record: dict[str, Any] = {"failures": dict(failures)}
+        self.end_round(updates, record)
+        self.only = False
+        return record
 
     def on_request(self, msg: Any) -> tuple[str, dict[str, Any]]:
         """An ``evaluate`` request: checked like an activation, run through the round-start copy."""

@@ -22,7 +22,7 @@ from fedsga_edge.config import TrainConfig
 __all__ = ["CORE_FIELDS", "Instruction", "check_instructions", "round_start_body"]
 
 # The coordinator's own round_start fields (and the envelope's round): never a method's
-CORE_FIELDS = frozenset({"split", "full", "train", "weights", "round", "evaluate"})
+CORE_FIELDS = frozenset({"split", "full", "train", "weights", "round", "evaluate", "evaluate_only"})
 
 
 def _check_fields(fields: Mapping[str, Any]) -> None:
@@ -82,12 +82,14 @@ def check_instructions(instructions: Any, devices: list[str]) -> dict[str, Instr
     return instructions
 
 
-def round_start_body(instruction: Instruction, weights: dict[str, Any], evaluate: bool) -> dict[str, Any]:
+def round_start_body(instruction: Instruction, weights: dict[str, Any], evaluate: bool,
+                     evaluate_only: bool = False) -> dict[str, Any]:
     """The ``round_start`` body of one device: core fields, then the method's (checked again here, so
     an instruction whose fields were changed after construction cannot slip a core field in).
 
     ``weights`` are the units the round start carries (numpy); ``evaluate``: the round measures the
-    received model on the device's held-out slice (coordinator/evaluation.py)."""
+    received model on the device's held-out slice (coordinator/evaluation.py); ``evaluate_only``: it does only
+    that (the final evaluation after the last round), training nothing."""
     _check_fields(instruction.fields)
     full = instruction.split == 0
     body: dict[str, Any] = {
@@ -101,4 +103,6 @@ def round_start_body(instruction: Instruction, weights: dict[str, Any], evaluate
     body.update(instruction.fields)
     if evaluate:
         body["evaluate"] = True
+    if evaluate_only:
+        body["evaluate_only"] = True
     return body

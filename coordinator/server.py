@@ -118,21 +118,24 @@ class Coordinator:
         self._stats: dict[str, Any] = {}
 
     # -- rounds -----------------------------------------------------------------------------------
-    def begin_round(self, t: int, now: float | None = None, devices: list[str] | None = None) -> Outgoing:
-        """Start round t for ``devices`` (default: all); each device's ``round_start`` message."""
+    def begin_round(self, t: int, now: float | None = None, devices: list[str] | None = None,
+                    evaluate_only: bool = False) -> Outgoing:
+        """Start round t for ``devices`` (default: all); each device's ``round_start`` message. ``evaluate_only``:
+        the final evaluation after the last round (``FederatedEvaluation``): nothing trains or is aggregated."""
         now = time.monotonic() if now is None else now
         devices = list(self.clients) if devices is None else devices
-        calibrate = self.strategy.calibrates(t)
+        calibrate = not evaluate_only and self.strategy.calibrates(t)
         instructions = check_instructions(self.strategy.configure_round(t, devices), devices)
         assigned = {cid: i.split for cid, i in instructions.items()}
         timeout = self.cfg.round_timeout
         self.round.begin(t, assigned, calibrate, now + timeout if timeout > 0 else None)
         self._snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        self.fed_eval.begin_round(t)
-        self.server.set_lr_scale(self.strategy.lr_scale(t))
-        self.server.begin_round(self._snapshot)
+        self.fed_eval.begin_round(t, evaluate_only)
         self.server.work.begin_round()
-        self.strategy.begin_round(t, calibrate)
+        if not evaluate_only:
+            self.server.set_lr_scale(self.strategy.lr_scale(t))
+            self.server.begin_round(self._snapshot)
+            self.strategy.begin_round(t, calibrate)
         self._stats = {"server_samples": {}, "remote_errors": [], "refused": 0, "started": now,
                        "clipped": {"activations": {}, "updates": {}}}
         self._last_seq = {}
@@ -167,6 +170,8 @@ class Coordinator:
         if rs.phase == "training":
             rs.close()
         out = self._released()
+        if self.fed_eval.only:  # the final evaluation: the devices' figures, nothing aggregated
+            return self.fed_eval.end_final(rs.updates, rs.failures), out
         updates = rs.updates
         self.server.end_round(self._snapshot)
         if updates:
@@ -204,9 +209,8 @@ class Coordinator:
         full = k == 0
         depth = self.model.num_blocks + 1 if full else self.model.depth_of(k if k is not None else 1)
         names = [n for n in self._snapshot if self.model.unit_of(n) < depth]
-        # the strategy's copy for this device (FedMut's mutation; the snapshot itself by default)
-        weights = to_numpy_state(self.strategy.device_weights(cid, self.round.t, {n: self._snapshot[n] for n in names}))
-        return round_start_body(instruction, weights, self.fed_eval.active)
+        return round_start_body(instruction, to_numpy_state(device_copy(self, cid, names)), self.fed_eval.active,
+                                self.fed_eval.only)
 
     # -- message handling -------------------------------------------------------------------------
     def receive(self, msg: Message, now: float | None = None) -> Outgoing:
@@ -219,6 +223,7 @@ class Coordinator:
             check_body(msg.kind, msg.body, RemoteProtocolError)
             out += self.tick(now)
             self.round.check_request(msg.sender, msg.round, msg.kind)
+            self.fed_eval.check_kind(msg.kind)
             if msg.kind == "error":  # the device gives up on this round
                 self.round.fail(msg.sender, f"device reported: {str(msg.body.get('reason', ''))[:200]}")
                 return out + self._released()
@@ -294,12 +299,13 @@ class Coordinator:
         blocks = check_blocks(msg.body["blocks"], self.model.num_blocks)
         if bool(msg.body.get("head")):
             blocks.add(self.model.num_blocks)
-        weights = self.strategy.device_weights(
-            msg.sender, self.round.t, {n: v for n, v in self._snapshot.items() if self.model.unit_of(n) in blocks})
+        weights = device_copy(self, msg.sender, [n for n in self._snapshot if self.model.unit_of(n) in blocks])
         return "weights", {"weights": to_numpy_state(weights)}
 
     def _on_update(self, msg: Message) -> tuple[str, dict[str, Any]]:
         """Validated whole before it may enter aggregation (coordinator/checks.py), then the method's fields."""
+        if self.fed_eval.only:  # the final evaluation's update: the device's figures, no weights
+            return self.fed_eval.on_final_update(msg)
         k, depth = check_update(self, msg.body, msg.sender)
         self.strategy.check_update(msg.body)  # the method's own fields (device/methods.py), none by default
         self.fed_eval.check_update(msg.sender, msg.body)
@@ -367,6 +373,13 @@ class Coordinator:
     def state_dict(self) -> dict[str, Any]:
         """The trained server state (checkpoint.pt's "coordinator"): weights, head, the strategy's own."""
         return {"model": self.model.state_dict(), "head": self.head.state_dict(), "strategy": self.strategy.state_dict()}
+
+
+def device_copy(co: Coordinator, cid: str, names: Any) -> dict[str, Tensor]:
+    """The round snapshot's ``names`` as ``cid`` receives them: the strategy's copy (FedMut's mutation; the
+    snapshot itself by default), the snapshot itself in the final evaluation (the model as the run ended)."""
+    weights = {n: co._snapshot[n] for n in names}
+    return weights if co.fed_eval.only else co.strategy.device_weights(cid, co.round.t, weights)
 
 
 def weighed_samples(co: Coordinator, device: str) -> float:

@@ -15,6 +15,9 @@ aggregation), before it trains:
 * under FedBABU a whole-model device also reports ``eval_loss_finetuned`` and ``eval_acc_finetuned``: a
   copy of the received head fine-tuned on its training data, on the same slice (``finetuned_evaluation``).
 
+After the last round a ``round_start`` with ``evaluate_only`` asks for the same evaluation of the model the
+run ended with, and nothing else (the final evaluation: device/role.py returns the figures as its update).
+
 docs/protocol.md, "Federated evaluation", says what this reveals. Only numpy is imported here; the torch
 backend's forward is imported where it runs, so the torch-free device never loads torch.
 """

@@ -238,7 +238,8 @@ class SplitClient:
 
     # -- one round --------------------------------------------------------------------------------
     def _round(self, t: int, body: dict[str, Any]) -> Steps[dict[str, Any]]:
-        """The round's requests in order (fetch, evaluation, activation per batch, the method's); returns the update."""
+        """The round's requests in order (fetch, evaluation, activation per batch, the method's); returns the update
+        (the evaluation's figures alone when the round start says ``evaluate_only``: the run's final evaluation)."""
         method = device_method(body)  # a method's device side (device/methods.py), or None
         plan = self._plan(body, method)
         yield from self._fetch(plan)
@@ -248,6 +249,8 @@ class SplitClient:
             plan.report.update((yield from held_out_evaluation(self, plan, expect)))
             if method is not None:  # a method's own figures (FedBABU: after fine-tuning a copy of the head)
                 plan.report.update(method.evaluate(self, plan, t))
+        if body.get("evaluate_only"):  # the final evaluation after the last round: the figures, no training
+            return {**plan.report, "weights": {}, "num_samples": len(self.data)}
         trained = yield from self._train(plan)
         if method is not None:
             method.after_train(self, plan, trained)
@@ -379,6 +382,8 @@ def check_round_start(body: dict[str, Any]) -> None:
         method = check_method(body)  # the device side it arms (device/methods.py), its settings checked
         if not isinstance(body["weights"], dict):
             raise TypeError("weights must be a map of arrays")
+        if not isinstance(body.get("evaluate_only", False), bool):
+            raise TypeError("evaluate_only must be true or false")
         split = body.get("split")
         if split is not None and (not isinstance(split, int) or isinstance(split, bool)):
             raise TypeError("split must be an integer")

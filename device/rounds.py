@@ -132,7 +132,7 @@ class RoundLoop:
                 self.report(msg.round, client.last_error)
         progress.last_round = msg.round
         if outcome == "done":
-            progress.rounds_done += 1
+            progress.rounds_done += 0 if msg.body.get("evaluate_only") else 1  # the final evaluation trains nothing
             progress.last_error = None
             self.save()
         else:

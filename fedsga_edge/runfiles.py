@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
+from fedsga_edge.owndata import device_mean, fed_evaluations, final_own_data
+
 if TYPE_CHECKING:
     from fedsga_edge.config import RunConfig
 
@@ -233,17 +235,22 @@ def summarize(records: list[dict[str, Any]], cfg: "RunConfig", wall_s: float) ->
     if fleet:  # simulate --fleet: the seconds the fleet would have taken (docs/fleet.md); absent otherwise
         out["fleet_s"] = float(sum(fleet))
         out["fleet_round_s"] = {"median": float(np.median(fleet)), "max": float(max(fleet))}
-    fed = [r for r in records if "fed_acc" in r]
-    if fed:  # the devices' own figure of the last model they evaluated (docs/protocol.md, "Federated evaluation")
+    fed = fed_evaluations(records)
+    if fed:  # the devices' own figure of the last model they evaluated (docs/protocol.md, "Federated evaluation"):
+        # the final model's when the run had its final evaluation, fed_model_round says which
         out["final_fed_acc"], out["fed_model_round"] = fed[-1]["fed_acc"], fed[-1]["fed_model_round"]
         if "fed_acc_finetuned" in fed[-1]:  # FedBABU: the devices' fine-tuned heads on the same model
             out["final_fed_acc_finetuned"] = fed[-1]["fed_acc_finetuned"]
+    final = final_own_data(records)
+    if final is not None:  # the final model as each device uses it, on its own data: mean over devices
+        out["final_own_acc"] = device_mean(final)
     return out
 
 
 def fed_text(summary: dict[str, Any]) -> str:
     """The federated figures of a summary for a command's last line (empty without --eval-holdout)."""
-    text = f" final_fed_acc={summary['final_fed_acc']:.4f}" if "final_fed_acc" in summary else ""
+    text = (f" final_fed_acc={summary['final_fed_acc']:.4f} fed_model_round={summary['fed_model_round']}"
+            if "final_fed_acc" in summary else "")
     if "final_fed_acc_finetuned" in summary:
         text += f" final_fed_acc_finetuned={summary['final_fed_acc_finetuned']:.4f}"
     return text

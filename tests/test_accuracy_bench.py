@@ -226,6 +226,31 @@ def test_ablation_table_pairs_each_variant_with_its_full_method(bench):
     assert rows[bench.LABELS["fedsga"]][1:3] == ["+2.50 ± 2.50 (1/2)", "0 (full)"]
 
 
+def test_the_accuracy_table_sets_the_final_models_own_data_figure_beside_its_test_figure(bench):
+    """Per partition an own-data column (the summary's ``final_own_acc``: the final model's, mean over devices),
+    mean ± std over seeds; "—" where a seed's run predates the final evaluation, and without any such figure no
+    column but a note saying why."""
+    def runs(accs, own=None):
+        return [{"_seed": s, "headline_acc": a} | ({} if own is None else {"final_own_acc": own[s]})
+                for s, a in enumerate(accs)]
+
+    g = {("static", "iid"): runs([0.50, 0.60], [0.70, 0.80]), ("fedbabu", "iid"): runs([0.40, 0.50], [0.90, 0.70]),
+         ("fedavg", "iid"): runs([0.55, 0.65])}
+    md = bench._acc_table(g, ["iid"], list(bench.METHODS), "Table 2", bench.MAIN_METHODS)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in md if line.startswith("| ")}
+    assert rows["Method"] == ["IID", "Δ IID", "own data IID", "seeds"]
+    assert rows[bench.LABELS["static"]][2] == "75.00 ± 7.07" and rows[bench.LABELS["fedbabu"]][2] == "80.00 ± 14.14"
+    assert rows[bench.LABELS["fedavg"]][2] == "—" and "own data: each device's held-out slice" in md[0]
+    old = {k: [{"_seed": s["_seed"], "headline_acc": s["headline_acc"]} for s in v] for k, v in g.items()}
+    md = bench._acc_table(old, ["iid"], list(bench.METHODS), "Table 2", bench.MAIN_METHODS)
+    assert "own data" not in md[2] and any(line.startswith("No own-data column: these records") for line in md)
+
+
+def test_eval_holdout_reaches_every_run_of_the_plan(bench):
+    preset = bench.resolve(bench.build_parser().parse_args(["--preset", "cpu", "--eval-holdout", "0.2"]))
+    assert all(r["config"].eval_holdout == 0.2 for r in bench.plan(preset, "digits", None))
+
+
 def test_partition_names(bench):
     assert bench.parse_partition("iid") == ("iid", 0.0)
     assert bench.parse_partition("dir0.1") == ("dirichlet", 0.1)

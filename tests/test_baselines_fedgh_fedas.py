@@ -315,3 +315,39 @@ def test_the_torch_free_device_refuses_them_with_its_reason(digits, strategy: st
     client.handle(Message("round_start", "run", 1, 0, "coordinator", body))
     assert client.step() is False
     assert sent and sent[0][0] == "error" and "--backend torch" in sent[0][1]["reason"]
+
+
+def _held_out_acc(sim, cl, state) -> float:
+    """The coordinator's evaluation of ``state`` (a whole model) on ``cl``'s held-out slice."""
+    from fedsga_edge.coordinator.evaluation import evaluate
+    from fedsga_edge.data import ArrayImageSet
+
+    c, b, held = sim.coordinator, sim.bundle, cl.data.eval_indices
+    model = copy.deepcopy(c.model)
+    model.load_state_dict(state)
+    images = ArrayImageSet(b.train.get_batch(held), b.train.labels[held])
+    return evaluate(model, c.head, c.strategy, c.headline_split(), c.num_classes, images, b.mean, b.std,
+                    c.device)["test_acc"]
+
+
+def test_the_final_evaluation_scores_the_models_the_devices_use(digits) -> None:
+    """The own-data figure of a personalised method is its devices' models, not the averaged one: under FedGH
+    each device's own body (the one it uploaded) under the server's final head; under FedAS the final body
+    aligned on the device, under the device's own head (the one it kept)."""
+    sim = Simulation(tiny_config("fedgh", rounds=2, clients=2, max_batches=2, eval_holdout=0.25), digits)
+    *_, rec = list(sim.rounds())
+    final = rec["fed_final"]["fed_by_device"]
+    models = sim.coordinator.strategy.test_models()  # each device's body under the server's head, by device id
+    for cl, (_, state) in zip(sorted(sim.clients, key=lambda cl: cl.cid), models):
+        assert final[cl.cid]["acc"] == pytest.approx(_held_out_acc(sim, cl, state), abs=1e-12), cl.cid
+
+    sim = Simulation(tiny_config("fedas", rounds=2, clients=2, max_batches=2, eval_holdout=0.25), digits)
+    *_, rec = list(sim.rounds())
+    final = rec["fed_final"]["fed_by_device"]
+    glob = sim.coordinator.model.state_dict()
+    for cl in sim.clients:
+        own = cl.method_state["fedas"]["head"]
+        state = cl.model.state_dict()
+        assert all(np.array_equal(state[n].numpy(), v) for n, v in own.items())  # its own head, not the average
+        assert any(not torch.equal(state[n], glob[n]) for n in glob if n not in own)  # the body aligned
+        assert final[cl.cid]["acc"] == pytest.approx(_held_out_acc(sim, cl, state), abs=1e-12), cl.cid

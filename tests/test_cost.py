@@ -124,6 +124,10 @@ def test_the_summary_and_the_last_line_carry_the_devices_own_figures_in_every_co
                rec | {"round": 2}, rec | {"round": 3, "fed_acc": 0.375, "fed_model_round": 2, "fed_acc_finetuned": 0.625}]
     s = summarize(records, cfg, 1.0)
     assert (s["final_fed_acc"], s["fed_model_round"], s["final_fed_acc_finetuned"]) == (0.375, 2, 0.625)
-    assert fed_text(s) == " final_fed_acc=0.3750 final_fed_acc_finetuned=0.6250"
+    assert fed_text(s) == " final_fed_acc=0.3750 fed_model_round=2 final_fed_acc_finetuned=0.6250"
+    # the final evaluation (the last round's fed_final) is the final model's figure: the summary's
+    final = {"fed_acc": 0.5, "fed_model_round": 3, "fed_acc_finetuned": 0.75}
+    s = summarize(records[:-1] + [records[-1] | {"fed_final": final}], cfg, 1.0)
+    assert (s["final_fed_acc"], s["fed_model_round"], s["final_fed_acc_finetuned"]) == (0.5, 3, 0.75)
     plain = summarize([rec | {"round": 1}], cfg, 1.0)
     assert "final_fed_acc" not in plain and fed_text(plain) == ""

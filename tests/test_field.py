@@ -74,6 +74,26 @@ def test_one_device_service_round_equals_the_simulation_bit_for_bit(digits, tmp_
     assert got["clients"]["client-000"]["r"] == rec["clients"]["client-000"]["r"]
 
 
+@pytest.mark.parametrize("strategy", ["static", "fedbabu"])
+def test_a_field_run_ends_with_the_devices_evaluation_of_the_final_model(digits, tmp_path, strategy) -> None:
+    """After the last round the service runs the final evaluation over the transport: every device scores the
+    model the run ended with on its held-out slice (a split device through the coordinator's suffix, FedBABU's
+    whole-model device with its fine-tuned head too), recorded as the last round's ``fed_final`` against that
+    round, in metrics.jsonl and the summary; it trains nothing, so the agents count one round done."""
+    cfg = tiny(strategy, clients=2, rounds=1, eval_holdout=0.25)
+    _, service, agents = _start(cfg, digits, tmp_path)
+    summary = service.wait(WAIT)
+    rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    final = rec["fed_final"]
+    assert rec["fed_model_round"] == 0 and final["fed_model_round"] == 1 and not final["failures"]
+    assert set(final["fed_by_device"]) == {"client-000", "client-001"} and 0 <= final["fed_acc"] <= 1
+    assert ("fed_acc_finetuned" in final) == (strategy == "fedbabu")
+    assert summary["fed_model_round"] == 1 and summary["final_fed_acc"] == final["fed_acc"]
+    for a in agents:
+        assert a.finished.wait(10) and a.health()["rounds_done"] == 1 and a.health()["last_error"] is None
+        a.stop()
+
+
 def test_three_agents_two_rounds_then_a_restart_keeps_private_state(digits, tmp_path) -> None:
     cfg = tiny("fedsga")
     transport, service, agents = _start(cfg, digits, tmp_path)

@@ -175,6 +175,71 @@ def test_federated_figures_are_the_round_start_model_on_each_held_out_slice(digi
     assert r2["fed_acc"] == pytest.approx(sum(d["acc"] * d["count"] for d in r2["fed_by_device"].values()) / n)
 
 
+def _held_out_figures(sim: Simulation) -> dict[str, dict]:
+    """The coordinator's own evaluation of its current model on each device's held-out slice."""
+    co, b = sim.coordinator, sim.bundle
+    return {c.cid: co.evaluate(ArrayImageSet(b.train.get_batch(c.data.eval_indices), b.train.labels[c.data.eval_indices]),
+                               b.mean, b.std) for c in sim.clients}
+
+
+@pytest.mark.parametrize("strategy", ["static", "fedavg"])
+def test_the_final_model_gets_its_own_evaluation_recorded_against_its_round(digits, strategy) -> None:
+    """Round t's own-data figure is of the model after round t-1 and says so; after the last round an
+    evaluation-only exchange scores the model the run ended with (the one the last test figure measured) on
+    every device's held-out slice: the last round's ``fed_final``, ``fed_model_round`` that round. It trains
+    nothing: the model, the devices' round counts and the round's updates stay as the last round left them."""
+    from fedsga_edge.owndata import final_own_data, own_data_of
+
+    sim = Simulation(tiny_config(strategy, clients=2, eval_holdout=0.25, rounds=2), digits)
+    r1 = sim.run_round(1)
+    assert "fed_final" not in r1 and r1["fed_model_round"] == 0
+    r2 = sim.run_round(2)
+    assert r2["fed_model_round"] == 1
+    state = {k: v.clone() for k, v in sim.coordinator.model.state_dict().items()}
+    final = r2["fed_final"]
+    assert final["fed_model_round"] == 2 and not final["failures"]
+    for cid, ev in _held_out_figures(sim).items():  # the final model, scored by the coordinator on the same images
+        assert final["fed_by_device"][cid]["acc"] == pytest.approx(ev["test_acc"], abs=1e-9), cid
+        assert final["fed_by_device"][cid]["loss"] == pytest.approx(ev["test_loss"], rel=1e-4), cid
+    assert all(v.equal(state[k]) for k, v in sim.coordinator.model.state_dict().items())
+    assert [c.state.rounds for c in sim.clients] == [2, 2] and set(r2["splits"]) == {c.cid for c in sim.clients}
+    records = [r1, r2]
+    assert own_data_of(records, 1)["fed_acc"] == r2["fed_acc"]  # round 1's model: scored at round 2's start
+    assert final_own_data(records)["fed_acc"] == final["fed_acc"]
+
+
+def test_a_simulated_run_writes_the_final_evaluation_in_metrics_and_summary(digits, tmp_path) -> None:
+    from fedsga_edge.simulation import run_simulation
+
+    summary = run_simulation(tiny_config("static", clients=2, eval_holdout=0.25, rounds=1), tmp_path, bundle=digits)
+    rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rec["round"] == 1 and rec["fed_model_round"] == 0 and rec["fed_final"]["fed_model_round"] == 1
+    assert summary["fed_model_round"] == 1 and summary["final_fed_acc"] == rec["fed_final"]["fed_acc"]
+    assert json.loads((tmp_path / "summary.json").read_text())["fed_model_round"] == 1
+
+
+def test_the_final_evaluation_refuses_training_and_reads_no_weights(digits) -> None:
+    """A device that trains in the final evaluation is refused; an update's weights there are never read."""
+    sim = Simulation(tiny_config("static", clients=1, eval_holdout=0.25, rounds=1), digits)
+    co = sim.coordinator
+    out = co.begin_round(2, devices=["client-000"], evaluate_only=True)
+    body = only_reply(out).body
+    assert body["evaluate_only"] and body["evaluate"]
+    k = co.round.assigned["client-000"]
+    shape = co.model.interface_shape(co.model.depth_of(k))
+    act = {"z": np.zeros((4, *shape), np.float32), "y": np.array([0, 1, 2, 3]), "split": k}
+    reply = only_reply(co.receive(Message("activation", "sim-0", 2, 1, "client-000", act)))
+    assert reply.kind == "error" and "final evaluation" in reply.body["reason"]
+    reply = only_reply(co.receive(Message("evaluate", "sim-0", 2, 2, "client-000", act)))
+    assert reply.kind == "eval_result"
+    before = {n: v.clone() for n, v in co.model.state_dict().items()}
+    junk = {"weights": {"nonsense": np.ones(3)}, "num_samples": 1}
+    assert only_reply(co.receive(Message("update", "sim-0", 2, 3, "client-000", junk))).kind == "ack"
+    rec, _ = co.end_round()
+    assert rec["fed_count"] == 4 and rec["fed_model_round"] == 1 and not co.fed_eval.only
+    assert all(v.equal(before[n]) for n, v in co.model.state_dict().items())
+
+
 def test_evaluate_requests_that_break_the_rules_are_refused_and_change_nothing(digits) -> None:
     sim = Simulation(tiny_config("static", clients=2, eval_holdout=0.25, rounds=3), digits)
     co = sim.coordinator

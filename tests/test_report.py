@@ -267,15 +267,16 @@ def test_the_page_opens_with_what_each_run_did(tmp_path) -> None:
     timing = {c: {"compute_s": 1.0 + i, "wire_s": 0.5, "wait_s": 0.25, "done_s": 2.0, "split": 2}
               for i, c in enumerate(CLIENTS)}
     write_run(tmp_path / "a", "static", 0, [0.5, 0.75], splits=splits,
-              extra=[{"fleet_s": 3.0, "timing": timing, "fed_acc": 0.6}, {"fleet_s": 3.0, "timing": timing,
-                                                                          "fed_acc": 0.7}])
+              extra=[{"fleet_s": 3.0, "timing": timing, "fed_acc": 0.6, "fed_model_round": 0},
+                     {"fleet_s": 3.0, "timing": timing, "fed_acc": 0.7, "fed_model_round": 1}])
     page = build_report([tmp_path / "a"], [], tmp_path / "out").html.read_text()
     start = page.index('<h2 id="summary">')
     assert start < page.index("<nav>") < page.index('<h2 id="accuracy">')
     summary = page[start:page.index("<nav>")]
     assert "static · iid · seed 0: 2 rounds with 3 devices (client-002 in 1 of 2)" in summary, summary
     assert "test accuracy 75.00 % after the last round (best 75.00 %)" in summary
-    assert "federated accuracy 70.00 % on the devices' own held-out data" in summary
+    # the last own-data figure is round 2's: of the model after round 1, said so (no final evaluation here)
+    assert "federated accuracy 70.00 % of the model after round 1 on the devices' own held-out data" in summary
     assert "3.00 MB up and 4.00 MB down, 3.0 s." in summary  # bytes_up 1e6 + 2e6, bytes_down 2 x 2e6, wall 2 x 1.5
     assert "client-000 1.00 / 0.50 / 0.25; client-001 2.00 / 0.50 / 0.25; client-002 3.00 / 0.50 / 0.25" in summary
 
@@ -285,6 +286,24 @@ def test_the_page_opens_with_what_each_run_did(tmp_path) -> None:
     summary = page[page.index('<h2 id="summary">'):page.index("<nav>")]
     assert summary.count("<li>") == 1 and "9 run(s), 2 rounds, 3 devices" in summary, summary
     assert "final test accuracy 64.00 % (60.00 % to 68.00 %)" in summary
+
+
+def test_own_data_figures_are_set_beside_the_test_figure_of_the_model_they_scored(tmp_path) -> None:
+    """Round t's own-data figure is the model after round t-1; the final evaluation (``fed_final``) the model
+    after the last round: the curves, the device table and the opening pair each with that model's test figure."""
+    by = {"client-000": {"acc": 0.9, "loss": 0.3, "count": 10}, "client-001": {"acc": 0.7, "loss": 0.9, "count": 10}}
+    final = {"fed_acc": 0.8, "fed_model_round": 2, "fed_by_device": by, "failures": {}}
+    write_run(tmp_path / "a", "static", 0, [0.5, 0.75],
+              extra=[{"fed_acc": 0.1, "fed_model_round": 0}, {"fed_acc": 0.45, "fed_model_round": 1,
+                                                              "fed_final": final}])
+    runs = discover([tmp_path / "a"])[0]
+    (curve,) = D.federated_curves(runs)
+    assert curve["fed"] == [(0, 0.1), (1, 0.45), (2, 0.8)] and curve["test"] == [(1, 0.5), (2, 0.75)]
+    rows = D.federated_device_rows(runs)
+    assert [(r["device"], r["model_round"], r["acc"], r["test_acc"]) for r in rows] == [
+        ("client-001", 2, 0.7, 0.75), ("client-000", 2, 0.9, 0.75)]
+    page = build_report([tmp_path / "a"], [], tmp_path / "out").html.read_text()
+    assert "federated accuracy 80.00 % of the final model on the devices' own held-out data" in page
 
 
 def test_markdown_tables_to_html() -> None:

@@ -75,8 +75,10 @@ def _run_line(o: dict[str, Any]) -> str:
     parts = [f"{rounds} round{'s' * (rounds != 1)}" + (f" with {n} device{'s' * (n != 1)} ({taking})" if n else "")]
     if o["final_acc"] is not None:
         parts.append(f"test accuracy {_pct(o['final_acc'])} after the last round (best {_pct(o['best_acc'])})")
-    if o["fed_acc"] is not None:
-        parts.append(f"federated accuracy {_pct(o['fed_acc'])} on the devices' own held-out data")
+    if o["fed_acc"] is not None:  # with the model it scored: the final one's, or an earlier model's, said so
+        m = o.get("fed_model_round")
+        model = "the final model" if m == rounds else "the initial model" if m == 0 else f"the model after round {m}"
+        parts.append(f"federated accuracy {_pct(o['fed_acc'])} of {model} on the devices' own held-out data")
     if o["bytes_up"] is not None or o["bytes_down"] is not None:
         parts.append(f"{_mb(o['bytes_up'])} up and {_mb(o['bytes_down'])} down")
     if o["wall_s"] is not None:

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from fedsga_edge.owndata import fed_evaluations
+
 from .runs import SETTING_KEYS, Run
 
 __all__ = [
@@ -464,24 +466,34 @@ def run_overview(runs: list[Run]) -> list[dict[str, Any]]:
     out = []
     for r, row in zip(ordered, summary_rows(runs)):
         accs = [a for a in (round_acc(x)[0] for x in r.rows) if a is not None]
-        fed = [v for v in (_num(x.get("fed_acc")) for x in r.rows) if v is not None]
+        fed = [f for f in _fed_evaluations(r) if _num(f.get("fed_acc")) is not None]
         out.append(row | {"devices": _device_rounds(r), "best_acc": max(accs) if accs else None,
-                          "fed_acc": fed[-1] if fed else None, "device_seconds": _device_seconds(r)})
+                          "fed_acc": _num(fed[-1]["fed_acc"]) if fed else None,
+                          "fed_model_round": fed[-1]["fed_model_round"] if fed else None,
+                          "device_seconds": _device_seconds(r)})
     return out
+
+
+def _fed_evaluations(run: Run) -> list[dict[str, Any]]:
+    """The run's own-data evaluations (fedsga_edge/owndata.py: each round's and the final one), those whose
+    model round is an integer: a figure is only ever set beside the test figure of the same model."""
+    return [f for f in fed_evaluations([row for row in run.rows if isinstance(row, dict)])
+            if isinstance(f["fed_model_round"], int) and not isinstance(f["fed_model_round"], bool)]
 
 
 # -- federated evaluation (issue 18) -----------------------------------------------------------------------
 def federated_curves(runs: list[Run]) -> list[dict[str, Any]]:
     """Per run with a federated figure: its ``fed_acc`` per model (x: ``fed_model_round``, the round after
-    which the model was aggregated; 0 = the initial model), the coordinator's ``test_acc`` of the same run
-    (x: its round, the model after it) and each device's accuracy (``fed_by_device``)."""
+    which the model was aggregated; 0 = the initial model; the final evaluation's at the last round), the
+    coordinator's ``test_acc`` of the same run (x: its round, the model after it) and each device's accuracy
+    (``fed_by_device``)."""
     out = []
     for r in runs:
         fed: dict[int, float] = {}
         devices: dict[str, dict[int, float]] = {}
-        for row in r.rows:
-            acc, m = _num(row.get("fed_acc")), row.get("fed_model_round")
-            if acc is None or not isinstance(m, int) or isinstance(m, bool):
+        for row in _fed_evaluations(r):
+            acc, m = _num(row.get("fed_acc")), row["fed_model_round"]
+            if acc is None:
                 continue
             fed[m] = acc
             by = row.get("fed_by_device")
@@ -499,11 +511,13 @@ def federated_curves(runs: list[Run]) -> list[dict[str, Any]]:
 
 
 def federated_device_rows(runs: list[Run]) -> list[dict[str, Any]]:
-    """Each device's federated accuracy on the last model the devices evaluated, per run (worst first): who
+    """Each device's federated accuracy on the last model the devices evaluated (the final model's where the run
+    had the final evaluation), per run (worst first), beside the test figure of that model: who
     the model serves badly."""
     rows = []
     for r in runs:
-        last = next((row for row in reversed(r.rows) if isinstance(row.get("fed_by_device"), dict)), None)
+        last = next((row for row in reversed(_fed_evaluations(r)) if isinstance(row.get("fed_by_device"), dict)),
+                    None)
         if last is None:
             continue
         test = next((_num(row.get("test_acc")) for row in r.rows if row.get("round") == last.get("fed_model_round")

@@ -230,7 +230,9 @@ def federated(i: Inputs) -> Plot:
     return Plot(Section("federated", "Federated accuracy on the devices' own data",
                         "Runs with <code>--eval-holdout</code>: each device evaluates the global model on a "
                         "held-out slice of its own data (<code>fed_acc</code>, weighted by each device's count) "
-                        "beside the coordinator's test accuracy of the same model, when it has a test set; thin "
+                        "beside the coordinator's test accuracy of the same model, when it has a test set: a "
+                        "round's figure is of the model it started from (<code>fed_model_round</code>), the final "
+                        "evaluation's of the model the run ended with (<code>fed_final</code>); thin "
                         "lines are the devices, the table their last figures, worst first (FedBABU runs add each "
                         "device's figure after fine-tuning a copy of the head on its own data, "
                         "<code>fed_acc_finetuned</code>).",
