@@ -182,6 +182,22 @@ def test_multisfl_options_are_refused_out_of_range() -> None:
         create_strategy(tiny_config("multisfl", strategy_args={"mix": 1.5}), 4, ["a"], {})
 
 
+def test_multisfl_earlier_setting_is_a_labelled_variant_of_the_benchmark() -> None:
+    """``multisfl-2branch`` runs the earlier 2-branch setting under its own name and label; ``multisfl`` the
+    reference code's configuration."""
+    from _bench import load_bench
+
+    from fedsga_edge.coordinator.strategy import method_of
+
+    bench = load_bench("accuracy")
+    two = bench.make_config(bench.PRESETS["cpu"], "multisfl-2branch", "dir0.1", 0, 2, "digits", None)
+    ref = bench.make_config(bench.PRESETS["cpu"], "multisfl", "dir0.1", 0, 2, "digits", None)
+    assert two.strategy == ref.strategy == "multisfl"
+    assert {k: two.strategy_args[k] for k in ("branches", "mix", "replay")} == {"branches": 2, "mix": 0.5, "replay": 0.5}
+    assert method_of(two, 4)["name"] == "multisfl-2branch" and "2 branches" in method_of(two, 4)["label"]
+    assert method_of(ref, 4)["name"] == "multisfl" and bench.LABELS["multisfl-2branch"] != bench.LABELS["multisfl"]
+
+
 # -- the split device step on the torch-free ONNX device ---------------------------------------------------
 
 def test_multisfl_round_on_onnx_devices_matches_torch_devices(digits) -> None:
