@@ -11,7 +11,8 @@
   trains takes tau steps on each accepted activation, the device's gradient coming from the first
   (docs/method.md, "Baselines beyond the paper's own").
 * ``branches`` (MultiSFL): one copy per branch model, kept by the strategy across rounds, with
-  knowledge replay from helper devices (the strategy's ``server_side`` hook builds it).
+  knowledge replay: rows of helper devices' batches joined to a branch's own batches (the strategy's
+  ``server_side`` hook builds it).
 * ``merged`` (MergeSFL): the shared copy, one step per merged batch of every training device's
   activation; it holds activations until their step is complete (``MergedServer``).
 
@@ -134,6 +135,10 @@ class ServerSide:
     def remember(self, device: str, k: int, z: Tensor) -> None:
         """An accepted activation (after its step)."""
 
+    def joined(self, device: str, k: int) -> tuple[Tensor, Tensor] | None:
+        """Rows (activations, labels) that join the device's batch and its loss (MultiSFL's replay): none."""
+        return None
+
     def submit(self, act: Activation, strategy: Any) -> list[Stepped]:
         """An accepted activation: stepped now (a side that holds, MergedServer: once its step is complete,
         from ``release``). A non-finite step raises RemoteProtocolError with nothing changed."""
@@ -181,9 +186,12 @@ class ServerSide:
         side.opt.zero_grad(set_to_none=True)
         buffers = [b for m in (side.model, side.head) for b in m.buffers()]
         saved = [b.detach().clone() for b in buffers]  # BatchNorm statistics move in forward
-        context = self.context(device, k)
-        logits, Z = strategy.forward(side, torch.cat([z, *context]) if context else z, k)
-        if context:  # the other devices' rows only shape the batch statistics: no loss, no step of theirs
+        joined = self.joined(device, k)
+        if joined is not None:  # rows that join the batch and its loss; the device's gradient is z's slice
+            y = torch.cat([y, joined[1]])
+        rows = [z, *(joined[:1] if joined is not None else []), *self.context(device, k)]
+        logits, Z = strategy.forward(side, torch.cat(rows) if len(rows) > 1 else z, k)
+        if len(logits) > len(y):  # the other devices' context rows only shape the batch statistics: no loss
             logits, Z = logits[: len(y)], (Z[: len(y)] if Z is not None else None)
         loss = strategy.loss(logits, Z, y)
         loss.backward()
@@ -337,39 +345,41 @@ class PerClientServer(ServerSide):
 
 class BranchServer(ServerSide):
     """MultiSFL's server side: one copy per branch model, started every round from that branch's state
-    (``start(b)``); a device trains the copy of the branch it was dealt (``branch_of``). After each of a
-    branch's own steps the branch earns ``replay`` replay steps; each one trains the branch's copy on the
-    latest accepted batch of a helper device (one of another branch at the same split) whose labels
-    fill the classes this branch has seen least this round (docs/method.md, "Baselines beyond the paper's
-    own"). Replay steps return no gradient to anyone. At the round's end each branch's trained state is
-    left in ``trained`` for the strategy, which builds the branches and the master from it; the shared
-    copy is not trained.
+    (``start(b)``); a device trains the copy of the branch it was dealt (``branch_of``). Knowledge replay
+    as the reference code has it: each of a branch's own steps takes ``rows(device)`` extra rows into the
+    same batch and loss, drawn from helper devices' latest accepted batches (devices of other branches at
+    the same split, in id order) for the classes the branch has seen least: each class's share of the
+    rows is its deficit below the mean of the branch's label counts, which decay by half every round
+    (docs/method.md, "Baselines beyond the paper's own"). The device's gradient is its own rows' slice;
+    replayed rows send no gradient to anyone. At the round's end each branch's trained state is left in
+    ``trained`` for the strategy, which builds the branches and the master from it; the shared copy is
+    not trained.
     """
 
     name = "branches"
+    decay = 0.5  # the reference's decay of a branch's label counts per round
 
     def __init__(self, model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float], *,
-                 branch_of: Callable[[str], int], start: Callable[[int], dict[str, Tensor]], replay: float) -> None:
+                 branch_of: Callable[[str], int], start: Callable[[int], dict[str, Tensor]],
+                 rows: Callable[[str], int], num_classes: int) -> None:
         super().__init__(model, head, cfg, weight)
-        if not 0 <= replay <= 1:
-            raise ValueError(f"replay steps per branch step must be in 0..1, got {replay}")
-        self.branch_of, self.start, self.replay = branch_of, start, replay
+        self.branch_of, self.start, self.rows, self.num_classes = branch_of, start, rows, num_classes
         self.trained: dict[int, dict[str, Tensor]] = {}  # branch -> its copy's state at the last round's end
-        self.replayed: list[tuple[int, str]] = []  # (branch, helper) of each replay step this round
+        self.replayed: list[tuple[int, str, int]] = []  # (branch, helper, rows) of each replay this round
+        self.counts: dict[int, Tensor] = {}  # branch -> decayed count of each class its own steps saw
         self._copies: dict[int, ServerCopy] = {}
         self._latest: dict[str, tuple[Tensor, Tensor, int]] = {}  # device -> its latest accepted (z, y, k)
-        self._labels: dict[int, dict[int, int]] = {}  # branch -> class -> samples its own steps saw this round
-        self._credit: dict[int, float] = {}
-        self._force: int | None = None  # the branch a replay step trains
+        self._join: tuple[Tensor, Tensor] | None = None  # the rows the step being taken replays
+        self._credit: dict[int, Tensor] = {}  # branch -> rows owed per class this round (pick)
 
     def begin_round(self, snapshot: dict[str, Tensor]) -> None:
         # not the base's: the shared model is the master, which no branch copy trains (--server-bn round
         # applies to each branch's copy as it is made)
-        self._copies, self._latest, self._labels, self._credit = {}, {}, {}, {}
-        self.replayed = []
+        self._copies, self._latest, self.replayed, self._credit = {}, {}, [], {}
+        self.counts = {b: c * self.decay for b, c in self.counts.items()}
 
     def copy_for(self, device: str) -> ServerCopy:
-        b = self.branch_of(device) if self._force is None else self._force
+        b = self.branch_of(device)
         side = self._copies.get(b)
         if side is None:
             model, head = copy.deepcopy(self.model), copy.deepcopy(self.head)
@@ -379,49 +389,61 @@ class BranchServer(ServerSide):
             side = self._copies[b] = ServerCopy(model, head, self.cfg, self.lr_scale)
         return side
 
+    def joined(self, device: str, k: int) -> tuple[Tensor, Tensor] | None:
+        return self._join
+
     def step(self, device: str, z: Tensor, y: Tensor, k: int, strategy: Any) -> tuple[Tensor, Tensor | None]:
-        loss, Z = super().step(device, z, y, k, strategy)
         b = self.branch_of(device)
+        counts = self.counts.get(b, torch.zeros(self.num_classes, dtype=torch.float64))
+        self.counts[b] = counts + torch.bincount(y.cpu(), minlength=self.num_classes)[: self.num_classes].double()
+        credit = self._credit.get(b)
+        picked = self.pick(b, k, self.rows(device))
+        self._join = (torch.cat([z for z, _ in picked.values()]), torch.cat([y for _, y in picked.values()])) \
+            if picked else None
+        try:
+            loss, Z = super().step(device, z, y, k, strategy)
+        except RemoteProtocolError:
+            self.counts[b] = counts  # nothing changed: the label counts and the replay credit as they were
+            if credit is None:
+                self._credit.pop(b, None)
+            else:
+                self._credit[b] = credit
+            raise
+        finally:
+            self._join = None
         self._latest[device] = (z.detach().clone(), y.detach().clone(), k)
-        counts = self._labels.setdefault(b, {})
-        for c in y.tolist():
-            counts[c] = counts.get(c, 0) + 1
-        self._credit[b] = self._credit.get(b, 0.0) + self.replay
-        while self._credit[b] >= 1 - 1e-9:
-            self._credit[b] -= 1
-            self._replay(b, k, strategy)
+        self.replayed += [(b, d, len(rows[1])) for d, rows in picked.items()]
         return loss, Z
 
-    def helper(self, b: int, k: int) -> str | None:
-        """The device whose latest batch fills branch b's least-seen classes best (None: none helps).
-
-        A class's gap is 1 - (its count / the branch's most-seen class's count); a helper scores the sum
-        of its batch's labels' gaps; ties go to the first device in id order."""
-        counts = self._labels.get(b, {})
-        top = max(counts.values(), default=0)
-        best, score = None, 0.0
+    def pick(self, b: int, k: int, n: int) -> dict[str, tuple[Tensor, Tensor]]:
+        """About ``n`` replay rows for branch b: each step adds n * deficit_c / sum of deficits to class c's
+        credit (deficit_c = max(mean count - count_c, 0); a credit is capped at n), the whole part of each
+        credit is filled from the helpers in id order, each helper's rows in batch order, and what was taken
+        leaves the credit, so a share under one row per step still gets its rows over the steps. Helper ->
+        its (activations, labels); empty when none help. Call it once per step: it spends the credit."""
+        counts = self.counts.get(b)
+        if n <= 0 or counts is None:
+            return {}
+        deficit = (counts.mean() - counts).clamp(min=0)
+        if float(deficit.sum()) <= 0:
+            return {}
+        credit = (self._credit.get(b, torch.zeros_like(counts)) + n * deficit / deficit.sum()).clamp(max=n)
+        quota = credit.floor().long()
+        out: dict[str, tuple[Tensor, Tensor]] = {}
         for d in sorted(self._latest):
-            _, y, kd = self._latest[d]
+            z, y, kd = self._latest[d]
             if kd != k or self.branch_of(d) == b:
                 continue
-            s = sum(1.0 - counts.get(c, 0) / top if top else 1.0 for c in y.tolist())
-            if s > score + 1e-12:
-                best, score = d, s
-        return best
-
-    def _replay(self, b: int, k: int, strategy: Any) -> None:
-        d = self.helper(b, k)
-        if d is None:
-            return
-        z, y, _ = self._latest[d]
-        self._force = b
-        try:
-            ServerSide.step(self, d, z.clone(), y, k, strategy)
-        except RemoteProtocolError:  # a non-finite replay changes nothing (ServerSide.step restored the statistics)
-            return
-        finally:
-            self._force = None
-        self.replayed.append((b, d))
+            take = []
+            for i, c in enumerate(y.tolist()):
+                if 0 <= c < len(quota) and quota[c] > 0:
+                    quota[c] -= 1
+                    take.append(i)
+            if take:
+                out[d] = (z[take], y[take])
+        self._credit[b] = credit - sum((torch.bincount(y, minlength=len(credit))[: len(credit)].double()
+                                        for _, y in out.values()), torch.zeros_like(credit))
+        return out
 
     @torch.no_grad()
     def end_round(self, snapshot: dict[str, Tensor]) -> None:
@@ -430,6 +452,13 @@ class BranchServer(ServerSide):
                         for b, side in self._copies.items()}
         self._copies.clear()
         self._latest.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict() | {"label_counts": self.counts}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.counts = dict(state.get("label_counts", {}))
 
 
 class MergedServer(SharedServer):

@@ -140,7 +140,10 @@ def to_config(o: Opt, value: Any) -> Any:
 
 
 def override(obj: Any, values: Mapping[str, Any]) -> Any:
-    """A copy of config dataclass ``obj`` with dotted keys replaced (``{"fedsga.adapt": False}``)."""
+    """A copy of config dataclass ``obj`` with dotted keys replaced (``{"fedsga.adapt": False}``); a dict
+    field takes its keys merged in (``{"strategy_args.branches": 2}``)."""
+    if isinstance(obj, dict):
+        return {**obj, **values}
     top: dict[str, Any] = {}
     nested: dict[str, dict[str, Any]] = {}
     for key, value in values.items():

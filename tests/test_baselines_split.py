@@ -97,17 +97,19 @@ def _sgd(model, cfg, k: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -
     return model.state_dict()
 
 
-def test_multisfl_replay_trains_a_branch_on_the_helper_that_fills_its_gaps(digits) -> None:
-    """replay 1: after branch 1's own step, its server copy also steps on the latest batch of the helper
-    (another branch's device) whose labels it has seen least: exactly two SGD steps, the helper's second;
-    branch 0's steps had no helper (nobody else yet, then only its own branch). With replay 0 no branch ever replays."""
-    for replay in (1.0, 0.0):
-        sim = Simulation(tiny_config("multisfl", rounds=1, clients=3, strategy_args={"branches": 2, "replay": replay}),
-                         digits)
+def test_multisfl_replay_joins_the_rows_of_the_classes_a_branch_lacks(digits) -> None:
+    """Each of a branch's own steps takes the replay rows into the same batch and loss (the reference's
+    union step): branch 1 saw classes 0 and 1, so its 2 rows are class 2's, from client-002's batch (a
+    device of the other branch; client-000's class-0 rows fill nothing). Its copy is exactly one SGD step
+    on its batch plus those rows, and the device's gradient is its own rows' slice of that loss. Branch 0's
+    steps have no helper (nobody else yet, then only its own branch). With replay 0 nothing is joined."""
+    for rows in (16, 0):
+        sim = Simulation(tiny_config("multisfl", rounds=1, clients=3), digits)
         co, st, k = sim.coordinator, sim.strategy, sim.cfg.split
         co.begin_round(1)
         st.dealt = {"client-000": 0, "client-001": 1, "client-002": 0}
         server = co.server
+        server.rows = lambda device: rows
         a = _batch(co.model, k, [0, 0, 0, 0], 1)  # branch 0: class 0
         c = _batch(co.model, k, [1, 1, 2, 2], 2)  # branch 0 too: classes 1, 2
         b = _batch(co.model, k, [0, 0, 1, 1], 3)  # branch 1: classes 0, 1
@@ -115,20 +117,50 @@ def test_multisfl_replay_trains_a_branch_on_the_helper_that_fills_its_gaps(digit
         assert server.replayed == []  # nobody of another branch has sent yet
         server.step("client-002", c[0].clone(), c[1], k, st)
         assert server.replayed == []  # client-000 is of the same branch: no helper
-        server.step("client-001", b[0].clone(), b[1], k, st)
-        if replay == 0:
+        zb = b[0].clone()
+        server.step("client-001", zb, b[1], k, st)
+        got = server.copy_for("client-001").model.state_dict()
+        names = [n for n, v in got.items() if v.is_floating_point() and co.model.unit_of(n) >= co.model.depth_of(k)]
+        joined = (torch.cat([b[0], c[0][2:]]), torch.cat([b[1], c[1][2:]])) if rows else b
+        want = _sgd(co.model, sim.cfg, k, [joined])
+        assert all(torch.allclose(got[n], want[n], atol=1e-6) for n in names)
+        z, fresh = joined[0].clone().requires_grad_(True), copy.deepcopy(co.model).train()
+        F.cross_entropy(fresh.head(fresh.suffix(z, co.model.depth_of(k))), joined[1]).backward()
+        torch.testing.assert_close(zb.grad, z.grad[:4], rtol=1e-5, atol=1e-7)
+        if rows == 0:
             assert server.replayed == []
             continue
-        # branch 1 saw classes 0 and 1 twice each; client-002's batch (1, 1, 2, 2) fills class 2, client-000's
-        # (0, 0, 0, 0) nothing: client-002 helps, though client-000 comes first in id order
-        assert server.replayed == [(1, "client-002")]
-        assert server.helper(1, k) == "client-002"
-        got = server.copy_for("client-001").model.state_dict()
-        want = _sgd(co.model, sim.cfg, k, [b, c])
-        wrong = _sgd(co.model, sim.cfg, k, [b, a])
-        names = [n for n, v in want.items() if v.is_floating_point() and co.model.unit_of(n) >= co.model.depth_of(k)]
-        assert all(torch.allclose(got[n], want[n], atol=1e-6) for n in names)
+        assert server.replayed == [(1, "client-002", 2)]
+        wrong = _sgd(co.model, sim.cfg, k, [(torch.cat([b[0], a[0][:2]]), torch.cat([b[1], a[1][:2]]))])
         assert not all(torch.allclose(got[n], wrong[n], atol=1e-6) for n in names)
+
+
+def test_multisfl_replays_about_one_percent_of_a_device_data_by_default(digits) -> None:
+    """The reference's budget: max(classes, floor(1 % of n)) rows per local epoch, spread over the epoch's
+    steps; one branch per device and mix 1/(B + 1) unless set."""
+    sim = Simulation(tiny_config("multisfl", rounds=1, clients=3, max_batches=0, batch_size=64), digits)
+    st, co = sim.strategy, sim.coordinator
+    n = co.clients["client-000"]
+    assert st.replay_rows("client-000") == -(-max(10, n // 100) // -(-n // 64))
+    rec = next(sim.rounds())
+    assert st.B == 3 and st.mix == pytest.approx(0.25) and len(rec["branches"]) == 3
+    assert 0 < rec["replay_rows"] <= 3 * st.replay_rows("client-000") * -(-n // 64)
+
+
+def test_multisfl_with_a_branch_per_device_and_no_replay_trains_round_1_as_splitfed(digits) -> None:
+    """One branch per device, no replay: every device trains its own server copy from the initial model,
+    which is SplitFed with per-client server copies (SplitFed-v1), so the round-1 losses are the same. Two
+    branches for three devices (a branch's copy taking two devices in turn) are not."""
+    def losses(strategy: str, **kw) -> dict[str, float]:
+        sim = Simulation(tiny_config(strategy, rounds=1, clients=3, max_batches=2, server_copies="per_client", **kw),
+                         digits)
+        updates = _capture_updates(sim)
+        next(sim.rounds())
+        return {c: float(u["train_loss"]) for c, u in updates.items()}
+
+    splitfed = losses("static")
+    assert losses("multisfl", strategy_args={"replay": 0.0}) == pytest.approx(splitfed, rel=1e-6)
+    assert losses("multisfl", strategy_args={"branches": 2, "replay": 0.0}) != pytest.approx(splitfed, rel=1e-6)
 
 
 def test_multisfl_branches_survive_a_checkpoint(digits) -> None:
@@ -145,9 +177,25 @@ def test_multisfl_options_are_refused_out_of_range() -> None:
     from fedsga_edge.coordinator.strategy import create_strategy
 
     with pytest.raises(ValueError, match="branches"):
-        create_strategy(tiny_config("multisfl", strategy_args={"branches": 0}), 4, ["a"], {})
+        create_strategy(tiny_config("multisfl", strategy_args={"branches": -1}), 4, ["a"], {})
     with pytest.raises(ValueError, match="mix"):
         create_strategy(tiny_config("multisfl", strategy_args={"mix": 1.5}), 4, ["a"], {})
+
+
+def test_multisfl_earlier_setting_is_a_labelled_variant_of_the_benchmark() -> None:
+    """``multisfl-2branch`` runs the earlier 2-branch setting under its own name and label; ``multisfl`` the
+    reference code's configuration."""
+    from _bench import load_bench
+
+    from fedsga_edge.coordinator.strategy import method_of
+
+    bench = load_bench("accuracy")
+    two = bench.make_config(bench.PRESETS["cpu"], "multisfl-2branch", "dir0.1", 0, 2, "digits", None)
+    ref = bench.make_config(bench.PRESETS["cpu"], "multisfl", "dir0.1", 0, 2, "digits", None)
+    assert two.strategy == ref.strategy == "multisfl"
+    assert {k: two.strategy_args[k] for k in ("branches", "mix", "replay")} == {"branches": 2, "mix": 0.5, "replay": 0.5}
+    assert method_of(two, 4)["name"] == "multisfl-2branch" and "2 branches" in method_of(two, 4)["label"]
+    assert method_of(ref, 4)["name"] == "multisfl" and bench.LABELS["multisfl-2branch"] != bench.LABELS["multisfl"]
 
 
 # -- the split device step on the torch-free ONNX device ---------------------------------------------------

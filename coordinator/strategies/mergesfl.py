@@ -12,7 +12,9 @@ coordinator call that completed it (the last activation, or a device leaving the
 to its device's open request. Over MQTT the device's request simply waits on its reply topic; in
 ``simulate`` the loopback request returns a pending reply, the device's scheduler gives it no turn until
 the reply is there (``--fleet``: its virtual time waits), and a round that closes refuses whatever is
-still held. Every device reports the merged loss (docs/method.md, "Baselines beyond the paper's own").
+still held. Every device reports the merged loss. The paper's control module (each device's batch size
+regulated to its speed, devices selected so the merged labels are balanced) is not here, and the row's label
+says so (docs/method.md, "Baselines beyond the paper's own").
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ __all__ = ["MergeSFL"]
 class MergeSFL(Strategy):
     name = "mergesfl"
     help = "MergeSFL: every device at --split; the server merges each step's activations into one batch"
-    label = "MergeSFL (merged server batches)"
+    # the paper's control module (batch-size regulation, label-balanced selection) is not implemented
+    label = "MergeSFL, feature merging only"
 
     @classmethod
     def check_config(cls, cfg: RunConfig, num_splits: int) -> None:

@@ -3,18 +3,22 @@ and Knowledge Replay"): several branch models, each a device part and a server p
 side; an aggregated master model shares their knowledge; each branch's server part replays activations
 of helper devices whose labels the branch lacks.
 
-Round t deals the round's devices to the B branches in turn, shifted by t (device j -> branch (j + t) mod
-B), so every branch meets other data over the rounds. A device receives its branch's prefix and trains it
-at --split against its branch's server copy (``BranchServer``, coordinator/server_side.py), which also
-takes the replay steps. At the round's end each branch that trained becomes W_b' = (the data-weighted
+As its reference code (github.com/CodeFree-xzk/MultiSFL) runs it: one branch per device of the round
+(``--multisfl-branches 0``); round t deals device j (partition order) to branch (j + t) mod B, so every
+branch meets other data over the rounds. A device receives its branch's prefix and trains it at --split
+against its branch's server copy (``BranchServer``, coordinator/server_side.py), whose batches also take
+about ``--multisfl-replay`` (1 %) of the device's data per local epoch in helper devices' rows of the
+classes the branch lacks. At the round's end each branch that trained becomes W_b' = (the data-weighted
 average of its devices' prefixes, its trained server part); the master is the data-weighted average of
 the W_b' (the coordinator's global model, which is evaluated); each branch then starts the next round
-from (1 - mix) W_b' + mix * master. No official code is public: where we had to choose is in
-docs/method.md, "Baselines beyond the paper's own".
+from (1 - mix) W_b' + mix * master, mix 1/(B + 1) by default. docs/method.md, "Baselines beyond the
+paper's own", says what follows the reference and what is ours; ``multisfl-2branch`` is the setting
+this project ran before (2 branches, mix 0.5, half a device's data replayed).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from fedsga_edge.config import RunConfig
@@ -45,19 +49,23 @@ class MultiSFL(Strategy):
     name = "multisfl"
     help = ("MultiSFL: --multisfl-branches branch models (device + server part) at --split, an aggregated "
             "master model, knowledge replay from helper devices")
-    label = "MultiSFL (branches, master, replay)"
+    label = "MultiSFL (a branch per device, master, replay)"
     options = (
-        Opt("branches", int, 2, "Branch models B (each a device part and a server part); a round deals its "
-            "devices to them in turn.", ge=1, le=64),
-        Opt("mix", float, 0.5, "How far each branch moves to the master at a round's end: W_b <- (1 - mix) W_b "
-            "+ mix * master (1: every branch restarts from the master).", ge=0, le=1),
-        Opt("replay", float, 0.5, "Knowledge replay: server steps on a helper device's batch per step of the "
-            "branch's own devices (0: none, 1: one each).", ge=0, le=1),
+        Opt("branches", int, 0, "Branch models B (each a device part and a server part); a round deals its "
+            "devices to them in turn (0: one per device of the first round, as the reference).", ge=0, le=64),
+        Opt("mix", float, None, "How far each branch moves to the master at a round's end: W_b <- (1 - mix) W_b "
+            "+ mix * master (1: every branch restarts from the master; unset: 1/(B + 1), the reference's).",
+            ge=0, le=1, nullable=True),
+        Opt("replay", float, 0.01, "Knowledge replay: the share of a device's data replayed per local epoch "
+            "as helper devices' rows in its branch's server batches, at least one row per class (0: none).",
+            ge=0, le=1),
     )
+    # the setting this project ran before it followed the reference (benchmarks/RESULTS.md's older tables)
+    TWO_BRANCH = {"branches": 2, "mix": 0.5, "replay": 0.5}
 
     def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
         super().__init__(cfg, num_splits, clients, train_flops)
-        self.B = int(self.args["branches"])
+        self.B = int(self.args["branches"])  # 0 until the first round deals one branch per device
         self.branches: list[dict[str, Tensor]] | None = None  # each branch's whole model, between rounds
         self.dealt: dict[str, int] = {}  # device -> its branch this round
         self.trained: dict[int, dict[str, Tensor]] = {}  # W_b' of the last round's branches (before the mix)
@@ -70,7 +78,32 @@ class MultiSFL(Strategy):
 
     @classmethod
     def methods(cls) -> dict[str, Method]:
-        return {cls.name: Method(cls.label, split="ref")}
+        return {cls.name: Method(cls.label, split="ref"),
+                "multisfl-2branch": Method("MultiSFL, 2 branches, mix 0.5, 50 % replay (our earlier setting)",
+                                           split="ref", default=False,
+                                           overrides={f"strategy_args.{k}": v for k, v in cls.TWO_BRANCH.items()})}
+
+    @classmethod
+    def method_name(cls, cfg: RunConfig, num_splits: int) -> str:
+        args = cfg.strategy_args
+        return "multisfl-2branch" if all(args.get(k) == v for k, v in cls.TWO_BRANCH.items()) else cls.name
+
+    @property
+    def mix(self) -> float:
+        m = self.args["mix"]
+        return 1.0 / (self.B + 1) if m is None else float(m)
+
+    def replay_rows(self, device: str) -> int:
+        """Rows replayed with each of the device's steps: the reference's max(classes, floor(replay n))
+        samples per local epoch, spread over the epoch's ceil(n / batch) steps (0 without replay)."""
+        frac = float(self.args["replay"])
+        n = int(self._co.clients.get(device, 0))
+        if frac <= 0 or n <= 0:
+            return 0
+        tc = self.cfg.train
+        steps = math.ceil(n / tc.batch_size)
+        steps = min(steps, tc.max_batches) if tc.max_batches else steps
+        return math.ceil(max(self._co.num_classes, int(frac * n)) / steps)
 
     def attach(self, coordinator: Any) -> None:
         self._co = coordinator
@@ -79,10 +112,11 @@ class MultiSFL(Strategy):
         from ..server_side import BranchServer
 
         self._server = BranchServer(model, head, cfg, weight, branch_of=self.branch_of, start=self.branch_state,
-                                    replay=float(self.args["replay"]))
+                                    rows=self.replay_rows, num_classes=self._co.num_classes)
         return self._server
 
     def assign(self, t: int, clients: list[str]) -> dict[str, int | None]:
+        self.B = self.B or max(1, len(clients))
         self.dealt = {c: (j + t) % self.B for j, c in enumerate(clients)}
         return {c: self.cfg.split for c in clients}
 
@@ -132,21 +166,22 @@ class MultiSFL(Strategy):
                     state[n] = server_trained.get(b, ref)[n].detach().clone()
             self.trained[b], mass[b] = state, sum(w.values())
         record["branches"] = {str(b): sorted(c for c in updates if self.dealt.get(c) == b) for b in range(self.B)}
-        record["replay_steps"] = len(self._server.replayed) if self._server is not None else 0
+        record["replay_rows"] = sum(r for _, _, r in self._server.replayed) if self._server is not None else 0
         if not self.trained:
             return
         order = sorted(self.trained)
         master = weighted_state([self.trained[b] for b in order], [mass[b] for b in order], co.model.state_dict())
         with torch.no_grad():
             co.model.load_state_dict(master)
-        mix = float(self.args["mix"])
+        mix = self.mix
         for b in range(self.B):
             base = self.trained.get(b, self.branches[b])
             self.branches[b] = weighted_state([base, master], [1.0 - mix, mix], base) if mix < 1 else \
                 {n: v.detach().clone() for n, v in master.items()}
 
     def info(self) -> dict[str, Any]:
-        return {"branches": self.B, "mix": self.args["mix"], "replay": self.args["replay"],
+        return {"branches": self.B or "one per device", "mix": self.mix if self.B else "1/(B + 1)",
+                "replay": self.args["replay"],
                 "master": "data-weighted average of the branches that trained"}
 
     def state_dict(self) -> dict[str, Any]:
@@ -154,3 +189,4 @@ class MultiSFL(Strategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.branches = state.get("branches")
+        self.B = len(self.branches) if self.branches else self.B

@@ -5,7 +5,7 @@ The server's progress per device round is tau times SplitFed's, so fewer device 
 straggler slows) reach the same server progress. The tau steps are the server side's ``steps``
 (coordinator/server_side.py), on the shared copy or on each device's own (``--server-copies per-client``,
 the ``cifar-v1`` preset's SplitFed-v1 server); the device side is SplitFed's first-order step, not the paper's
-zeroth-order one (docs/method.md, "Baselines beyond the paper's own").
+zeroth-order one, and the row's label says so (docs/method.md, "Baselines beyond the paper's own").
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from ..strategy import Method, Strategy, check_split, register_strategy
 class MUSplitFed(Strategy):
     name = "musplitfed"
     help = "MU-SplitFed: every device at --split, the server takes --musplitfed-tau steps per activation"
-    label = "MU-SplitFed (unbalanced server updates)"
+    # the paper's devices train by zeroth-order estimates; ours backpropagate (docs/method.md says why)
+    label = "MU-SplitFed, first-order devices (tau server updates)"
     options = (Opt("tau", int, 2, "Server optimizer steps per device activation (MU-SplitFed's unbalanced "
                    "update; 1 = SplitFed).", ge=1, le=64),)
 
