@@ -1,0 +1,92 @@
+"""The static frontier: what fixed cuts reach at a given client cost, and how far an adaptive method sits from it.
+
+A fleet that wants a client cost between two fixed cuts can mix them (some devices or rounds at each), which
+reaches any convex combination of their (client FLOPs, accuracy) points. So the frontier at cost ``c`` is the
+best accuracy any fixed cut or fixed mix of cuts reaches with no more than ``c`` FLOPs: the upper envelope of
+the cuts' points, never falling as the cost grows. A cut that another matches or beats in accuracy at no more
+FLOPs never shapes it, and a line between two dominated cuts is not part of it. An adaptive split policy earns
+its keep only by sitting above that envelope at its own client FLOPs (issue 37). Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Point", "envelope", "frontier_at", "distance", "paired_distance"]
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run, or one cut's run on one seed: its client FLOPs per sample and its accuracy."""
+
+    flops: float
+    acc: float
+    name: str = ""
+
+
+def envelope(points: Sequence[Point]) -> list[Point]:
+    """The frontier's vertices, cheapest first: the undominated cuts that lie on the upper concave hull.
+
+    Between two consecutive vertices the frontier is the straight line (a mix of the two cuts); past the
+    last vertex it stays at the last one's accuracy (more FLOPs buy nothing a cheaper cut does not give)."""
+    if not points:
+        raise ValueError("the frontier needs at least one fixed cut's point")
+    bad = [p for p in points if not (np.isfinite(p.flops) and np.isfinite(p.acc)) or p.flops < 0]
+    if bad:
+        raise ValueError(f"a frontier point needs finite accuracy and FLOPs >= 0, got {bad[0]}")
+    pareto: list[Point] = []  # strictly more accurate as the cost grows: every other cut is dominated
+    for p in sorted(points, key=lambda q: (q.flops, -q.acc)):
+        if not pareto or p.acc > pareto[-1].acc:
+            pareto.append(p)
+    hull: list[Point] = []  # upper hull: drop a vertex that lies on or under the line its neighbours make
+    for p in pareto:
+        while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) >= 0:
+            hull.pop()
+        hull.append(p)
+    return hull
+
+
+def _cross(a: Point, b: Point, c: Point) -> float:
+    """> 0 when ``b`` lies under the line from ``a`` to ``c`` (a left turn going a, b, c)."""
+    return (b.flops - a.flops) * (c.acc - a.acc) - (b.acc - a.acc) * (c.flops - a.flops)
+
+
+def frontier_at(points: Sequence[Point], flops: float) -> float | None:
+    """The best accuracy a fixed cut or mix of cuts reaches with at most ``flops`` client FLOPs; None below the
+    cheapest cut (no fixed cut is that cheap, so there is nothing to compare with)."""
+    hull = envelope(points)
+    if flops < hull[0].flops:
+        return None
+    if flops >= hull[-1].flops:
+        return hull[-1].acc
+    xs = [p.flops for p in hull]
+    return float(np.interp(flops, xs, [p.acc for p in hull]))
+
+
+def distance(points: Sequence[Point], flops: float, acc: float) -> float | None:
+    """``acc`` minus the frontier at ``flops``: above the frontier > 0; None below the cheapest cut's FLOPs."""
+    ref = frontier_at(points, flops)
+    return None if ref is None else acc - ref
+
+
+def paired_distance(cuts: Mapping[int, Sequence[Point]], method: Mapping[int, Point]) -> dict[str, object] | None:
+    """A method's distance to the frontier seed by seed (each seed's frontier from that seed's cuts), over the seeds
+    both have: mean, standard error (std of the distances / sqrt(n); None for one seed), wins (seeds above the
+    frontier) and n; ``below_cheapest``: the seeds left out because the method ran cheaper than every cut.
+    None when no seed pairs."""
+    seeds = sorted(s for s in method if cuts.get(s))
+    d, cheaper = [], []
+    for s in seeds:
+        gap = distance(cuts[s], method[s].flops, method[s].acc)
+        if gap is None:
+            cheaper.append(s)
+        else:
+            d.append(gap)
+    if not d:
+        return None if not cheaper else {"mean": None, "se": None, "wins": 0, "n": 0, "below_cheapest": cheaper}
+    arr = np.asarray(d, dtype=float)
+    se = float(np.std(arr, ddof=1) / np.sqrt(len(arr))) if len(arr) > 1 else None
+    return {"mean": float(arr.mean()), "se": se, "wins": int((arr > 0).sum()), "n": len(arr), "below_cheapest": cheaper}
