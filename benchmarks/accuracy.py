@@ -721,6 +721,57 @@ def _fedsga_vs_static(g: dict, parts: list[str], methods: list[str]) -> list[str
     return out
 
 
+FRONTIER_STRATEGY = "static"  # its variants at p_1 .. p_K are the fixed cuts the frontier is drawn from
+
+
+def _frontier_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:
+    """Per partition whose records hold two or more fixed cuts and an adaptive method: the static frontier (the best
+    accuracy a fixed cut or mix of cuts reaches at no more client FLOPs, fedsga_edge/report/frontier.py), each seed's
+    from its own cuts, and every method's distance to it at its own client FLOPs, paired by seed."""
+    from fedsga_edge.coordinator.strategy import get_strategy
+    from fedsga_edge.report.frontier import frontier_at, paired_distance
+
+    cuts = [m for m in methods if m in REGISTERED and REGISTERED[m][0] == FRONTIER_STRATEGY and REGISTERED[m][1].split]
+    adaptive = [m for m in methods if m in REGISTERED and REGISTERED[m][1].split is None
+                and get_strategy(REGISTERED[m][0]).adaptive]
+    out: list[str] = []
+    for p in parts:
+        have = [m for m in cuts if (m, p) in g]
+        rows = have + [m for m in adaptive if (m, p) in g]
+        if len(have) < 2 or len(rows) == len(have):
+            continue
+        seeds = set.intersection(*({s["_seed"] for s in g[(m, p)] if acc_of(s) is not None} for m in have))
+        front = {seed: [_point(s, m) for m in have for s in g[(m, p)] if s["_seed"] == seed] for seed in seeds}
+        out.append(f"**The static frontier under {partition_label(p)}** — the best accuracy any fixed cut "
+                   f"({', '.join(LABELS.get(m, m) for m in have)}) or mix of them reaches at no more client FLOPs, each "
+                   f"seed's from its own cuts ({len(seeds)} seeds with every cut); Δ frontier: a method's headline "
+                   "accuracy minus the frontier at its own client FLOPs/sample, paired by seed, mean ± standard error "
+                   "(wins: seeds above it, k/n)")
+        out.append("")
+        out.append("| Method | client MFLOPs/sample | headline accuracy (%) | frontier at its FLOPs (%) "
+                   "| Δ frontier, paired (wins) | seeds |")
+        out.append("|---|---:|---:|---:|---:|---:|")
+        for m in rows:
+            ss = [s for s in g[(m, p)] if s["_seed"] in seeds and acc_of(s) is not None]
+            mine = {s["_seed"]: _point(s, m) for s in ss}
+            pr = paired_distance(front, mine)
+            at = [frontier_at(front[k], q.flops) for k, q in mine.items()]
+            below = f"; cheaper than every cut on seeds {pr['below_cheapest']}" if pr and pr["below_cheapest"] else ""
+            cell = _paired_cell(pr) if pr and pr["n"] else "—"
+            out.append(f"| {LABELS.get(m, m)} | {np.mean([q.flops for q in mine.values()]) / 1e6:.2f} "
+                       f"| {_ms([acc_of(s) for s in ss])} | {_ms([a for a in at if a is not None])} "
+                       f"| {cell}{below} | {len(ss)} |")
+        out.append("")
+    return out
+
+
+def _point(s: dict[str, Any], method: str) -> Any:
+    """A run's (client FLOPs per sample, headline accuracy) for the frontier."""
+    from fedsga_edge.report.frontier import Point
+
+    return Point(float(s["client_flops_per_sample"]), acc_of(s), method)
+
+
 def _wire_formats_table(by_format: dict[str, dict], parts: list[str], methods: list[str]) -> list[str]:
     """Each wire format beside fp32 (or the first format given), paired by seed: accuracy and bytes."""
     ref_format = "fp32" if "fp32" in by_format else next(iter(by_format))
@@ -781,7 +832,8 @@ def _tables(g: dict, partitions: list[str], methods: list[str]) -> list[str]:
     out += _acc_table(g, parts, methods, "Table 4 (shape of the paper's): ablations", ABLATIONS, vs_full=True)
     out += _acc_table(g, parts, methods, "Beyond the paper's tables: extensions and diagnostics", EXTENSIONS,
                       vs_full=True)
-    for section in (_cost_table, _calibration_table, _diagnostics_table, _split_table, _fedsga_vs_static):
+    for section in (_cost_table, _calibration_table, _diagnostics_table, _split_table, _fedsga_vs_static,
+                    _frontier_table):
         out += section(g, parts, methods)
     return out
 

@@ -64,3 +64,30 @@ def test_paired_distance_uses_each_seeds_own_frontier():
     assert pr["n"] == 2 and pr["wins"] == 1 and pr["below_cheapest"] == [2]
     assert pr["mean"] == pytest.approx(mean) and pr["se"] == pytest.approx(se)
     assert paired_distance(cuts, {9: Point(20.0, 0.5)}) is None
+
+
+def _runs(method: str, flops: float, accs: dict[int, float]) -> list[dict]:
+    return [{"method": method, "partition": "dir0.1", "seed": seed,
+             "summary": {"final_acc": a, "headline_acc": a, "client_flops_per_sample": flops, "client_params": 1000,
+                         "split_histogram": {"2": 1}, "wall_s": 1.0, "bytes_total": 1}}
+            for seed, a in accs.items()]
+
+
+def test_the_benchmark_tables_the_frontier_when_the_records_hold_the_cuts_and_an_adaptive_method():
+    from _bench import load_bench
+
+    bench = load_bench("accuracy")
+    methods = ["static-p1", "static", "static-pK", "fedsga", "random"]
+    cuts = (_runs("static-p1", 10e6, {0: 0.30, 1: 0.32}) + _runs("static", 20e6, {0: 0.28, 1: 0.29})
+            + _runs("static-pK", 40e6, {0: 0.34, 1: 0.38}))
+    md = bench.tables(cuts + _runs("fedsga", 25e6, {0: 0.335, 1: 0.36}), ["dir0.1"], methods)
+    table = md.split("**The static frontier under Dirichlet(0.1)**")[1]
+    row = next(line for line in table.splitlines() if line.startswith("| **FedSGA**"))
+    # seed 0: frontier 0.32 at 25 MFLOPs (p_1 to p_K; p_ref dominated), +1.5; seed 1: 0.35, +1.0
+    assert "| 25.00 |" in row and "+1.25 ± 0.25 (2/2)" in row
+    ref = next(line for line in table.splitlines() if line.startswith("| Static at p_ref"))
+    assert "-4.17 ± 0.83 (0/2)" in ref  # the dominated cut sits under the frontier: -3.33 and -5.00
+    # no adaptive method, or a single cut: no frontier table
+    assert "static frontier" not in bench.tables(cuts, ["dir0.1"], methods)
+    assert "static frontier" not in bench.tables(_runs("static", 20e6, {0: 0.3}) + _runs("random", 2e6, {0: 0.3}),
+                                                 ["dir0.1"], methods)
