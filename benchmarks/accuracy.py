@@ -213,11 +213,12 @@ PRESETS: dict[str, Preset] = {
 # -- planning -------------------------------------------------------------------------------------
 def parse_partition(name: str) -> tuple[str, float]:
     """``iid`` -> (iid, 0); ``dir0.1`` / ``dirichlet0.1`` -> (dirichlet, 0.1);
-    ``domain0.5`` -> (domain, 0.5): clients per domain, Dirichlet(0.5) labels inside each domain."""
+    ``domain0.5`` -> (domain, 0.5): clients per domain, Dirichlet(0.5) labels inside each domain;
+    ``mixed0.05`` -> (mixed, 0.05): half the devices IID shares, half Dirichlet(0.05) (partition.py)."""
     n = name.strip().lower()
     if n == "iid":
         return "iid", 0.0
-    for prefix, kind in (("dirichlet", "dirichlet"), ("dir", "dirichlet"), ("domain", "domain")):
+    for prefix, kind in (("dirichlet", "dirichlet"), ("dir", "dirichlet"), ("domain", "domain"), ("mixed", "mixed")):
         if n.startswith(prefix):
             try:
                 alpha = float(n[len(prefix):])
@@ -226,14 +227,16 @@ def parse_partition(name: str) -> tuple[str, float]:
             if alpha > 0:
                 return kind, alpha
             break
-    raise SystemExit(f"--partitions: {name!r} is not 'iid', 'dirALPHA' (e.g. dir0.1) or 'domainALPHA' (e.g. domain0.5)")
+    raise SystemExit(f"--partitions: {name!r} is not 'iid', 'dirALPHA' (e.g. dir0.1), 'domainALPHA' (e.g. domain0.5) "
+                     "or 'mixedALPHA' (e.g. mixed0.05)")
 
 
 def partition_label(name: str) -> str:
     kind, alpha = parse_partition(name)
     if kind == "iid":
         return "IID"
-    return f"Dirichlet({alpha:g})" if kind == "dirichlet" else f"Domain + Dirichlet({alpha:g})"
+    return {"dirichlet": f"Dirichlet({alpha:g})", "domain": f"Domain + Dirichlet({alpha:g})",
+            "mixed": f"Mixed: IID + Dirichlet({alpha:g})"}[kind]
 
 
 def data_spec(data: str) -> str:
@@ -851,7 +854,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--methods", default=None, help=f"Comma-separated, from {','.join(METHODS)}.")
     ap.add_argument("--partitions", default=None,
                     help="Comma-separated: iid, dirALPHA (e.g. dir0.1), domainALPHA (e.g. domain0.5: clients per domain, "
-                         "Dirichlet(ALPHA) labels inside each; needs data with domain ids).")
+                         "Dirichlet(ALPHA) labels inside each; needs data with domain ids), mixedALPHA (e.g. mixed0.05: "
+                         "half the devices IID shares, half Dirichlet(ALPHA)).")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (0 = torch's default). The CPU preset uses 1: on a shared 2-core machine "
                          "two threads ran a round 15-20x slower than one (spin-waiting threads under contention).")
