@@ -91,3 +91,34 @@ def test_the_benchmark_tables_the_frontier_when_the_records_hold_the_cuts_and_an
     assert "static frontier" not in bench.tables(cuts, ["dir0.1"], methods)
     assert "static frontier" not in bench.tables(_runs("static", 20e6, {0: 0.3}) + _runs("random", 2e6, {0: 0.3}),
                                                  ["dir0.1"], methods)
+
+
+def test_the_report_draws_the_frontier_with_each_adaptive_methods_paired_distance(tmp_path):
+    from test_report import write_run
+
+    from fedsga_edge.report import discover
+    from fedsga_edge.report import plots as P
+    from fedsga_edge.report.frontier import frontier_groups
+    from fedsga_edge.report.sections import Inputs, frontier
+
+    root = tmp_path / "bench"
+    for seed, (a1, aref, aK, afed) in enumerate([(0.30, 0.28, 0.34, 0.335), (0.32, 0.29, 0.38, 0.36)]):
+        write_run(root / f"static-p1/dir0.1/seed{seed}", "static", seed, [a1], split=1, flops=10e6, partition="dirichlet")
+        write_run(root / f"static/dir0.1/seed{seed}", "static", seed, [aref], split=2, flops=20e6, partition="dirichlet")
+        write_run(root / f"static-pK/dir0.1/seed{seed}", "static", seed, [aK], split=3, flops=40e6,
+                  partition="dirichlet")
+        write_run(root / f"fedsga/dir0.1/seed{seed}", "fedsga", seed, [afed], flops=25e6, partition="dirichlet")
+    write_run(root / "fedavg/dir0.1/seed0", "fedavg", 0, [0.9], flops=90e6, partition="dirichlet")  # not adaptive
+    runs = discover([root])[0]
+    [g] = frontier_groups(runs)
+    assert g["partition"] == "dir0.1" and g["seeds"] == [0, 1]
+    assert [c["method"] for c in g["cuts"]] == ["static-p1", "static", "static-pK"]
+    assert [p[0] for p in g["envelope"]] == [10e6, 40e6]  # p_ref is dominated: not a vertex
+    [m] = g["methods"]
+    assert m["method"] == "fedsga" and m["delta"]["mean"] == pytest.approx(0.0125) and m["delta"]["wins"] == 2
+    section = frontier(Inputs(runs=runs, profs=[], band="minmax"))
+    assert "<td>+1.25 ± 0.25</td>" in section.section.extra_html and "<td>2/2</td>" in section.section.extra_html
+    fig = P.plot_frontier(section.compute())
+    assert len(fig.axes) == 1 and "fedsga +1.25 ± 0.25 (n=2)" in [t.get_text() for t in fig.axes[0].get_legend().texts]
+    # one cut only: nothing to draw, and the section says why
+    assert frontier_groups([r for r in runs if r.method != "static-p1" and r.method != "static-pK"]) == []

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Point", "envelope", "frontier_at", "distance", "paired_distance"]
+__all__ = ["Point", "distance", "envelope", "frontier_at", "frontier_groups", "paired_distance", "run_point"]
 
 
 @dataclass(frozen=True)
@@ -90,3 +91,46 @@ def paired_distance(cuts: Mapping[int, Sequence[Point]], method: Mapping[int, Po
     arr = np.asarray(d, dtype=float)
     se = float(np.std(arr, ddof=1) / np.sqrt(len(arr))) if len(arr) > 1 else None
     return {"mean": float(arr.mean()), "se": se, "wins": int((arr > 0).sum()), "n": len(arr), "below_cheapest": cheaper}
+
+
+# -- the report's frontier section: from loaded runs (fedsga_edge/report/runs.py) ------------------------------
+def run_point(run: Any) -> Point | None:
+    """A run's (client FLOPs per sample, accuracy) from its summary.json: the benchmark's headline accuracy where it
+    has one (the mean of its last full-test evaluations), else the final round's; None without both."""
+    s = run.summary or {}
+    acc = s.get("headline_acc") if isinstance(s.get("headline_acc"), (int, float)) else s.get("final_acc")
+    flops = s.get("client_flops_per_sample")
+    if not isinstance(acc, (int, float)) or not isinstance(flops, (int, float)):
+        return None
+    return Point(float(flops), float(acc), run.method)
+
+
+def frontier_groups(runs: Sequence[Any]) -> list[dict[str, Any]]:
+    """Per partition with two or more fixed cuts (``--strategy static`` at different splits) and an adaptive
+    method: the cuts' mean points and the envelope through them, and each adaptive method's mean point with its
+    distance to its own seeds' frontiers (``paired_distance``). Only seeds every cut ran on count."""
+    out = []
+    for part in sorted({r.partition for r in runs}, key=lambda p: (p != "iid", p)):
+        mine = [(r, q) for r in runs if r.partition == part and r.seed is not None and (q := run_point(r))]
+        cut_runs = [(r, q) for r, q in mine if r.strategy == "static"]
+        names = sorted({r.method for r, _ in cut_runs}, key=lambda m: min(q.flops for r, q in cut_runs if r.method == m))
+        adaptive = [(r, q) for r, q in mine if r.strategy != "static" and r.adaptive]
+        if len(names) < 2 or not adaptive:
+            continue
+        seeds = set.intersection(*({r.seed for r, _ in cut_runs if r.method == m} for m in names))
+        cuts = {s: [q for r, q in cut_runs if r.seed == s] for s in seeds}
+        cut_means = [_mean_point([q for r, q in cut_runs if r.method == m and r.seed in seeds], m) for m in names]
+        methods = []
+        for m in dict.fromkeys(r.method for r, _ in adaptive):
+            pts = {r.seed: q for r, q in adaptive if r.method == m and r.seed in seeds}
+            if pts:
+                methods.append(_mean_point(list(pts.values()), m) | {"delta": paired_distance(cuts, pts)})
+        if methods:
+            out.append({"partition": part, "seeds": sorted(seeds), "cuts": cut_means, "methods": methods,
+                        "envelope": [(p.flops, p.acc) for p in envelope([Point(c["flops"], c["acc"]) for c in cut_means])]})
+    return out
+
+
+def _mean_point(points: list[Point], method: str) -> dict[str, Any]:
+    return {"method": method, "flops": float(np.mean([p.flops for p in points])),
+            "acc": float(np.mean([p.acc for p in points])), "n": len(points)}
