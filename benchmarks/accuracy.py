@@ -12,6 +12,8 @@ against probing all K depths every round (the O(|T_cal|) vs O(KT) claim), as mar
     python benchmarks/accuracy.py --preset gpu          # one GPU, ~8 min: FedSGA vs static, Dir(0.1), width 1.0
     python benchmarks/accuracy.py --preset cifar --methods fedsga,static --partitions dir0.1   # the headline regime
     python benchmarks/accuracy.py --preset office --methods fedsga,static                     # ... under domain skew
+    python benchmarks/accuracy.py --preset cifar --methods static-p1,static,static-pK,fedsga,random \
+        --partitions dir0.1,mixed0.05 --tables-only    # the static frontier, and each adaptive method's distance to it
     python benchmarks/accuracy.py --preset office-v1 --jobs 2   # Table 2's domain column: eleven methods, seeds 10-12
     python benchmarks/accuracy.py --preset cifar --methods static --partitions dir0.1 --seeds 10 \
         --wire-formats fp32,fp16,int8,int4      # the wire formats side by side, paired by seed
