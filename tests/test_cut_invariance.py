@@ -6,7 +6,8 @@ FedAvg): the split only moves where each block's step is computed (docs/method.m
 matter"). So static at p_1 and static at p_K must give the same losses, up to float rounding. The tolerance of
 the second round is looser than the first's: a step through BatchNorm on digits turns a rounding difference
 of 1e-7 in the weights into ~1e-4 in the next step's (weights perturbed by 1e-7 of themselves give ~7e-5
-after one step), while a server copy at 1.5x the devices' rate already moves the first round's loss by ~5e-3.
+after one step). Measured here: p_1 against p_K 5e-7 in round 1 and 2.6e-4 in round 2; a server copy at 1.5x
+the devices' rate moves them by 4.8e-3 and 7.3e-3, one shared server copy by 9.3e-3 and 1.6e-2.
 """
 
 from __future__ import annotations
@@ -27,4 +28,4 @@ def test_static_at_p1_and_at_pK_train_the_same_with_per_client_copies(digits) ->
     shallow = _losses(digits, 1)
     deep = _losses(digits, 3)  # p_K of resnet18_cifar
     assert abs(shallow[0] - deep[0]) < 1e-5  # two steps per device, each at its own cut
-    assert abs(shallow[1] - deep[1]) < 1e-3  # after averaging the copies and the devices' blocks
+    assert abs(shallow[1] - deep[1]) < 2e-3  # after averaging the copies and the devices' blocks
