@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -122,3 +123,24 @@ def test_the_report_draws_the_frontier_with_each_adaptive_methods_paired_distanc
     assert len(fig.axes) == 1 and "fedsga +1.25 ± 0.25 (n=2)" in [t.get_text() for t in fig.axes[0].get_legend().texts]
     # one cut only: nothing to draw, and the section says why
     assert frontier_groups([r for r in runs if r.method != "static-p1" and r.method != "static-pK"]) == []
+
+
+def test_the_report_keeps_each_regimes_frontier_apart(tmp_path):
+    """Cuts with one shared server copy never make the frontier of runs with a copy per device."""
+    from test_report import write_run
+
+    from fedsga_edge.report import discover
+    from fedsga_edge.report.frontier import frontier_groups
+
+    root = tmp_path / "bench"
+    for regime, (a1, aK, afed) in (("shared", (0.2, 0.4, 0.35)), ("per_client", (0.5, 0.5, 0.4))):
+        write_run(root / regime / "static-p1/seed0", "static", 0, [a1], split=1, flops=10e6)
+        write_run(root / regime / "static-pK/seed0", "static", 0, [aK], split=3, flops=40e6)
+        write_run(root / regime / "fedsga/seed0", "fedsga", 0, [afed], flops=25e6)
+        for run in (root / regime).glob("*/seed0"):  # the regime as config.json records it
+            config = json.loads((run / "config.json").read_text()) | {"server_copies": regime}
+            (run / "config.json").write_text(json.dumps(config))
+    groups = {g["partition"]: g for g in frontier_groups(discover([root])[0])}
+    assert set(groups) == {"iid · server_copies=shared", "iid · server_copies=per_client"}
+    assert groups["iid · server_copies=shared"]["methods"][0]["delta"]["mean"] == pytest.approx(0.35 - 0.3)
+    assert groups["iid · server_copies=per_client"]["methods"][0]["delta"]["mean"] == pytest.approx(0.4 - 0.5)

@@ -105,30 +105,49 @@ def run_point(run: Any) -> Point | None:
     return Point(float(flops), float(acc), run.method)
 
 
+# What makes two runs of one partition different regimes (one shared server copy or a copy per device ...): each
+# regime gets a frontier of its own, never a frontier of one regime's cuts for another regime's methods.
+REGIME_KEYS = ("dataset", "model", "width", "clients", "rounds", "server_copies", "server_lr")
+
+
 def frontier_groups(runs: Sequence[Any]) -> list[dict[str, Any]]:
-    """Per partition with two or more fixed cuts (``--strategy static`` at different splits) and an adaptive
-    method: the cuts' mean points and the envelope through them, and each adaptive method's mean point with its
-    distance to its own seeds' frontiers (``paired_distance``). Only seeds every cut ran on count."""
+    """Per partition and regime with two or more fixed cuts (``--strategy static`` at different splits) and an
+    adaptive method: the cuts' mean points and the envelope through them, and each adaptive method's mean point
+    with its distance to its own seeds' frontiers (``paired_distance``). Only seeds every cut ran on count."""
+    regimes: dict[tuple[str, tuple], list[tuple[Any, Point]]] = {}
+    for r in runs:
+        if r.seed is not None and (q := run_point(r)) is not None:
+            key = (r.partition, tuple((k, r.config.get(k)) for k in REGIME_KEYS))
+            regimes.setdefault(key, []).append((r, q))
+    differ = [k for i, k in enumerate(REGIME_KEYS) if len({key[1][i][1] for key in regimes}) > 1]
     out = []
-    for part in sorted({r.partition for r in runs}, key=lambda p: (p != "iid", p)):
-        mine = [(r, q) for r in runs if r.partition == part and r.seed is not None and (q := run_point(r))]
-        cut_runs = [(r, q) for r, q in mine if r.strategy == "static"]
-        names = sorted({r.method for r, _ in cut_runs}, key=lambda m: min(q.flops for r, q in cut_runs if r.method == m))
-        adaptive = [(r, q) for r, q in mine if r.strategy != "static" and r.adaptive]
-        if len(names) < 2 or not adaptive:
-            continue
-        seeds = set.intersection(*({r.seed for r, _ in cut_runs if r.method == m} for m in names))
-        cuts = {s: [q for r, q in cut_runs if r.seed == s] for s in seeds}
-        cut_means = [_mean_point([q for r, q in cut_runs if r.method == m and r.seed in seeds], m) for m in names]
-        methods = []
-        for m in dict.fromkeys(r.method for r, _ in adaptive):
-            pts = {r.seed: q for r, q in adaptive if r.method == m and r.seed in seeds}
-            if pts:
-                methods.append(_mean_point(list(pts.values()), m) | {"delta": paired_distance(cuts, pts)})
-        if methods:
-            out.append({"partition": part, "seeds": sorted(seeds), "cuts": cut_means, "methods": methods,
-                        "envelope": [(p.flops, p.acc) for p in envelope([Point(c["flops"], c["acc"]) for c in cut_means])]})
+    for (part, regime), mine in sorted(regimes.items(), key=lambda kv: (kv[0][0] != "iid", repr(kv[0]))):
+        group = _frontier_group(mine)
+        if group:
+            label = " · ".join([part] + [f"{k}={v}" for k, v in regime if k in differ])
+            out.append({"partition": label} | group)
     return out
+
+
+def _frontier_group(mine: list[tuple[Any, Point]]) -> dict[str, Any] | None:
+    """One partition and regime's frontier (``frontier_groups``); None without two cuts and an adaptive method."""
+    cut_runs = [(r, q) for r, q in mine if r.strategy == "static"]
+    names = sorted({r.method for r, _ in cut_runs}, key=lambda m: min(q.flops for r, q in cut_runs if r.method == m))
+    adaptive = [(r, q) for r, q in mine if r.strategy != "static" and r.adaptive]
+    if len(names) < 2 or not adaptive:
+        return None
+    seeds = set.intersection(*({r.seed for r, _ in cut_runs if r.method == m} for m in names))
+    cuts = {s: [q for r, q in cut_runs if r.seed == s] for s in seeds}
+    cut_means = [_mean_point([q for r, q in cut_runs if r.method == m and r.seed in seeds], m) for m in names]
+    methods = []
+    for m in dict.fromkeys(r.method for r, _ in adaptive):
+        pts = {r.seed: q for r, q in adaptive if r.method == m and r.seed in seeds}
+        if pts:
+            methods.append(_mean_point(list(pts.values()), m) | {"delta": paired_distance(cuts, pts)})
+    if not methods:
+        return None
+    hull = envelope([Point(c["flops"], c["acc"]) for c in cut_means])
+    return {"seeds": sorted(seeds), "cuts": cut_means, "methods": methods, "envelope": [(p.flops, p.acc) for p in hull]}
 
 
 def _mean_point(points: list[Point], method: str) -> dict[str, Any]:
