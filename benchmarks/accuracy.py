@@ -13,6 +13,8 @@ as markdown.
     python benchmarks/accuracy.py --preset gpu          # one GPU, ~8 min: FedSGA vs static, Dir(0.1), width 1.0
     python benchmarks/accuracy.py --preset cifar --methods fedsga,static --partitions dir0.1   # the headline regime
     python benchmarks/accuracy.py --preset office --methods fedsga,static                     # ... under domain skew
+    python benchmarks/accuracy.py --preset cifar --methods static-p1,static,static-pK,fedsga,random \
+        --partitions dir0.1,mixed0.05 --tables-only    # the static frontier, and each adaptive method's distance to it
     python benchmarks/accuracy.py --preset office-v1 --jobs 2   # Table 2's domain column: eleven methods, seeds 10-12
     python benchmarks/accuracy.py --preset cifar --methods static --partitions dir0.1 --seeds 10 \
         --wire-formats fp32,fp16,int8,int4      # the wire formats side by side, paired by seed
@@ -214,11 +216,12 @@ PRESETS: dict[str, Preset] = {
 # -- planning -------------------------------------------------------------------------------------
 def parse_partition(name: str) -> tuple[str, float]:
     """``iid`` -> (iid, 0); ``dir0.1`` / ``dirichlet0.1`` -> (dirichlet, 0.1);
-    ``domain0.5`` -> (domain, 0.5): clients per domain, Dirichlet(0.5) labels inside each domain."""
+    ``domain0.5`` -> (domain, 0.5): clients per domain, Dirichlet(0.5) labels inside each domain;
+    ``mixed0.05`` -> (mixed, 0.05): half the devices IID shares, half Dirichlet(0.05) (partition.py)."""
     n = name.strip().lower()
     if n == "iid":
         return "iid", 0.0
-    for prefix, kind in (("dirichlet", "dirichlet"), ("dir", "dirichlet"), ("domain", "domain")):
+    for prefix, kind in (("dirichlet", "dirichlet"), ("dir", "dirichlet"), ("domain", "domain"), ("mixed", "mixed")):
         if n.startswith(prefix):
             try:
                 alpha = float(n[len(prefix):])
@@ -227,14 +230,16 @@ def parse_partition(name: str) -> tuple[str, float]:
             if alpha > 0:
                 return kind, alpha
             break
-    raise SystemExit(f"--partitions: {name!r} is not 'iid', 'dirALPHA' (e.g. dir0.1) or 'domainALPHA' (e.g. domain0.5)")
+    raise SystemExit(f"--partitions: {name!r} is not 'iid', 'dirALPHA' (e.g. dir0.1), 'domainALPHA' (e.g. domain0.5) "
+                     "or 'mixedALPHA' (e.g. mixed0.05)")
 
 
 def partition_label(name: str) -> str:
     kind, alpha = parse_partition(name)
     if kind == "iid":
         return "IID"
-    return f"Dirichlet({alpha:g})" if kind == "dirichlet" else f"Domain + Dirichlet({alpha:g})"
+    return {"dirichlet": f"Dirichlet({alpha:g})", "domain": f"Domain + Dirichlet({alpha:g})",
+            "mixed": f"Mixed: IID + Dirichlet({alpha:g})"}[kind]
 
 
 def data_spec(data: str) -> str:
@@ -762,6 +767,57 @@ def _fedsga_vs_static(g: dict, parts: list[str], methods: list[str]) -> list[str
     return out
 
 
+FRONTIER_STRATEGY = "static"  # its variants at p_1 .. p_K are the fixed cuts the frontier is drawn from
+
+
+def _frontier_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:
+    """Per partition whose records hold two or more fixed cuts and an adaptive method: the static frontier (the best
+    accuracy a fixed cut or mix of cuts reaches at no more client FLOPs, fedsga_edge/report/frontier.py), each seed's
+    from its own cuts, and every method's distance to it at its own client FLOPs, paired by seed."""
+    from fedsga_edge.coordinator.strategy import get_strategy
+    from fedsga_edge.report.frontier import frontier_at, paired_distance
+
+    cuts = [m for m in methods if m in REGISTERED and REGISTERED[m][0] == FRONTIER_STRATEGY and REGISTERED[m][1].split]
+    adaptive = [m for m in methods if m in REGISTERED and REGISTERED[m][1].split is None
+                and get_strategy(REGISTERED[m][0]).adaptive]
+    out: list[str] = []
+    for p in parts:
+        have = [m for m in cuts if (m, p) in g]
+        rows = have + [m for m in adaptive if (m, p) in g]
+        if len(have) < 2 or len(rows) == len(have):
+            continue
+        seeds = set.intersection(*({s["_seed"] for s in g[(m, p)] if acc_of(s) is not None} for m in have))
+        front = {seed: [_point(s, m) for m in have for s in g[(m, p)] if s["_seed"] == seed] for seed in seeds}
+        out.append(f"**The static frontier under {partition_label(p)}** — the best accuracy any fixed cut "
+                   f"({', '.join(LABELS.get(m, m) for m in have)}) or mix of them reaches at no more client FLOPs, each "
+                   f"seed's from its own cuts ({len(seeds)} seeds with every cut); Δ frontier: a method's headline "
+                   "accuracy minus the frontier at its own client FLOPs/sample, paired by seed, mean ± standard error "
+                   "(wins: seeds above it, k/n)")
+        out.append("")
+        out.append("| Method | client MFLOPs/sample | headline accuracy (%) | frontier at its FLOPs (%) "
+                   "| Δ frontier, paired (wins) | seeds |")
+        out.append("|---|---:|---:|---:|---:|---:|")
+        for m in rows:
+            ss = [s for s in g[(m, p)] if s["_seed"] in seeds and acc_of(s) is not None]
+            mine = {s["_seed"]: _point(s, m) for s in ss}
+            pr = paired_distance(front, mine)
+            at = [frontier_at(front[k], q.flops) for k, q in mine.items()]
+            below = f"; cheaper than every cut on seeds {pr['below_cheapest']}" if pr and pr["below_cheapest"] else ""
+            cell = _paired_cell(pr) if pr and pr["n"] else "—"
+            out.append(f"| {LABELS.get(m, m)} | {np.mean([q.flops for q in mine.values()]) / 1e6:.2f} "
+                       f"| {_ms([acc_of(s) for s in ss])} | {_ms([a for a in at if a is not None])} "
+                       f"| {cell}{below} | {len(ss)} |")
+        out.append("")
+    return out
+
+
+def _point(s: dict[str, Any], method: str) -> Any:
+    """A run's (client FLOPs per sample, headline accuracy) for the frontier."""
+    from fedsga_edge.report.frontier import Point
+
+    return Point(float(s["client_flops_per_sample"]), acc_of(s), method)
+
+
 def _wire_formats_table(by_format: dict[str, dict], parts: list[str], methods: list[str]) -> list[str]:
     """Each wire format beside fp32 (or the first format given), paired by seed: accuracy and bytes."""
     ref_format = "fp32" if "fp32" in by_format else next(iter(by_format))
@@ -822,7 +878,8 @@ def _tables(g: dict, partitions: list[str], methods: list[str]) -> list[str]:
     out += _acc_table(g, parts, methods, "Table 4 (shape of the paper's): ablations", ABLATIONS, vs_full=True)
     out += _acc_table(g, parts, methods, "Beyond the paper's tables: extensions and diagnostics", EXTENSIONS,
                       vs_full=True)
-    for section in (_cost_table, _calibration_table, _diagnostics_table, _split_table, _fedsga_vs_static):
+    for section in (_cost_table, _calibration_table, _diagnostics_table, _split_table, _fedsga_vs_static,
+                    _frontier_table):
         out += section(g, parts, methods)
     return out
 
@@ -840,7 +897,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--methods", default=None, help=f"Comma-separated, from {','.join(METHODS)}.")
     ap.add_argument("--partitions", default=None,
                     help="Comma-separated: iid, dirALPHA (e.g. dir0.1), domainALPHA (e.g. domain0.5: clients per domain, "
-                         "Dirichlet(ALPHA) labels inside each; needs data with domain ids).")
+                         "Dirichlet(ALPHA) labels inside each; needs data with domain ids), mixedALPHA (e.g. mixed0.05: "
+                         "half the devices IID shares, half Dirichlet(ALPHA)).")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (0 = torch's default). The CPU preset uses 1: on a shared 2-core machine "
                          "two threads ran a round 15-20x slower than one (spin-waiting threads under contention).")

@@ -147,7 +147,8 @@ def parse_model_args(items: list[str]) -> dict[str, Any]:
 class RunConfig:
     dataset: str = opt("digits", "digits | cifar10 | cifar100 | tinyimagenet | domainnet[:d1,d2] | npz:PATH")
     data_root: str | None = opt(None, "Folder holding the dataset in its official layout.", path=True)
-    partition: str = opt("iid", "iid | dirichlet | domain", choices=("iid", "dirichlet", "domain"))
+    partition: str = opt("iid", "iid | dirichlet | domain | mixed (even-positioned devices IID shares, odd ones "
+                         "Dirichlet(--alpha) of the rest)", choices=("iid", "dirichlet", "domain", "mixed"))
     alpha: float = opt(0.1, "Dirichlet concentration (paper: 0.1).", gt=0, when=lambda c: c.partition != "iid")
     clients: int = opt(20, "Number of clients N (all participate every round).", ge=1)
     rounds: int = opt(100, "Communication rounds T (paper: 100 on CIFAR-10).", ge=1)

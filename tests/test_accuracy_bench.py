@@ -257,7 +257,11 @@ def test_partition_names(bench):
     assert bench.parse_partition("dirichlet0.5") == ("dirichlet", 0.5)
     assert bench.parse_partition("domain0.5") == ("domain", 0.5)
     assert bench.partition_label("domain0.5") == "Domain + Dirichlet(0.5)"
-    for bad in ("shards", "domain", "domain0", "dirx"):
+    assert bench.parse_partition("mixed0.05") == ("mixed", 0.05)
+    assert bench.partition_label("mixed0.05") == "Mixed: IID + Dirichlet(0.05)"
+    cfg = bench.make_config(bench.PRESETS["smoke"], "static", "mixed0.05", 3, 2, "digits", None)
+    assert (cfg.partition, cfg.alpha, cfg.seed) == ("mixed", 0.05, 3)
+    for bad in ("shards", "domain", "domain0", "dirx", "mixed", "mixed0"):
         with pytest.raises(SystemExit):
             bench.parse_partition(bad)
 

@@ -313,6 +313,24 @@ def _spawn(script: Path, args: list[str], log: Path, **env: str) -> subprocess.P
 
 @pytest.mark.integration
 @pytest.mark.slow
+def test_partition_writes_a_mixed_fleet_as_simulate_draws_it(tmp_path, digits) -> None:
+    """``--partition mixed``: the even-positioned devices get IID shares, the odd ones Dirichlet(--alpha) shares,
+    exactly the ones simulate's plan gives the same flags."""
+    out = tmp_path / "mixed"
+    res = _cli("partition", "--dataset", "digits", "--clients", "4", "--seed", "2", "--partition", "mixed",
+               "--alpha", "0.05", "--out", str(out), "--format", "npz")
+    assert res.returncode == 0, res.stderr[-3000:]
+    plan = plan_run(tiny_config("static", clients=4, seed=2, partition="mixed", alpha=0.05, eval_holdout=0.0), digits,
+                    seed_globals=False, torch_free=True)
+    run = read_run_data(out / "dataset.json")
+    classes = []
+    for i, cid in enumerate(plan.client_ids):
+        images, counts = read_local_data(out / f"{cid}.npz", run)
+        assert np.array_equal(images.labels, digits.train.labels[plan.parts[i]])
+        classes.append(sum(1 for n in counts.values() if n >= 0.05 * len(images.labels)))
+    assert classes[0] == classes[2] == 10 and max(classes[1], classes[3]) < 10
+
+
 def test_devices_each_with_only_their_own_folder_and_a_coordinator_without_training_data(partitioned,
                                                                                           tmp_path) -> None:
     """The must-show: three device processes, each given a private copy of its own folder and unable to open

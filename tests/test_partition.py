@@ -22,7 +22,7 @@ def _mean_label_entropy(labels: np.ndarray, parts: list[np.ndarray]) -> float:
 
 @pytest.mark.parametrize(
     ("scheme", "num_clients"),
-    [(scheme, n) for scheme in ("iid", "dirichlet", "domain") for n in (1, 7, 20) if (scheme, n) != ("domain", 1)],
+    [(scheme, n) for scheme in ("iid", "dirichlet", "domain", "mixed") for n in (1, 7, 20) if (scheme, n) != ("domain", 1)],
 )
 def test_parts_are_disjoint_cover_everything_and_respect_min_samples(scheme: str, num_clients: int) -> None:
     parts = partition(LABELS, num_clients, scheme, domains=DOMAINS, min_samples=5)
@@ -59,13 +59,23 @@ def test_unreachable_min_samples_stops_with_a_clear_error() -> None:
         partition(one_class, 50, "dirichlet", alpha=0.01, min_samples=19)
 
 
-@pytest.mark.parametrize("scheme", ["iid", "dirichlet", "domain"])
+@pytest.mark.parametrize("scheme", ["iid", "dirichlet", "domain", "mixed"])
 def test_same_seed_same_partition_other_seed_other_partition(scheme: str) -> None:
     def run(seed: int) -> list[np.ndarray]:
         return partition(LABELS, 6, scheme, seed=seed, domains=DOMAINS)
 
     assert all(np.array_equal(a, b) for a, b in zip(run(3), run(3)))
     assert not all(np.array_equal(a, b) for a, b in zip(run(3), run(4)))
+
+
+def test_mixed_fleet_has_iid_devices_at_even_positions_and_skewed_ones_at_odd() -> None:
+    parts = partition(LABELS, 10, "mixed", alpha=0.05, seed=1)
+    iid, skewed = parts[0::2], parts[1::2]
+    assert _mean_label_entropy(LABELS, iid) > 0.95 * np.log(10)
+    assert _mean_label_entropy(LABELS, skewed) < 0.5 * np.log(10)
+    assert max(map(len, iid)) - min(map(len, iid)) <= 1 and sum(map(len, iid)) == 500  # half the fleet, half the data
+    # the skewed half is as skewed as a Dirichlet fleet of its own at that alpha, not an IID one
+    assert _mean_label_entropy(LABELS, skewed) < 0.8 * _mean_label_entropy(LABELS, partition(LABELS, 5, "iid"))
 
 
 def test_domain_scheme_keeps_each_client_inside_one_domain() -> None:

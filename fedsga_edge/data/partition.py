@@ -1,10 +1,10 @@
-"""Splitting a train set's indices among federated clients (IID, label-skewed, domain-skewed)."""
+"""Splitting a train set's indices among federated clients (IID, label-skewed, domain-skewed, or a mixed fleet)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "domain")
+SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "domain", "mixed")
 # Redraws allowed before a min_samples request is declared unattainable; feasible requests
 # (e.g. alpha=0.1, 20 clients, a few thousand samples) succeed within a handful.
 MAX_DRAWS = 1000
@@ -28,6 +28,10 @@ def partition(
     - ``domain``: client c serves the c-th domain round-robin (sorted domain ids), so each domain
       has floor or ceil of num_clients / D clients; a domain's samples are split among its clients
       by the Dirichlet scheme above.
+    - ``mixed``: one fleet of near-IID and heavily label-skewed devices, where a per-device split depth
+      has the most to say: the devices at even positions (client-000, -002, ...) share a seeded random
+      half of the samples equally (IID shares), those at odd positions split the rest by the Dirichlet
+      scheme above (a small ``alpha``, e.g. 0.05, leaves each a few classes).
 
     ``min_samples`` is a floor for every scheme (0 disables it). The same arguments and seed
     always give the same partition. Bad arguments raise ValueError.
@@ -54,6 +58,8 @@ def partition(
         parts = np.array_split(rng.permutation(total), num_clients)
     elif scheme == "dirichlet":
         parts = _dirichlet(labels, np.arange(total), num_clients, alpha, min_samples, rng)
+    elif scheme == "mixed":
+        parts = _mixed(labels, num_clients, alpha, min_samples, rng)
     else:
         parts = _by_domain(labels, domains, num_clients, alpha, min_samples, rng)
     return [np.sort(part).astype(np.int64) for part in parts]
@@ -79,6 +85,25 @@ def _dirichlet(
         f"no Dirichlet(alpha={alpha}) split of {len(members)} samples gave all {num_clients} clients "
         f">= {min_samples} samples in {MAX_DRAWS} draws; lower min_samples or num_clients, or raise alpha"
     )
+
+
+def _mixed(labels: np.ndarray, num_clients: int, alpha: float, min_samples: int,
+           rng: np.random.Generator) -> list[np.ndarray]:
+    """Even positions: equal IID shares of a random ~half of the samples; odd positions: Dir(alpha) of the rest."""
+    total, iid_clients = len(labels), range(0, num_clients, 2)
+    order = rng.permutation(total)
+    cut = round(total * len(iid_clients) / num_clients)  # the IID devices' samples: their share of the fleet
+    iid_parts = np.array_split(order[:cut], len(iid_clients))
+    if min(len(part) for part in iid_parts) < min_samples:
+        raise ValueError(f"the mixed partition's IID shares of {total} samples fall under min_samples={min_samples}")
+    rest = order[cut:]
+    skewed = _dirichlet(labels[rest], rest, num_clients // 2, alpha, min_samples, rng) if num_clients > 1 else []
+    parts: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * num_clients
+    for client, part in zip(iid_clients, iid_parts):
+        parts[client] = part
+    for client, part in zip(range(1, num_clients, 2), skewed):
+        parts[client] = part
+    return parts
 
 
 def _by_domain(

@@ -20,6 +20,7 @@ __all__ = [
     "plot_descriptor_entropy",
     "plot_estimator_losses",
     "plot_federated",
+    "plot_frontier",
     "plot_latency",
     "plot_reliability",
     "plot_split_depths",
@@ -395,4 +396,35 @@ def plot_timeline(timelines: list[dict[str, Any]]):
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=len(TIMELINE_PARTS), fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (sum(heights) + 0.5)))
+    return fig
+
+
+def plot_frontier(groups: list[dict[str, Any]]):
+    """Accuracy against client MFLOPs per sample, one panel per partition: the fixed cuts (squares) and the
+    envelope through them (the static frontier, dashed past the last vertex), each adaptive method a point
+    labelled with its paired distance to the frontier."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.8 * len(groups), 4.4), squeeze=False)
+    for ax, g in zip(axes[0], groups):
+        xs = [f / 1e6 for f, _ in g["envelope"]]
+        ys = [a * 100 for _, a in g["envelope"]]
+        right = max([c["flops"] for c in g["cuts"]] + [m["flops"] for m in g["methods"]]) / 1e6
+        ax.plot(xs, ys, "-", color="0.3", lw=1.5, label="static frontier")
+        ax.plot([xs[-1], max(right, xs[-1])], [ys[-1], ys[-1]], "--", color="0.3", lw=1)
+        for c in g["cuts"]:
+            ax.plot(c["flops"] / 1e6, c["acc"] * 100, "s", color="0.45", ms=6)
+            ax.annotate(c["method"], (c["flops"] / 1e6, c["acc"] * 100), textcoords="offset points",
+                        xytext=(5, -10), fontsize=7, color="0.3")
+        for i, m in enumerate(g["methods"]):
+            d = m["delta"] or {}
+            gap = "" if d.get("mean") is None else f" {100 * d['mean']:+.2f}" + (
+                f" ± {100 * d['se']:.2f}" if d.get("se") is not None else "")
+            ax.plot(m["flops"] / 1e6, m["acc"] * 100, "o", color=_color(m["method"], i), ms=7,
+                    label=f"{m['method']}{gap} (n={m['n']})")
+        ax.set_title(f"static frontier: {g['partition'] or 'runs'} (seeds {len(g['seeds'])})", fontsize=9)
+        ax.set_xlabel("client MFLOPs / training sample")
+        ax.set_ylabel("accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
     return fig

@@ -126,12 +126,12 @@ def method_name(config: dict[str, Any]) -> str:
 
 
 def partition_name(config: dict[str, Any]) -> str:
-    """``iid``, ``dir0.1`` (Dirichlet with its alpha) or ``domain0.1``, as benchmark folders name them."""
+    """``iid``, ``dir0.1`` (Dirichlet with its alpha), ``domain0.1`` or ``mixed0.05``, as benchmark folders name them."""
     kind = str(config.get("partition", ""))
     if kind == "dirichlet":
         return f"dir{float(config.get('alpha', 0.1)):g}"
-    if kind == "domain":
-        return f"domain{float(config.get('alpha', 0.1)):g}"
+    if kind in ("domain", "mixed"):
+        return f"{kind}{float(config.get('alpha', 0.1)):g}"
     return kind
 
 

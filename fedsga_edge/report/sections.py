@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import data as D
+from . import frontier as F
 from . import plots as P
 from .html import Section, table_html
 from .runs import Run
@@ -48,7 +49,8 @@ class Plot:
 
 def plots(i: Inputs) -> list[Plot]:
     """Every plot section of the report, in page order."""
-    return [accuracy(i), time_to_accuracy(i), timeline(i), federated(i), splits(i), reliability(i), estimator_losses(i), tradeoff(i), wire_bytes(i),
+    return [accuracy(i), time_to_accuracy(i), timeline(i), federated(i), splits(i), reliability(i), estimator_losses(i), tradeoff(i), frontier(i),
+            wire_bytes(i),
             latency(i), acc_by_split(i), descriptor_entropy(i)]
 
 
@@ -173,6 +175,40 @@ def tradeoff(i: Inputs) -> Plot:
                         "seeds (±1 std)."),
                 lambda: D.tradeoff_points(i.runs), P.plot_tradeoff,
                 _if_runs(i, "no run has a final accuracy and client FLOPs/sample."), "accuracy against client cost")
+
+
+def frontier(i: Inputs) -> Plot:
+    groups = F.frontier_groups(i.runs)
+    return Plot(Section("frontier", "Adaptive splits against the static frontier",
+                        "Runs at two or more fixed cuts (<code>--strategy static</code>, e.g. the benchmark's static-p1, "
+                        "static and static-pK) beside adaptive ones: the line is the best accuracy any fixed cut or mix "
+                        "of cuts reaches at no more client FLOPs (the upper envelope of the cuts' seed means; a "
+                        "dominated cut does not shape it), and each adaptive method's legend entry, like the table, "
+                        "gives its distance to that frontier at its own client FLOPs, paired by seed (each seed's "
+                        "frontier from its own cuts), mean ± standard error in points. Accuracy: the benchmark's "
+                        "headline where recorded, else the final round's.",
+                        extra_html=_frontier_table(groups)),
+                lambda: groups, P.plot_frontier,
+                _if_runs(i, "no partition has runs at two fixed cuts and an adaptive run with summary.json."),
+                "the static frontier (static at two or more splits and an adaptive strategy)")
+
+
+def _frontier_table(groups: list[dict[str, Any]]) -> str:
+    if not groups:
+        return ""
+    head = ["partition", "method", "client MFLOPs/sample", "accuracy (%)", "Δ frontier (points)", "above it", "seeds"]
+    body = []
+    for g in groups:
+        for c in g["cuts"]:
+            body.append([g["partition"], c["method"], f"{c['flops'] / 1e6:.2f}", f"{100 * c['acc']:.2f}", "fixed cut",
+                         "", str(c["n"])])
+        for m in g["methods"]:
+            d = m["delta"] or {}
+            gap = "—" if d.get("mean") is None else f"{100 * d['mean']:+.2f}" + (
+                f" ± {100 * d['se']:.2f}" if d.get("se") is not None else "")
+            body.append([g["partition"], m["method"], f"{m['flops'] / 1e6:.2f}", f"{100 * m['acc']:.2f}", gap,
+                         f"{d.get('wins', 0)}/{d.get('n', 0)}", str(m["n"])])
+    return table_html(head, body, ["l", "l"] + [""] * 5)
 
 
 def wire_bytes(i: Inputs) -> Plot:
