@@ -186,6 +186,11 @@ class RunConfig:
         "shared", "shared: one server copy trained on the clients in turn (SplitFed-v2 style); "
         "per-client: each client trains its own copy, averaged every round (SplitFed-v1 style).",
         choices=("shared", "per_client"), dashed=True)
+    fronts: str = opt(
+        "shared", "The blocks a device runs: shared (averaged across devices at the round's end, with the server's "
+        "copy) | private (each device keeps its own copy of every block up to the deepest split, never averaged; "
+        "only the server side is shared, the paper's (w_s, {w_i}); docs/method.md, \"Private fronts\").",
+        choices=("shared", "private"))
     server_bn: str = opt(
         "ema", "Server-side BatchNorm running statistics: ema (torch's momentum 0.1: the last ~10 batches "
         "dominate) | round (the average over the round's batches, every device weighed by its data).",
