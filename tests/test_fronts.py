@@ -20,7 +20,7 @@ def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def test_private_fronts_stay_each_devices_own_and_the_server_side_is_shared(digits) -> None:
-    sim = Simulation(tiny_config("static", rounds=2, split=2, fronts="private", eval_every=1), digits)
+    sim = Simulation(tiny_config("static", rounds=2, split=2, max_batches=2, fronts="private"), digits)
     co, model = sim.coordinator, sim.coordinator.model
     first = _state(model.blocks[0])  # a device's block at split 2: never the server's
     last = _state(model.blocks[-1])  # the server's only
@@ -52,7 +52,7 @@ def test_shared_fronts_average_the_devices_blocks_as_before(digits) -> None:
 
 def test_a_device_that_deepens_runs_its_own_copy_of_the_blocks_it_had_handed_over(digits) -> None:
     """Its copy of a block it first left to the server starts as the global model's, and stays its own."""
-    sim = Simulation(tiny_config("random", rounds=3, fronts="private", seed=3), digits)
+    sim = Simulation(tiny_config("random", rounds=2, max_batches=1, fronts="private", seed=3), digits)
     recs = list(sim.rounds())
     co = sim.coordinator
     depth = co.model.depth_of(co.model.num_splits)
@@ -63,10 +63,10 @@ def test_a_device_that_deepens_runs_its_own_copy_of_the_blocks_it_had_handed_ove
 
 
 def test_private_fronts_checkpoint_and_restore(digits) -> None:
-    sim = Simulation(tiny_config("static", rounds=1, split=1, fronts="private"), digits)
+    sim = Simulation(tiny_config("static", rounds=1, split=1, max_batches=1, fronts="private"), digits)
     next(sim.rounds())
     state = sim.coordinator.checkpoint_state()
-    again = Simulation(tiny_config("static", rounds=1, split=1, fronts="private"), digits)
+    again = Simulation(tiny_config("static", rounds=1, split=1, max_batches=1, fronts="private"), digits)
     again.coordinator.restore(state)
     for cid, front in sim.coordinator.fronts.fronts.items():
         assert all(torch.equal(v, again.coordinator.fronts.fronts[cid][n]) for n, v in front.items())

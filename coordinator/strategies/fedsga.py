@@ -32,7 +32,7 @@ _ABLATIONS = ("adapt", "estimator", "harmonizer")
 # _OBS_MIN pairs): the estimator's inputs stay bounded whatever one device reports.
 _OBS_CLIP, _OBS_MIN = 10.0, 4
 # The per-device numbers an update reports that metrics.jsonl keeps for FedSGA (docs/method.md)
-_RECORD_KEYS = ("a", "delta", "q", "r", "r_prev", "k_policy", "L1", "Lref", "s", "descriptor_entropy", "margin")
+_RECORD_KEYS = ("a", "delta", "q", "r", "r_prev", "k_policy", "descriptor_entropy", "margin")  # + the server's L1, Lref, s
 # --label-memory: a device's margin log(Lref / L1) is kept within +-_MARGIN_CAP (a loss of 0 would make it infinite)
 _MARGIN_CAP = 10.0
 # FedSGA settings the coordinator alone reads: a device sees their effect in its own round-start fields
@@ -234,14 +234,12 @@ class FedSGA(Strategy):
         self._phi_steps += 1
 
     def on_probe(self, co: Any, msg: "Message") -> tuple[str, dict[str, Any]]:
-        """Calibration (docs/method.md): L1 through the server's blocks from p_1, Lref through the
-        device's own blocks up to p_ref; nothing is updated. The pair is stored for the refit."""
+        """Calibration (docs/method.md): the device's interfaces at p_1 and p_ref (its own blocks, just
+        trained), checked and kept; the label comes at the round's end (``_label``), when the server's
+        blocks have had this round too. Nothing is updated."""
         import torch
 
         from fedsga_edge.coordinator.limits import MAX_ABS_VALUE
-        from fedsga_edge.method import sufficiency_label
-        from fedsga_edge.method.estimator import informative
-        from fedsga_edge.tensors import probe_mode
 
         if not co.round.calibrate:
             raise RemoteProtocolError("this round does not calibrate")
@@ -263,27 +261,37 @@ class FedSGA(Strategy):
         if not (-1.0001 <= o[0] <= 1.0001 and (norms >= 0).all() and (norms <= MAX_ABS_VALUE).all()):
             raise RemoteProtocolError(f"o = {o.tolist()} is out of range: a in [-1, 1], delta and q in "
                                       f"[0, {MAX_ABS_VALUE:g}]")
-        memory = self.cfg.fedsga.label_memory
-        if memory:
+        if self.cfg.fedsga.label_memory:
             o[-1] = self._sent_margin.get(msg.sender, 0.0)
-        o = self._bounded(o)
-        side = co.server.copy_for(msg.sender)
+        self._calibration.append({"client": msg.sender, "z1": z1, "zref": zref, "y": y, "o": self._bounded(o),
+                                  "r_prev": r_prev})
+        self._cal_flops_server += len(y) * (co.costs.suffix_fwd(1) + co.costs.suffix_fwd(k_ref))
+        return "probe_result", {}
+
+    def _label(self, probe: dict[str, Any]) -> dict[str, Any]:
+        """A kept probe's label, at the round's end: L1 through the server's blocks p_1..p_ref and Lref from the
+        device's interface at p_ref, both on to the head through the same (aggregated) server side, so both paths
+        have had this round (docs/method.md, "Calibration"). The pair is stored for the refit; nothing is updated."""
+        from types import SimpleNamespace
+
+        from fedsga_edge.method import sufficiency_label
+        from fedsga_edge.method.estimator import informative
+        from fedsga_edge.tensors import probe_mode
+
+        side, y, o, r_prev = SimpleNamespace(model=self.co.model, head=self.head), probe["y"], probe["o"], probe["r_prev"]
         with probe_mode(side.model, side.head):
-            L1 = float(self.loss(*self.forward(side, z1, 1), y))
-            Lref = float(self.loss(*self.forward(side, zref, k_ref), y))
-        if not (math.isfinite(L1) and math.isfinite(Lref)):
-            raise RemoteProtocolError("probe losses are not finite")
-        s = sufficiency_label(L1, Lref, self.cfg.fedsga.beta)
-        if memory:  # the next round start's margin for this device: log(Lref / L1), finite and bounded
-            self._margins[msg.sender] = float(np.clip(math.log((Lref + 1e-12) / (L1 + 1e-12)), -_MARGIN_CAP, _MARGIN_CAP))
+            L1 = float(self.loss(*self.forward(side, probe["z1"], 1), y))
+            Lref = float(self.loss(*self.forward(side, probe["zref"], reference_index(self.K)), y))
+        s = sufficiency_label(L1, Lref, self.cfg.fedsga.beta) if math.isfinite(L1) and math.isfinite(Lref) else None
+        if s is not None and self.cfg.fedsga.label_memory:  # the next round start's margin: log(Lref / L1), bounded
+            self._margins[probe["client"]] = float(np.clip(math.log((Lref + 1e-12) / (L1 + 1e-12)),
+                                                           -_MARGIN_CAP, _MARGIN_CAP))
         # a device's first observation is the same point for everyone: it does not decide Gamma (docs/method.md)
-        stored = informative(o, r_prev)
+        stored = s is not None and informative(o, r_prev)
         if stored:
             self.cal_buffer.append(o.tolist(), r_prev, s)
             self._new_pairs += 1
-        self._calibration.append({"client": msg.sender, "L1": L1, "Lref": Lref, "s": s, "stored": stored})
-        self._cal_flops_server += len(y) * (co.costs.suffix_fwd(1) + co.costs.suffix_fwd(k_ref))
-        return "probe_result", {"L1": L1, "Lref": Lref, "s": s}
+        return {"client": probe["client"], "L1": L1, "Lref": Lref, "s": s, "stored": stored}
 
     def _bounded(self, o: np.ndarray) -> np.ndarray:
         """Clip delta (and q) to _OBS_CLIP x the stored pairs' median of each (the margin is the server's own)."""
@@ -303,8 +311,12 @@ class FedSGA(Strategy):
     def end_round(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
         if self.deadlines is not None:  # --deadline-aware: its timing, read at the next round start
             self.deadlines.keep(record, self.co.round.t)
+        self._calibration = [self._label(p) for p in self._calibration]  # the prototypes the round trained with
         self.prototypes.commit()
         record["clients"] = {cid: {k: u[k] for k in _RECORD_KEYS if k in u} for cid, u in updates.items()}
+        for c in self._calibration:  # the server's own figures, whatever a device reports
+            if c["client"] in record["clients"] and c["s"] is not None:
+                record["clients"][c["client"]].update(L1=c["L1"], Lref=c["Lref"], s=c["s"])
         if self._calibration:  # Alg. 1: refit Gamma once per calibration round, on all pairs; used from round t+1
             record["calibration"] = self._refit()
         if self._phi_steps:
@@ -328,7 +340,8 @@ class FedSGA(Strategy):
 
         new, total = self._new_pairs, len(self.cal_buffer)
         out: dict[str, Any] = {"probes": len(self._calibration), "new_pairs": new, "pairs": total,
-                               "positive_rate": float(np.mean([c["s"] for c in self._calibration])),
+                               "positive_rate": float(np.mean([c["s"] for c in self._calibration if c["s"] is not None]
+                                                              or [np.nan])),
                                "heldout_brier": None, "accuracy": None, "brier": None, "bce": None}
         if new and total > new:  # Gamma has been fit on the older pairs: score it on the new ones first
             obs, r_prev, s = self.cal_buffer.tensors()
