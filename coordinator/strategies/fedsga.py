@@ -92,6 +92,9 @@ class FedSGA(Strategy):
         # beyond the paper, off by default and outside the paper's tables (docs/fleet.md, "Deadline-aware splits")
         out["fedsga-deadline"] = Method("FedSGA, deadline-aware (beyond the paper)", group="extension",
                                         overrides={"fedsga.deadline_aware": True}, default=False)
+        # the paper's harmonizer, a fresh two-layer MLP (the default is the identity-start residual form)
+        out["fedsga-mlp"] = Method("FedSGA, the paper's harmonizer (two-layer MLP)", group="extension",
+                                   overrides={"fedsga.harmonizer_form": "mlp"}, default=False)
         out["fedsga-memory"] = Method("FedSGA, label memory (beyond the paper)", group="extension",
                                       overrides={"fedsga.label_memory": True}, default=False)
         return out
@@ -104,7 +107,8 @@ class FedSGA(Strategy):
             pinned = [split_suffix(cfg.split, num_splits)]
         return "-".join(["fedsga"] + [f"no-{flag}" for flag in off] + pinned
                         + (["deadline"] if getattr(cfg.fedsga, "deadline_aware", False) else [])
-                        + (["memory"] if getattr(cfg.fedsga, "label_memory", False) else []))
+                        + (["memory"] if getattr(cfg.fedsga, "label_memory", False) else [])
+                        + (["mlp"] if cfg.fedsga.harmonizer and cfg.fedsga.harmonizer_form == "mlp" else []))
 
     @classmethod
     def prompt_tokens(cls, cfg: RunConfig) -> int:
