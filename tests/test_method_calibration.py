@@ -160,18 +160,18 @@ def test_no_probe_slice_without_calibration(digits) -> None:
 def test_the_label_runs_the_server_blocks_after_the_round_like_the_devices_blocks(digits, monkeypatch) -> None:
     """Both probe paths equally fresh: the label is made once the round's blocks are aggregated (the server's
     blocks p_1..p_ref have had this round, as the device's have), not against the round-start blocks."""
-    from fedsga_edge.coordinator.strategies.fedsga import FedSGA
+    from fedsga_edge.coordinator.strategies import fedsga
 
     sim = Simulation(tiny_config("fedsga", clients=2, rounds=1, max_batches=2), digits)
     co = sim.coordinator
     seen: list[dict[str, torch.Tensor]] = []
-    label = FedSGA._label
+    label = fedsga.label_probe
 
-    def spy(self: Any, probe: dict[str, Any]) -> dict[str, Any]:
+    def spy(st: Any, probe: dict[str, Any]) -> dict[str, Any]:
         seen.append({n: v.clone() for n, v in co.model.state_dict().items()})
-        return label(self, probe)
+        return label(st, probe)
 
-    monkeypatch.setattr(FedSGA, "_label", spy)
+    monkeypatch.setattr(fedsga, "label_probe", spy)
     rec = next(sim.rounds())
     assert len(seen) == 2 and all("L1" in c and "s" in c for c in rec["clients"].values())
     final = co.model.state_dict()

@@ -75,11 +75,11 @@ REVERTS = (
            "coordinator/strategies/fedsga.py",
            'self._calibration.append({"client": msg.sender, "z1": z1, "zref": zref, "y": y, "o": self._bounded(o),\n'
            '                                  "r_prev": r_prev})',
-           'self._calibration.append(self._label({"client": msg.sender, "z1": z1, "zref": zref, "y": y,\n'
-           '                                              "o": self._bounded(o), "r_prev": r_prev}))',
+           'self._calibration.append(label_probe(self, {"client": msg.sender, "z1": z1, "zref": zref, "y": y,\n'
+           '                                                     "o": self._bounded(o), "r_prev": r_prev}))',
            ("tests/test_method_calibration.py::test_the_label_runs_the_server_blocks_after_the_round_like_the_devices_blocks",),
-           more=(("self._calibration = [self._label(p) for p in self._calibration]",
-                  'self._calibration = [p if "s" in p else self._label(p) for p in self._calibration]'),)),
+           more=(("self._calibration = [label_probe(self, p) for p in self._calibration]",
+                  'self._calibration = [p if "s" in p else label_probe(self, p) for p in self._calibration]'),)),
     Revert("probe-on-calibration-rounds", "issue 37: the probe slice is held out on calibration rounds only; old: on "
            "every round (a permanent slice)",
            "device/fedsga.py", 'if fed.estimator and not plan.full and self.settings.get("calibrate"):',

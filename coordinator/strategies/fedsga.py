@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from fedsga_edge.wire import Message
 
-__all__ = ["FedSGA"]
+__all__ = ["FedSGA", "label_probe"]
 
 _ABLATIONS = ("adapt", "estimator", "harmonizer")
 # A probe's delta and q are clipped to this many times the stored pairs' median (once there are
@@ -239,7 +239,7 @@ class FedSGA(Strategy):
 
     def on_probe(self, co: Any, msg: "Message") -> tuple[str, dict[str, Any]]:
         """Calibration (docs/method.md): the device's interfaces at p_1 and p_ref (its own blocks, just
-        trained), checked and kept; the label comes at the round's end (``_label``), when the server's
+        trained), checked and kept; the label comes at the round's end (``label_probe``), when the server's
         blocks have had this round too. Nothing is updated."""
         import torch
 
@@ -272,31 +272,6 @@ class FedSGA(Strategy):
         self._cal_flops_server += len(y) * (co.costs.suffix_fwd(1) + co.costs.suffix_fwd(k_ref))
         return "probe_result", {}
 
-    def _label(self, probe: dict[str, Any]) -> dict[str, Any]:
-        """A kept probe's label, at the round's end: L1 through the server's blocks p_1..p_ref and Lref from the
-        device's interface at p_ref, both on to the head through the same (aggregated) server side, so both paths
-        have had this round (docs/method.md, "Calibration"). The pair is stored for the refit; nothing is updated."""
-        from types import SimpleNamespace
-
-        from fedsga_edge.method import sufficiency_label
-        from fedsga_edge.method.estimator import informative
-        from fedsga_edge.tensors import probe_mode
-
-        side, y, o, r_prev = SimpleNamespace(model=self.co.model, head=self.head), probe["y"], probe["o"], probe["r_prev"]
-        with probe_mode(side.model, side.head):
-            L1 = float(self.loss(*self.forward(side, probe["z1"], 1), y))
-            Lref = float(self.loss(*self.forward(side, probe["zref"], reference_index(self.K)), y))
-        s = sufficiency_label(L1, Lref, self.cfg.fedsga.beta) if math.isfinite(L1) and math.isfinite(Lref) else None
-        if s is not None and self.cfg.fedsga.label_memory:  # the next round start's margin: log(Lref / L1), bounded
-            self._margins[probe["client"]] = float(np.clip(math.log((Lref + 1e-12) / (L1 + 1e-12)),
-                                                           -_MARGIN_CAP, _MARGIN_CAP))
-        # a device's first observation is the same point for everyone: it does not decide Gamma (docs/method.md)
-        stored = s is not None and informative(o, r_prev)
-        if stored:
-            self.cal_buffer.append(o.tolist(), r_prev, s)
-            self._new_pairs += 1
-        return {"client": probe["client"], "L1": L1, "Lref": Lref, "s": s, "stored": stored}
-
     def _bounded(self, o: np.ndarray) -> np.ndarray:
         """Clip delta (and q) to _OBS_CLIP x the stored pairs' median of each (the margin is the server's own)."""
         if len(self.cal_buffer) < _OBS_MIN:
@@ -315,7 +290,7 @@ class FedSGA(Strategy):
     def end_round(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
         if self.deadlines is not None:  # --deadline-aware: its timing, read at the next round start
             self.deadlines.keep(record, self.co.round.t)
-        self._calibration = [self._label(p) for p in self._calibration]  # the prototypes the round trained with
+        self._calibration = [label_probe(self, p) for p in self._calibration]  # the prototypes the round trained with
         self.prototypes.commit()
         record["clients"] = {cid: {k: u[k] for k in _RECORD_KEYS if k in u} for cid, u in updates.items()}
         for c in self._calibration:  # the server's own figures, whatever a device reports
@@ -376,3 +351,30 @@ class FedSGA(Strategy):
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         self.phi_opt.load_state_dict(state["phi_opt"])
+
+
+def label_probe(st: "FedSGA", probe: dict[str, Any]) -> dict[str, Any]:
+    """A probe FedSGA ``st`` kept, labelled at the round's end: L1 through the server's blocks p_1..p_ref and
+    Lref from the device's interface at p_ref, both on to the head through the same (aggregated) server side, so
+    both paths have had this round (docs/method.md, "Calibration"). The pair is stored for the refit; nothing
+    is updated."""
+    from types import SimpleNamespace
+
+    from fedsga_edge.method import sufficiency_label
+    from fedsga_edge.method.estimator import informative
+    from fedsga_edge.tensors import probe_mode
+
+    side, y, o, r_prev = SimpleNamespace(model=st.co.model, head=st.head), probe["y"], probe["o"], probe["r_prev"]
+    with probe_mode(side.model, side.head):
+        L1 = float(st.loss(*st.forward(side, probe["z1"], 1), y))
+        Lref = float(st.loss(*st.forward(side, probe["zref"], reference_index(st.K)), y))
+    s = sufficiency_label(L1, Lref, st.cfg.fedsga.beta) if math.isfinite(L1) and math.isfinite(Lref) else None
+    if s is not None and st.cfg.fedsga.label_memory:  # the next round start's margin: log(Lref / L1), bounded
+        st._margins[probe["client"]] = float(np.clip(math.log((Lref + 1e-12) / (L1 + 1e-12)), -_MARGIN_CAP,
+                                                     _MARGIN_CAP))
+    # a device's first observation is the same point for everyone: it does not decide Gamma (docs/method.md)
+    stored = s is not None and informative(o, r_prev)
+    if stored:
+        st.cal_buffer.append(o.tolist(), r_prev, s)
+        st._new_pairs += 1
+    return {"client": probe["client"], "L1": L1, "Lref": Lref, "s": s, "stored": stored}
