@@ -92,6 +92,9 @@ class FedSGA(Strategy):
         # beyond the paper, off by default and outside the paper's tables (docs/fleet.md, "Deadline-aware splits")
         out["fedsga-deadline"] = Method("FedSGA, deadline-aware (beyond the paper)", group="extension",
                                         overrides={"fedsga.deadline_aware": True}, default=False)
+        # the paper's (w_s, {w_i}): each device's blocks its own, the server side shared (docs/method.md, "Private fronts")
+        out["fedsga-private"] = Method("FedSGA, private fronts", group="extension", overrides={"fronts": "private"},
+                                       default=False)
         # the paper's harmonizer, a fresh two-layer MLP (the default is the identity-start residual form)
         out["fedsga-mlp"] = Method("FedSGA, the paper's harmonizer (two-layer MLP)", group="extension",
                                    overrides={"fedsga.harmonizer_form": "mlp"}, default=False)
@@ -108,7 +111,8 @@ class FedSGA(Strategy):
         return "-".join(["fedsga"] + [f"no-{flag}" for flag in off] + pinned
                         + (["deadline"] if getattr(cfg.fedsga, "deadline_aware", False) else [])
                         + (["memory"] if getattr(cfg.fedsga, "label_memory", False) else [])
-                        + (["mlp"] if cfg.fedsga.harmonizer and cfg.fedsga.harmonizer_form == "mlp" else []))
+                        + (["mlp"] if cfg.fedsga.harmonizer and cfg.fedsga.harmonizer_form == "mlp" else [])
+                        + (["private"] if cfg.fronts == "private" else []))
 
     @classmethod
     def prompt_tokens(cls, cfg: RunConfig) -> int:
