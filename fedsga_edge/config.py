@@ -96,8 +96,8 @@ class FedSGAConfig:
         "at zero, so the harmonizer starts as the identity and every depth's head starts as one; mlp: the paper's "
         "Z = MLP(pool(u), e(k)) into a 128-d space (docs/method.md, \"Server side\").", choices=("mlp", "residual"))
     probe_holdout: float = opt(
-        0.1, "Fraction of each device's data held out for the calibration probe, not trained on in a calibration round (only when "
-        "the estimator calibrates; 0 = probe on training data) (docs/method.md, \"Calibration\").", ge=0, le=0.5,
+        0.1, "Fraction of each device's data held out for the calibration probe, drawn each calibration round and "
+        "not trained on in that round (0 = probe on training data) (docs/method.md, \"Calibration\").", ge=0, le=0.5,
         finite=True)
     prompt_lr: float = opt(
         0.1, "SGD learning rate of each device's private prompts (docs/method.md, \"Adaptation channel\": 1-3 "
