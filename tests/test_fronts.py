@@ -84,3 +84,11 @@ def test_private_fronts_in_the_field(digits, tmp_path) -> None:
     fronts = service.co.fronts.fronts
     name = next(n for n, v in fronts["client-000"].items() if v.is_floating_point())
     assert not torch.equal(fronts["client-000"][name], fronts["client-001"][name])
+
+
+def test_private_fronts_are_refused_where_the_strategy_makes_each_devices_copy() -> None:
+    from fedsga_edge.runbuild import validate_config
+
+    validate_config(tiny_config("fedsga", fronts="private"))
+    with pytest.raises(ValueError, match="--fronts private: --strategy fedmut"):
+        validate_config(tiny_config("fedmut", fronts="private"))
