@@ -6,7 +6,8 @@ split ``calibrate``, ``estimator``, ``phi_s``, ``prototypes``, ``proto_dim``, pe
 ``deadline``), as the wire has always carried them. At the role's fixed points it
 
 * ``prepare``: on a calibration round holds the probe slice out (back after the probe), makes the prompts,
-  and, when the coordinator named no split, observes (the round's global blocks, eval mode), estimates r with Gamma and picks the split
+  and, when the coordinator named no split, observes (the round's global blocks, eval mode), estimates r with
+  Gamma and picks the split
   (Eq. 8; at least p_ref on a calibration round; never one predicted to miss the deadline);
 * ``after_train``: keeps the trained prompts, their descriptor (Eq. 2) and how far they moved (q, Eq. 5);
 * ``requests``: on a calibration round, the probe after local training;

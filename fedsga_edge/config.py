@@ -92,8 +92,8 @@ class FedSGAConfig:
     proto_dim: int = opt(128, "Harmonizer / prototype space (the residual form: its MLP's hidden width).", ge=1,
                          le=4096, cli=False)  # not a flag today
     harmonizer_form: str = opt(
-        "residual", "residual (the default): Z = pool(u) + MLP(pool(u), e(k)) in the pooled space, the MLP's last layer "
-        "at zero, so the harmonizer starts as the identity and every depth's head starts as one; mlp: the paper's "
+        "residual", "residual (the default): Z = pool(u) + MLP(pool(u), e(k)) in the pooled space, the MLP's last "
+        "layer at zero, so the harmonizer starts as the identity and every depth's head starts as one; mlp: the paper's "
         "Z = MLP(pool(u), e(k)) into a 128-d space (docs/method.md, \"Server side\").", choices=("mlp", "residual"))
     probe_holdout: float = opt(
         0.1, "Fraction of each device's data held out for the calibration probe, drawn each calibration round and "

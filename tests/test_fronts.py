@@ -27,7 +27,7 @@ def test_private_fronts_stay_each_devices_own_and_the_server_side_is_shared(digi
     rec = next(sim.rounds())
     fronts = co.fronts.fronts
     assert sorted(fronts) == ["client-000", "client-001", "client-002"]
-    name = next(n for n in fronts["client-000"] if model.unit_of(n) == 0 and fronts["client-000"][n].is_floating_point())
+    name = next(n for n, v in fronts["client-000"].items() if model.unit_of(n) == 0 and v.is_floating_point())
     assert not torch.equal(fronts["client-000"][name], fronts["client-001"][name])  # trained apart, not averaged
     assert not _differ(first, _state(model.blocks[0]))  # the global copy of a device's block did not move
     assert _differ(last, _state(model.blocks[-1]))  # the shared server side trained

@@ -3,7 +3,8 @@
 A test that passes whatever the code does guards nothing. For each fix below this script copies the
 working tree (tracked files, with their uncommitted edits) to a scratch folder, installs it editable into
 a scratch venv that sees this interpreter's packages (a plain install, a venv or a venv over a venv: its
-site-packages folders are listed in the scratch venv, after the copy's own editable install), runs the guarding tests once unchanged (they must
+site-packages folders are listed in the scratch venv, after the copy's own editable install), runs the
+guarding tests once unchanged (they must
 pass), then, one fix at a time, puts the old code back (an exact text replacement that must match once:
 if the code moved, the script stops and says so), runs the same tests and expects them to fail.
 
@@ -77,7 +78,8 @@ REVERTS = (
            '                                  "r_prev": r_prev})',
            'self._calibration.append(label_probe(self, {"client": msg.sender, "z1": z1, "zref": zref, "y": y,\n'
            '                                                     "o": self._bounded(o), "r_prev": r_prev}))',
-           ("tests/test_method_calibration.py::test_the_label_runs_the_server_blocks_after_the_round_like_the_devices_blocks",),
+           ("tests/test_method_calibration.py::"
+            "test_the_label_runs_the_server_blocks_after_the_round_like_the_devices_blocks",),
            more=(("self._calibration = [label_probe(self, p) for p in self._calibration]",
                   'self._calibration = [p if "s" in p else label_probe(self, p) for p in self._calibration]'),)),
     Revert("probe-on-calibration-rounds", "issue 37: the probe slice is held out on calibration rounds only; old: on "

@@ -32,7 +32,8 @@ _ABLATIONS = ("adapt", "estimator", "harmonizer")
 # _OBS_MIN pairs): the estimator's inputs stay bounded whatever one device reports.
 _OBS_CLIP, _OBS_MIN = 10.0, 4
 # The per-device numbers an update reports that metrics.jsonl keeps for FedSGA (docs/method.md)
-_RECORD_KEYS = ("a", "delta", "q", "r", "r_prev", "k_policy", "descriptor_entropy", "margin")  # + the server's L1, Lref, s
+# (and the server's own L1, Lref and s of a calibration round's probe)
+_RECORD_KEYS = ("a", "delta", "q", "r", "r_prev", "k_policy", "descriptor_entropy", "margin")
 # --label-memory: a device's margin log(Lref / L1) is kept within +-_MARGIN_CAP (a loss of 0 would make it infinite)
 _MARGIN_CAP = 10.0
 # FedSGA settings the coordinator alone reads: a device sees their effect in its own round-start fields
@@ -92,7 +93,8 @@ class FedSGA(Strategy):
         # beyond the paper, off by default and outside the paper's tables (docs/fleet.md, "Deadline-aware splits")
         out["fedsga-deadline"] = Method("FedSGA, deadline-aware (beyond the paper)", group="extension",
                                         overrides={"fedsga.deadline_aware": True}, default=False)
-        # the paper's (w_s, {w_i}): each device's blocks its own, the server side shared (docs/method.md, "Private fronts")
+        # the paper's (w_s, {w_i}): each device's blocks its own, the server side shared (docs/method.md,
+        # "Private fronts")
         out["fedsga-private"] = Method("FedSGA, private fronts", group="extension", overrides={"fronts": "private"},
                                        default=False)
         # the paper's harmonizer, a fresh two-layer MLP (the default is the identity-start residual form)
