@@ -87,6 +87,9 @@ def validate_config(cfg: RunConfig) -> None:
         if get_strategy(cfg.strategy).device_weights is not Strategy.device_weights:
             problems.append(f"--fronts private: --strategy {cfg.strategy} sends each device a copy of its own making "
                             "(device_weights), which would replace the device's own front")
+    if cfg.fronts == "private" and cfg.quarantine:
+        problems.append("--quarantine needs --fronts shared: a private front's change would be measured against the "
+                        "global blocks, which it left when the device first took part")
     if problems:
         raise ValueError("; ".join(problems))
 

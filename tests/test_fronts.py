@@ -92,3 +92,5 @@ def test_private_fronts_are_refused_where_the_strategy_makes_each_devices_copy()
     validate_config(tiny_config("fedsga", fronts="private"))
     with pytest.raises(ValueError, match="--fronts private: --strategy fedmut"):
         validate_config(tiny_config("fedmut", fronts="private"))
+    with pytest.raises(ValueError, match="--quarantine needs --fronts shared"):
+        validate_config(tiny_config("static", fronts="private", quarantine=2.0))
