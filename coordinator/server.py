@@ -42,6 +42,7 @@ from fedsga_edge.wire import Message, Outgoing, RemoteProtocolError, check_body
 from .anomaly import AnomalyScores
 from .checks import check_batch, check_blocks, check_split, check_update
 from .evaluation import FederatedEvaluation, evaluate, evaluate_models, headline_split
+from .fronts import TEST_MODEL, PrivateFronts
 from .influence import ActivationBound, clip_updates
 from .instructions import Instruction, check_instructions, round_start_body
 from .limits import capped_samples
@@ -108,6 +109,8 @@ class Coordinator:
         self.split_samples: dict[int, int] = {}
         self.remote_errors = 0  # requests refused over the whole run
         self._handlers = {"activation": self._on_activation, "fetch": self._on_fetch, "update": self._on_update}
+        # --fronts private: each device's own copy of the blocks it may run, out of aggregation (coordinator/fronts.py)
+        self.fronts = PrivateFronts(self.model, cfg.fronts == "private")
         self.fed_eval = FederatedEvaluation(self)  # the devices' evaluation on their held-out data (issue 18)
         self._handlers["evaluate"] = self.fed_eval.on_request
         for kind, method in strategy.requests.items():
@@ -321,6 +324,7 @@ class Coordinator:
                   for cid, u in updates.items()}
         global_units = group_by_unit(self._snapshot, unit)
         updates, states = self.anomaly.score(self.round.t, self.bounds, updates, global_units, states)
+        states = self.fronts.keep(states)  # --fronts private: a device's front stays its own, the rest is aggregated
         self._stats["clipped"]["updates"] = clip_updates(global_units, states, self.cfg.clip_updates)
         weight = self.strategy.aggregation_weight  # the strategy's weight(n) unless it weighs otherwise (FedAS)
         n = {cid: self.strategy.weight(weighed_samples(self, cid)) for cid in updates}  # claims capped
@@ -341,8 +345,11 @@ class Coordinator:
             return evaluate(model, self.head, self.strategy, self.headline_split(), self.num_classes,
                             images, mean, std, self.device, batch_size)
 
-        models = self.strategy.test_models()
-        return evaluate_models(self.model, models, run) if models else run(self.model)
+        # private fronts: no one global model, each device's own (its front, the shared rest), averaged by data
+        own = self.fronts.test_models(self.model.state_dict(), lambda cid: weighed_samples(self, cid))
+        models = own or self.strategy.test_models()
+        out = evaluate_models(self.model, models, run) if models else run(self.model)
+        return out | {"test_model": TEST_MODEL} if own else out
 
     # -- state ------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
@@ -352,6 +359,7 @@ class Coordinator:
                 "strategy_opt": self.strategy.optimizer_state(), "split_samples": dict(self.split_samples),
                 "remote_errors": self.remote_errors, "activation_norms": self.bounds.state_dict(),
                 "anomaly": self.anomaly.state_dict(),
+                "fronts": self.fronts.state_dict(),
                 "strategy_rngs": {name: g.bit_generator.state for name, g in vars(self.strategy).items()
                                   if isinstance(g, np.random.Generator)}}
 
@@ -367,6 +375,7 @@ class Coordinator:
         self.remote_errors = int(state["remote_errors"])
         self.bounds.load_state_dict(state.get("activation_norms", {}))
         self.anomaly.load_state_dict(state.get("anomaly", {}))
+        self.fronts.load_state_dict(state.get("fronts", {}))
         for name, rng_state in state["strategy_rngs"].items():
             getattr(self.strategy, name).bit_generator.state = rng_state
 
@@ -377,8 +386,9 @@ class Coordinator:
 
 def device_copy(co: Coordinator, cid: str, names: Any) -> dict[str, Tensor]:
     """The round snapshot's ``names`` as ``cid`` receives them: the strategy's copy (FedMut's mutation; the
-    snapshot itself by default), the snapshot itself in the final evaluation (the model as the run ended)."""
-    weights = {n: co._snapshot[n] for n in names}
+    snapshot itself by default), the snapshot itself in the final evaluation (the model as the run ended); under ``--fronts private`` the
+    device's own copy of the blocks it runs."""
+    weights = co.fronts.own(cid, {n: co._snapshot[n] for n in names}, co._snapshot)  # --fronts private
     return weights if co.fed_eval.only else co.strategy.device_weights(cid, co.round.t, weights)
 
 

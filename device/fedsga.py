@@ -5,12 +5,14 @@ settings: its fields ride at the round start's top level (``fedsga``, and for a 
 split ``calibrate``, ``estimator``, ``phi_s``, ``prototypes``, ``proto_dim``, per device ``margin`` and
 ``deadline``), as the wire has always carried them. At the role's fixed points it
 
-* ``prepare``: holds the probe slice out once, makes the prompts, and, when the coordinator named no
-  split, observes (the round's global blocks, eval mode), estimates r with Gamma and picks the split
+* ``prepare``: on a calibration round holds the probe slice out (back after the probe), makes the prompts,
+  and, when the coordinator named no split, observes (the round's global blocks, eval mode), estimates r with
+  Gamma and picks the split
   (Eq. 8; at least p_ref on a calibration round; never one predicted to miss the deadline);
 * ``after_train``: keeps the trained prompts, their descriptor (Eq. 2) and how far they moved (q, Eq. 5);
 * ``requests``: on a calibration round, the probe after local training;
-* ``report``: nothing under ``method``: its figures (a, delta, q, r, L1, Lref, s ...) are the update's own.
+* ``report``: nothing under ``method``: its figures (a, delta, q, r ...) are the update's own (the probe's
+  label is the server's, made at the round's end).
 
 The method's arithmetic is numpy (``fedsga_edge.method``), so it runs the same on every backend; the
 prefix's comes from the backend. No torch here.
@@ -69,8 +71,11 @@ class FedSGADevice(DeviceMethod):
     # -- before the first request ------------------------------------------------------------------
     def prepare(self, client: Any, plan: Any) -> None:
         fed, be = self.fed, client.backend
-        if fed.estimator and not plan.full:  # the strategy calibrates: probe on unseen data
-            client.data.hold_out_probe(fed.probe_holdout, client._probe_seq)
+        client.data.release_probe()  # a round that broke off after holding it out
+        if fed.estimator and not plan.full and self.settings.get("calibrate"):  # probe on data this round never saw
+            seq = client._probe_seq
+            client.data.hold_out_probe(fed.probe_holdout, np.random.SeedSequence(
+                seq.entropy, spawn_key=(*seq.spawn_key, client.state.rounds)))  # a fresh slice each calibration round
         use_prompts = fed.adapt and fed.prompts > 0
         if use_prompts and client.state.prompts is None:
             client.state.prompts = be.init_prompts(fed.prompts)
@@ -150,9 +155,9 @@ class FedSGADevice(DeviceMethod):
         report = plan.report
         if plan.calibrate and "r" in report:
             probe = self.probe(client, plan.train.batch_size, plan.prompts, self._o, report["r_prev"])
-            reply = expect((yield "probe", probe), "probe_result")
-            report.update(L1=float(reply.body["L1"]), Lref=float(reply.body["Lref"]), s=int(reply.body["s"]),
-                          probe_samples=len(probe["y"]))
+            expect((yield "probe", probe), "probe_result")  # the label is the server's, at the round's end
+            report["probe_samples"] = len(probe["y"])
+        client.data.release_probe()  # held out on a calibration round only (docs/method.md, "Calibration")
 
     def report(self, client: Any, plan: Any) -> dict[str, Any] | None:
         return None  # FedSGA's figures are the update's own fields

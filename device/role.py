@@ -59,8 +59,10 @@ class ClientData:
     std: tuple[float, float, float]
     # held out for federated evaluation, never trained on (device/evaluate.py); None: no slice
     eval_indices: np.ndarray | None = None
-    # held out for the calibration probe, never trained on (docs/method.md, "Calibration"); None: no slice
+    # held out for the calibration probe on a calibration round, not trained on in that round (docs/method.md,
+    # "Calibration"); None: no slice
     probe_indices: np.ndarray | None = None
+    _training: np.ndarray | None = field(default=None, repr=False)  # ``indices`` as they were before the slice
 
     def __len__(self) -> int:
         """The samples the device trains on plus its probe slice (the evaluation slice is apart): what
@@ -68,7 +70,8 @@ class ClientData:
         return len(self.indices) + (0 if self.probe_indices is None else len(self.probe_indices))
 
     def hold_out_probe(self, fraction: float, seq: np.random.SeedSequence) -> None:
-        """Move ``fraction`` of ``indices`` (at least 2, drawn by ``seq``) to ``probe_indices``, once.
+        """Move ``fraction`` of ``indices`` (at least 2, drawn by ``seq``) to ``probe_indices`` until
+        ``release_probe``; a second call before it moves nothing.
 
         Deterministic given ``seq``; a device with fewer than 4 samples keeps them all for training."""
         n = len(self.indices)
@@ -77,8 +80,14 @@ class ClientData:
         take = min(max(2, int(round(fraction * n))), n - 2)
         chosen = np.zeros(n, dtype=bool)
         chosen[np.random.default_rng(seq).choice(n, size=take, replace=False)] = True
+        self._training = self.indices
         self.probe_indices = self.indices[chosen]
         self.indices = self.indices[~chosen]
+
+    def release_probe(self) -> None:
+        """The probe slice back into training, ``indices`` exactly as before it was held out."""
+        if self.probe_indices is not None:
+            self.indices, self.probe_indices, self._training = self._training, None, None
 
 
 @dataclass

@@ -92,12 +92,12 @@ class FedSGAConfig:
     proto_dim: int = opt(128, "Harmonizer / prototype space (the residual form: its MLP's hidden width).", ge=1,
                          le=4096, cli=False)  # not a flag today
     harmonizer_form: str = opt(
-        "mlp", "mlp: the paper's Z = MLP(pool(u), e(k)) into a 128-d space; residual: Z = pool(u) + MLP(pool(u), e(k)) "
-        "in the pooled space, the MLP's last layer at zero, so the harmonizer starts as the identity and every depth's head "
-        "starts as one (docs/method.md, \"Server side\").", choices=("mlp", "residual"))
+        "residual", "residual (the default): Z = pool(u) + MLP(pool(u), e(k)) in the pooled space, the MLP's last "
+        "layer at zero, so the harmonizer starts as the identity and every depth's head starts as one; mlp: the paper's "
+        "Z = MLP(pool(u), e(k)) into a 128-d space (docs/method.md, \"Server side\").", choices=("mlp", "residual"))
     probe_holdout: float = opt(
-        0.1, "Fraction of each device's data held out for the calibration probe and never trained on (only when "
-        "the estimator calibrates; 0 = probe on training data) (docs/method.md, \"Calibration\").", ge=0, le=0.5,
+        0.1, "Fraction of each device's data held out for the calibration probe, drawn each calibration round and "
+        "not trained on in that round (0 = probe on training data) (docs/method.md, \"Calibration\").", ge=0, le=0.5,
         finite=True)
     prompt_lr: float = opt(
         0.1, "SGD learning rate of each device's private prompts (docs/method.md, \"Adaptation channel\": 1-3 "
@@ -187,6 +187,11 @@ class RunConfig:
         "shared", "shared: one server copy trained on the clients in turn (SplitFed-v2 style); "
         "per-client: each client trains its own copy, averaged every round (SplitFed-v1 style).",
         choices=("shared", "per_client"), dashed=True)
+    fronts: str = opt(
+        "shared", "The blocks a device runs: shared (averaged across devices at the round's end, with the server's "
+        "copy) | private (each device keeps its own copy of every block up to the deepest split, never averaged; "
+        "only the server side is shared, the paper's (w_s, {w_i}); docs/method.md, \"Private fronts\").",
+        choices=("shared", "private"))
     server_bn: str = opt(
         "ema", "Server-side BatchNorm running statistics: ema (torch's momentum 0.1: the last ~10 batches "
         "dominate) | round (the average over the round's batches, every device weighed by its data).",

@@ -81,6 +81,15 @@ def validate_config(cfg: RunConfig) -> None:
     problems += cfg.problems()
     if cfg.server_bn_context and cfg.server_copies == "per_client" and not isinstance(cfg.server_bn_context, bool):
         problems.append("--server-bn-context needs --server-copies shared (a per-client copy sees one device only)")
+    if cfg.fronts == "private" and cfg.strategy in list_strategies():
+        from fedsga_edge.coordinator.strategy import Strategy
+
+        if get_strategy(cfg.strategy).device_weights is not Strategy.device_weights:
+            problems.append(f"--fronts private: --strategy {cfg.strategy} sends each device a copy of its own making "
+                            "(device_weights), which would replace the device's own front")
+    if cfg.fronts == "private" and cfg.quarantine:
+        problems.append("--quarantine needs --fronts shared: a private front's change would be measured against the "
+                        "global blocks, which it left when the device first took part")
     if problems:
         raise ValueError("; ".join(problems))
 

@@ -109,6 +109,7 @@ def _spy(client: Any) -> list[tuple[str, Any]]:
 
 
 def test_the_probe_batch_is_disjoint_from_every_training_batch(digits) -> None:
+    """A calibration round's probe batch comes from a slice that round never trains on."""
     # every batch of every epoch (no cap), two epochs, two calibration rounds; 480 of digits' images (~4
     # batches a device an epoch) keep it seconds: the full set took 84 s in the suite and proves no more
     cfg = tiny_config("fedsga", clients=4, rounds=2, fedsga=FedSGAConfig(cal_every=1), train_subset=480,
@@ -118,13 +119,33 @@ def test_the_probe_batch_is_disjoint_from_every_training_batch(digits) -> None:
     for _ in sim.rounds():
         pass
     for client, events in zip(sim.clients, logs):
-        trained = {int(i) for (kind, idx), (nxt, _) in zip(events, events[1:]) if kind == "batch" and nxt == "train"
+        ends = [i for i, (kind, _) in enumerate(events) if kind == "probe"]
+        assert len(ends) == 2, client.cid  # one probe per calibration round
+        for start, end in zip([0, *ends], ends):  # one round's events, up to its probe
+            round_events = events[start:end + 1]
+            trained = {int(i) for (kind, idx), (nxt, _) in zip(round_events, round_events[1:])
+                       if kind == "batch" and nxt == "train" for i in idx}
+            (probed,) = [idx for (kind, idx), (nxt, _) in zip(round_events, round_events[1:])
+                         if kind == "batch" and nxt == "probe"]
+            assert len(probed) >= 2 and trained and not set(probed.tolist()) & trained, client.cid
+
+
+def test_the_probe_slice_is_held_out_on_calibration_rounds_only(digits) -> None:
+    """Round 2 does not calibrate (--cal-every 3): it trains on every sample, the slice of round 1 included."""
+    cfg = tiny_config("fedsga", clients=2, rounds=2, fedsga=FedSGAConfig(cal_every=3), train_subset=240,
+                      train=TrainConfig(local_epochs=1, batch_size=32, max_batches=0))
+    sim = Simulation(cfg, digits)
+    logs = [_spy(c) for c in sim.clients]
+    everyone = [set(c.data.indices.tolist()) for c in sim.clients]
+    for _ in sim.rounds():
+        pass
+    for client, events, all_idx in zip(sim.clients, logs, everyone):
+        end = next(i for i, (kind, _) in enumerate(events) if kind == "probe")
+        later = events[end + 1:]
+        trained = {int(i) for (kind, idx), (nxt, _) in zip(later, later[1:]) if kind == "batch" and nxt == "train"
                    for i in idx}
-        probed = [idx for (kind, idx), (nxt, _) in zip(events, events[1:]) if kind == "batch" and nxt == "probe"]
-        assert len(probed) == 2 and trained, client.cid  # one probe per calibration round
-        for idx in probed:
-            assert len(idx) >= 2 and not set(idx.tolist()) & trained, client.cid
-            assert set(idx.tolist()) <= set(client.data.probe_indices.tolist())
+        assert trained == all_idx, client.cid
+        assert client.data.probe_indices is None and set(client.data.indices.tolist()) == all_idx
 
 
 def test_no_probe_slice_without_calibration(digits) -> None:
@@ -134,3 +155,25 @@ def test_no_probe_slice_without_calibration(digits) -> None:
         next(sim.rounds())
         assert all(c.data.probe_indices is None for c in sim.clients)
         assert [len(c.data.indices) for c in sim.clients] == sizes
+
+
+def test_the_label_runs_the_server_blocks_after_the_round_like_the_devices_blocks(digits, monkeypatch) -> None:
+    """Both probe paths equally fresh: the label is made once the round's blocks are aggregated (the server's
+    blocks p_1..p_ref have had this round, as the device's have), not against the round-start blocks."""
+    from fedsga_edge.coordinator.strategies import fedsga
+
+    sim = Simulation(tiny_config("fedsga", clients=2, rounds=1, max_batches=2), digits)
+    co = sim.coordinator
+    seen: list[dict[str, torch.Tensor]] = []
+    label = fedsga.label_probe
+
+    def spy(st: Any, probe: dict[str, Any]) -> dict[str, Any]:
+        seen.append({n: v.clone() for n, v in co.model.state_dict().items()})
+        return label(st, probe)
+
+    monkeypatch.setattr(fedsga, "label_probe", spy)
+    rec = next(sim.rounds())
+    assert len(seen) == 2 and all("L1" in c and "s" in c for c in rec["clients"].values())
+    final = co.model.state_dict()
+    for state in seen:
+        assert all(torch.equal(v, final[n]) for n, v in state.items())

@@ -76,7 +76,7 @@ def test_fedsga_with_the_residual_harmonizer_keeps_prototypes_in_the_pooled_spac
     from fedsga_edge.config import FedSGAConfig
     from fedsga_edge.simulation import Simulation
 
-    sim = Simulation(tiny_config("fedsga", rounds=1, width=0.125, fedsga=FedSGAConfig(harmonizer_form="residual")),
+    sim = Simulation(tiny_config("fedsga", rounds=1, width=0.125),  # the residual form is the default
                      digits)
     strat = sim.coordinator.strategy
     width = sim.model.feature_dim
@@ -87,5 +87,6 @@ def test_fedsga_with_the_residual_harmonizer_keeps_prototypes_in_the_pooled_spac
     assert len(heads) == strat.K and all(torch.equal(heads[1], v) for v in heads.values())
     rec = next(sim.rounds())
     assert rec["failures"] == {} and len(rec["splits"]) == sim.cfg.clients
-    paper = Simulation(tiny_config("fedsga", rounds=1, width=0.125), digits).coordinator.strategy
+    paper = Simulation(tiny_config("fedsga", rounds=1, width=0.125, fedsga=FedSGAConfig(harmonizer_form="mlp")),
+                       digits).coordinator.strategy  # the paper's form: its own 128-d space
     assert paper.proto_dim == FedSGAConfig().proto_dim != width and paper.head.G.in_features == paper.proto_dim

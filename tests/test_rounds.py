@@ -174,8 +174,11 @@ def test_probe_with_equal_blocks_gives_equal_losses_and_changes_no_state(digits)
     x, y = _digits_batch(digits)
     before = {k: v.clone() for k, v in co.model.state_dict().items()}
     reply = only_reply(co.receive(_probe_message(co, x, y, co.model)))  # device blocks == the server's blocks
-    assert reply.kind == "probe_result"
-    assert reply.body["L1"] == pytest.approx(reply.body["Lref"], rel=1e-5) and reply.body["s"] == 1
+    assert reply.kind == "probe_result" and reply.body == {}  # the label is made at the round's end
+    assert len(co.strategy.cal_buffer) == 0
+    rec, _ = co.end_round()
+    (c,) = co.strategy._calibration
+    assert c["L1"] == pytest.approx(c["Lref"], rel=1e-5) and c["s"] == 1 and rec["calibration"]["probes"] == 1
     for k, v in co.model.state_dict().items():  # BatchNorm statistics included
         assert torch.equal(v, before[k]), k
     assert len(co.strategy.cal_buffer) == 1

@@ -137,7 +137,7 @@ def test_every_kind_with_its_required_fields_round_trips():
         "weights": {"weights": w},
         "fetch": {"blocks": [0, 1]},
         "probe": {"z1": z, "zref": z, "y": y, "o": [0.5, 0.1, 0.0], "r_prev": 0.0},
-        "probe_result": {"L1": 1.0, "Lref": 0.9, "s": 0},
+        "probe_result": {},
         "error": {"reason": "x"},
         "evaluate": {"z": z, "y": y, "split": 1},
         "eval_result": {"loss": 3.2, "correct": 1, "count": 2},

@@ -2,7 +2,9 @@
 
 A test that passes whatever the code does guards nothing. For each fix below this script copies the
 working tree (tracked files, with their uncommitted edits) to a scratch folder, installs it editable into
-a scratch venv that sees this environment's packages, runs the guarding tests once unchanged (they must
+a scratch venv that sees this interpreter's packages (a plain install, a venv or a venv over a venv: its
+site-packages folders are listed in the scratch venv, after the copy's own editable install), runs the
+guarding tests once unchanged (they must
 pass), then, one fix at a time, puts the old code back (an exact text replacement that must match once:
 if the code moved, the script stops and says so), runs the same tests and expects them to fail.
 
@@ -35,6 +37,7 @@ class Revert:
     fixed: str  # text in the fixed code (must occur exactly once)
     old: str  # the code before the fix
     tests: tuple[str, ...]
+    more: tuple[tuple[str, str], ...] = ()  # further (fixed, old) pairs in the same file, reverted together
 
 
 REVERTS = (
@@ -68,6 +71,22 @@ REVERTS = (
            'estimator=self.__dict__.setdefault("_sent", {k: v.copy() for k, v in\n'
            '                                                       to_numpy_state(self.estimator.state_dict()).items()}),',
            ("tests/test_method_rules.py::test_gamma_refit_on_a_calibration_round_is_sent_from_the_next_round",)),
+    Revert("label-freshness", "issue 37: the probe's label is made at the round's end, the server's blocks p_1..p_ref "
+           "as fresh as the device's; old: at the probe, against the server's blocks as the round started",
+           "coordinator/strategies/fedsga.py",
+           'self._calibration.append({"client": msg.sender, "z1": z1, "zref": zref, "y": y, "o": self._bounded(o),\n'
+           '                                  "r_prev": r_prev})',
+           'self._calibration.append(label_probe(self, {"client": msg.sender, "z1": z1, "zref": zref, "y": y,\n'
+           '                                                     "o": self._bounded(o), "r_prev": r_prev}))',
+           ("tests/test_method_calibration.py::"
+            "test_the_label_runs_the_server_blocks_after_the_round_like_the_devices_blocks",),
+           more=(("self._calibration = [label_probe(self, p) for p in self._calibration]",
+                  'self._calibration = [p if "s" in p else label_probe(self, p) for p in self._calibration]'),)),
+    Revert("probe-on-calibration-rounds", "issue 37: the probe slice is held out on calibration rounds only; old: on "
+           "every round (a permanent slice)",
+           "device/fedsga.py", 'if fed.estimator and not plan.full and self.settings.get("calibrate"):',
+           "if fed.estimator and not plan.full:",
+           ("tests/test_method_calibration.py::test_the_probe_slice_is_held_out_on_calibration_rounds_only",)),
 )
 
 
@@ -79,6 +98,24 @@ def _copy_tree(dest: Path) -> None:
         if src.is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
+
+
+def _site_folders() -> list[str]:
+    """This interpreter's package folders, whatever installed it (its own, a venv's, the base's under a venv)."""
+    return [p for p in dict.fromkeys(sys.path) if p and Path(p).name in ("site-packages", "dist-packages")
+            and Path(p).is_dir()]
+
+
+def _scratch_venv(venv: Path) -> Path:
+    """A venv whose python imports this interpreter's packages: ``--system-site-packages`` alone reaches the base
+    interpreter's, not those of a venv it runs in, so the folders go into a .pth of its own (read after the
+    editable install of the copy, which comes first)."""
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    (Path(site) / "zz-outer-packages.pth").write_text("\n".join(_site_folders()) + "\n")
+    return python
 
 
 def _pytest(python: Path, cwd: Path, tests: tuple[str, ...]) -> tuple[int, str]:
@@ -98,9 +135,7 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="fedsga-mutations-"))
     try:
         _copy_tree(scratch)
-        venv = scratch / ".venv"
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-        python = venv / "bin" / "python"
+        python = _scratch_venv(scratch / ".venv")
         subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(scratch)],
                        check=True, cwd=scratch)
         where = subprocess.run([str(python), "-c", "import fedsga_edge.device.role as m; print(m.__file__)"],
@@ -118,12 +153,14 @@ def main() -> int:
         survived = []
         for r in chosen:
             path = scratch / r.path
-            text = path.read_text()
-            if text.count(r.fixed) != 1:
-                print(f"{r.name}: {r.path} holds {text.count(r.fixed)} copies of the fixed code, expected 1: "
-                      "update this script", file=sys.stderr)
-                return 2
-            path.write_text(text.replace(r.fixed, r.old))
+            text = reverted = path.read_text()
+            for fixed, old in ((r.fixed, r.old), *r.more):
+                if text.count(fixed) != 1:
+                    print(f"{r.name}: {r.path} holds {text.count(fixed)} copies of the fixed code, expected 1: "
+                          "update this script", file=sys.stderr)
+                    return 2
+                reverted = reverted.replace(fixed, old)
+            path.write_text(reverted)
             t0 = time.time()
             try:
                 rc, tail = _pytest(python, scratch, r.tests)

@@ -25,14 +25,15 @@ if TYPE_CHECKING:
 
     from fedsga_edge.wire import Message
 
-__all__ = ["FedSGA"]
+__all__ = ["FedSGA", "label_probe"]
 
 _ABLATIONS = ("adapt", "estimator", "harmonizer")
 # A probe's delta and q are clipped to this many times the stored pairs' median (once there are
 # _OBS_MIN pairs): the estimator's inputs stay bounded whatever one device reports.
 _OBS_CLIP, _OBS_MIN = 10.0, 4
 # The per-device numbers an update reports that metrics.jsonl keeps for FedSGA (docs/method.md)
-_RECORD_KEYS = ("a", "delta", "q", "r", "r_prev", "k_policy", "L1", "Lref", "s", "descriptor_entropy", "margin")
+# (and the server's own L1, Lref and s of a calibration round's probe)
+_RECORD_KEYS = ("a", "delta", "q", "r", "r_prev", "k_policy", "descriptor_entropy", "margin")
 # --label-memory: a device's margin log(Lref / L1) is kept within +-_MARGIN_CAP (a loss of 0 would make it infinite)
 _MARGIN_CAP = 10.0
 # FedSGA settings the coordinator alone reads: a device sees their effect in its own round-start fields
@@ -102,6 +103,13 @@ class FedSGA(Strategy):
         # beyond the paper, off by default and outside the paper's tables (docs/fleet.md, "Deadline-aware splits")
         out["fedsga-deadline"] = Method("FedSGA, deadline-aware (beyond the paper)", group="extension",
                                         overrides={"fedsga.deadline_aware": True}, default=False)
+        # the paper's (w_s, {w_i}): each device's blocks its own, the server side shared (docs/method.md,
+        # "Private fronts")
+        out["fedsga-private"] = Method("FedSGA, private fronts", group="extension", overrides={"fronts": "private"},
+                                       default=False)
+        # the paper's harmonizer, a fresh two-layer MLP (the default is the identity-start residual form)
+        out["fedsga-mlp"] = Method("FedSGA, the paper's harmonizer (two-layer MLP)", group="extension",
+                                   overrides={"fedsga.harmonizer_form": "mlp"}, default=False)
         out["fedsga-memory"] = Method("FedSGA, label memory (beyond the paper)", group="extension",
                                       overrides={"fedsga.label_memory": True}, default=False)
         return out
@@ -114,7 +122,9 @@ class FedSGA(Strategy):
             pinned = [split_suffix(cfg.split, num_splits)]
         return "-".join(["fedsga"] + [f"no-{flag}" for flag in off] + pinned
                         + (["deadline"] if getattr(cfg.fedsga, "deadline_aware", False) else [])
-                        + (["memory"] if getattr(cfg.fedsga, "label_memory", False) else []))
+                        + (["memory"] if getattr(cfg.fedsga, "label_memory", False) else [])
+                        + (["mlp"] if cfg.fedsga.harmonizer and cfg.fedsga.harmonizer_form == "mlp" else [])
+                        + (["private"] if cfg.fronts == "private" else []))
 
     @classmethod
     def prompt_tokens(cls, cfg: RunConfig) -> int:
@@ -245,14 +255,12 @@ class FedSGA(Strategy):
         self._phi_steps += 1
 
     def on_probe(self, co: Any, msg: "Message") -> tuple[str, dict[str, Any]]:
-        """Calibration (docs/method.md): L1 through the server's blocks from p_1, Lref through the
-        device's own blocks up to p_ref; nothing is updated. The pair is stored for the refit."""
+        """Calibration (docs/method.md): the device's interfaces at p_1 and p_ref (its own blocks, just
+        trained), checked and kept; the label comes at the round's end (``label_probe``), when the server's
+        blocks have had this round too. Nothing is updated."""
         import torch
 
         from fedsga_edge.coordinator.limits import MAX_ABS_VALUE
-        from fedsga_edge.method import sufficiency_label
-        from fedsga_edge.method.estimator import informative
-        from fedsga_edge.tensors import probe_mode
 
         if not co.round.calibrate:
             raise RemoteProtocolError("this round does not calibrate")
@@ -274,27 +282,12 @@ class FedSGA(Strategy):
         if not (-1.0001 <= o[0] <= 1.0001 and (norms >= 0).all() and (norms <= MAX_ABS_VALUE).all()):
             raise RemoteProtocolError(f"o = {o.tolist()} is out of range: a in [-1, 1], delta and q in "
                                       f"[0, {MAX_ABS_VALUE:g}]")
-        memory = self.cfg.fedsga.label_memory
-        if memory:
+        if self.cfg.fedsga.label_memory:
             o[-1] = self._sent_margin.get(msg.sender, 0.0)
-        o = self._bounded(o)
-        side = co.server.copy_for(msg.sender)
-        with probe_mode(side.model, side.head):
-            L1 = float(self.loss(*self.forward(side, z1, 1), y))
-            Lref = float(self.loss(*self.forward(side, zref, k_ref), y))
-        if not (math.isfinite(L1) and math.isfinite(Lref)):
-            raise RemoteProtocolError("probe losses are not finite")
-        s = sufficiency_label(L1, Lref, self.cfg.fedsga.beta)
-        if memory:  # the next round start's margin for this device: log(Lref / L1), finite and bounded
-            self._margins[msg.sender] = float(np.clip(math.log((Lref + 1e-12) / (L1 + 1e-12)), -_MARGIN_CAP, _MARGIN_CAP))
-        # a device's first observation is the same point for everyone: it does not decide Gamma (docs/method.md)
-        stored = informative(o, r_prev)
-        if stored:
-            self.cal_buffer.append(o.tolist(), r_prev, s)
-            self._new_pairs += 1
-        self._calibration.append({"client": msg.sender, "L1": L1, "Lref": Lref, "s": s, "stored": stored})
+        self._calibration.append({"client": msg.sender, "z1": z1, "zref": zref, "y": y, "o": self._bounded(o),
+                                  "r_prev": r_prev})
         self._cal_flops_server += len(y) * (co.costs.suffix_fwd(1) + co.costs.suffix_fwd(k_ref))
-        return "probe_result", {"L1": L1, "Lref": Lref, "s": s}
+        return "probe_result", {}
 
     def _bounded(self, o: np.ndarray) -> np.ndarray:
         """Clip delta (and q) to _OBS_CLIP x the stored pairs' median of each (the margin is the server's own)."""
@@ -314,8 +307,12 @@ class FedSGA(Strategy):
     def end_round(self, updates: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
         if self.deadlines is not None:  # --deadline-aware: its timing, read at the next round start
             self.deadlines.keep(record, self.co.round.t)
+        self._calibration = [label_probe(self, p) for p in self._calibration]  # the prototypes the round trained with
         self.prototypes.commit()
         record["clients"] = {cid: {k: u[k] for k in _RECORD_KEYS if k in u} for cid, u in updates.items()}
+        for c in self._calibration:  # the server's own figures, whatever a device reports
+            if c["client"] in record["clients"] and c["s"] is not None:
+                record["clients"][c["client"]].update(L1=c["L1"], Lref=c["Lref"], s=c["s"])
         if self._calibration:  # Alg. 1: refit Gamma once per calibration round, on all pairs; used from round t+1
             record["calibration"] = self._refit()
         if self._phi_steps:
@@ -339,7 +336,8 @@ class FedSGA(Strategy):
 
         new, total = self._new_pairs, len(self.cal_buffer)
         out: dict[str, Any] = {"probes": len(self._calibration), "new_pairs": new, "pairs": total,
-                               "positive_rate": float(np.mean([c["s"] for c in self._calibration])),
+                               "positive_rate": float(np.mean([c["s"] for c in self._calibration if c["s"] is not None]
+                                                              or [np.nan])),
                                "heldout_brier": None, "accuracy": None, "brier": None, "bce": None}
         if new and total > new:  # Gamma has been fit on the older pairs: score it on the new ones first
             obs, r_prev, s = self.cal_buffer.tensors()
@@ -370,3 +368,30 @@ class FedSGA(Strategy):
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         self.phi_opt.load_state_dict(state["phi_opt"])
+
+
+def label_probe(st: "FedSGA", probe: dict[str, Any]) -> dict[str, Any]:
+    """A probe FedSGA ``st`` kept, labelled at the round's end: L1 through the server's blocks p_1..p_ref and
+    Lref from the device's interface at p_ref, both on to the head through the same (aggregated) server side, so
+    both paths have had this round (docs/method.md, "Calibration"). The pair is stored for the refit; nothing
+    is updated."""
+    from types import SimpleNamespace
+
+    from fedsga_edge.method import sufficiency_label
+    from fedsga_edge.method.estimator import informative
+    from fedsga_edge.tensors import probe_mode
+
+    side, y, o, r_prev = SimpleNamespace(model=st.co.model, head=st.head), probe["y"], probe["o"], probe["r_prev"]
+    with probe_mode(side.model, side.head):
+        L1 = float(st.loss(*st.forward(side, probe["z1"], 1), y))
+        Lref = float(st.loss(*st.forward(side, probe["zref"], reference_index(st.K)), y))
+    s = sufficiency_label(L1, Lref, st.cfg.fedsga.beta) if math.isfinite(L1) and math.isfinite(Lref) else None
+    if s is not None and st.cfg.fedsga.label_memory:  # the next round start's margin: log(Lref / L1), bounded
+        st._margins[probe["client"]] = float(np.clip(math.log((Lref + 1e-12) / (L1 + 1e-12)), -_MARGIN_CAP,
+                                                     _MARGIN_CAP))
+    # a device's first observation is the same point for everyone: it does not decide Gamma (docs/method.md)
+    stored = s is not None and informative(o, r_prev)
+    if stored:
+        st.cal_buffer.append(o.tolist(), r_prev, s)
+        st._new_pairs += 1
+    return {"client": probe["client"], "L1": L1, "Lref": Lref, "s": s, "stored": stored}

@@ -56,7 +56,6 @@ REQUIRED_FIELDS: dict[str, dict[str, str]] = {
     "weights": {"weights": "dict"},
     "fetch": {"blocks": "list"},
     "probe": {"z1": "array", "zref": "array", "y": "array", "o": "list", "r_prev": "float"},
-    "probe_result": {"L1": "float", "Lref": "float", "s": "int"},
     # federated evaluation (issue 18): a held-out batch's eval-mode activations, and the coordinator's tally
     "evaluate": {"z": "array", "y": "array", "split": "int"},
     "eval_result": {"loss": "float", "correct": "int", "count": "int"},
