@@ -214,12 +214,13 @@ class BridgeSpec:
 
     url: str
     ca: Path | None = None
+    qos_in: int = 0  # the QoS of the messages bridged to the site (bridge_text says why 0)
 
     def __post_init__(self) -> None:
         from urllib.parse import unquote, urlsplit
 
         parts = urlsplit(self.url)
-        problems = []
+        problems = [] if self.qos_in in (0, 1) else [f"--bridge-qos must be 0 or 1 (got {self.qos_in})"]
         if parts.scheme not in ("mqtt", "mqtts"):
             problems.append("must start mqtt:// or mqtts://")
         try:
@@ -353,8 +354,15 @@ def acl_text(spec: BrokerSpec) -> str:
 
 
 def bridge_text(spec: BrokerSpec) -> list[str]:
-    """The site broker's bridge section: each of its devices' topics, each way, at QoS 1; the site's login
-    at the central broker. The site's own ACL has already bound each device to its topics."""
+    """The site broker's bridge section: each of its devices' topics, each way; the site's login at the
+    central broker. The site's own ACL has already bound each device to its topics.
+
+    Up (site -> central) at QoS 1; down at ``spec.bridge.qos_in``, 0 by default: Mosquitto (2.0.11 measured)
+    sets TCP_NODELAY only on the connections it accepts, not on a bridge's own, so the site's PUBACK for a
+    QoS-1 message coming in over the bridge sits in Nagle's buffer, and the device's next request, written
+    behind it, waits for the central's delayed ACK: ~48 ms per request (docs/deploy.md, "Devices at several
+    sites"). At QoS 0 a message crossing when the bridge drops is lost; the device's request times out and
+    is sent again (the coordinator answers a repeat from its reply cache)."""
     assert spec.bridge is not None
     host, port, login, password, tls = spec.bridge.parts()
     t = spec.topic
@@ -362,9 +370,10 @@ def bridge_text(spec: BrokerSpec) -> list[str]:
              f"connection {login}", f"address {host}:{port}", f"remote_username {login}",
              f"remote_password {password}", f"remote_clientid {login}", "cleansession false",
              "notifications false", "bridge_protocol_version mqttv311", "try_private true",
-             f"topic {t('bcast')} in 1"]
+             f"topic {t('bcast')} in {spec.bridge.qos_in}"]
     for d in spec.devices:
-        lines += [f"topic {t('up', d)} out 1", f"topic {t('status', d)} out 1", f"topic {t('down', d)} in 1"]
+        lines += [f"topic {t('up', d)} out 1", f"topic {t('status', d)} out 1",
+                  f"topic {t('down', d)} in {spec.bridge.qos_in}"]
     if tls:
         lines += ([f"bridge_cafile {Path(spec.bridge.ca).absolute()}"] if spec.bridge.ca else
                   ["bridge_capath /etc/ssl/certs"])

@@ -39,6 +39,10 @@ def broker_config(
     bridge: Optional[str] = typer.Option(None, help="A site broker: bridge to the central broker with this site's "
                                          "login there, the central config's credentials/site-NAME.env (or its URL)."),
     bridge_ca: Optional[Path] = typer.Option(None, help="--bridge over TLS: the CA of the central broker's certificate."),
+    bridge_qos: int = typer.Option(0, help="--bridge: QoS of the messages bridged to the site's devices. 1 costs each "
+                                   "request ~48 ms on Mosquitto 2.0 (a bridge's own connection keeps Nagle on; "
+                                   "docs/deploy.md); at 0 a message crossing as the bridge drops is lost and the "
+                                   "device's request is repeated."),
     keys: Optional[Path] = typer.Option(None, help="The devices' message keys already written (a site broker: the "
                                         "central config's keys/); default: new keys in --out/keys."),
 ) -> None:
@@ -56,7 +60,7 @@ def broker_config(
         spec = BrokerSpec(devices=tuple(ids), run=run, port=port, bind=bind, loopback_port=loopback_port,
                           tls=TlsFiles(tls_cert, tls_key, ca) if tls_cert is not None else None,
                           max_packet=max_packet, sites=tuple(parse_site(s) for s in site),
-                          bridge=None if bridge is None else BridgeSpec(read_bridge(bridge), bridge_ca),
+                          bridge=None if bridge is None else BridgeSpec(read_bridge(bridge), bridge_ca, bridge_qos),
                           **({"host": host} if host else {}))
         files = write_broker_config(spec, out, force=force, keys=keys)
     except BrokerConfigError as exc:
