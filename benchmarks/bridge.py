@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pwd
 import socket
 import subprocess
 import sys
@@ -53,6 +54,9 @@ class Brokers:
         self.site = write_broker_config(BrokerSpec(devices=tuple(ids), run=RUN, port=self.site_port, bind="127.0.0.1",
                                                    host="127.0.0.1", persistence=False, bridge=bridge),
                                         root / "site-a", keys=root / "central" / "keys")
+        for conf in (self.central.conf, self.site.conf):  # as root Mosquitto would drop to user mosquitto
+            with open(conf, "a") as f:
+                f.write(f"\nuser {pwd.getpwuid(os.geteuid()).pw_name}\n")
         self.running = [run_mosquitto(self.central.conf, self.central_port, log=root / "central.log"),
                         run_mosquitto(self.site.conf, self.site_port, log=root / "site-a.log")]
         time.sleep(1.0)  # the bridge connects

@@ -46,7 +46,9 @@ def _serve(rank: int, world: int, cfg: RunConfig, init: str, threads: int) -> No
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         side = build_coordinator(plan_run(cfg))
-        serve_shard(side.coordinator.server, side.strategy, _reduce_group(cfg))
+        group = _reduce_group(cfg)
+        dist.barrier()  # built: rank 0's first round may start
+        serve_shard(side.coordinator.server, side.strategy, group)
     finally:
         dist.destroy_process_group()
 
@@ -75,6 +77,7 @@ class ServerRanks:
             p.start()
         dist.init_process_group("gloo", init_method=init, rank=0, world_size=world)
         self.group = _reduce_group(cfg)
+        dist.barrier()  # every rank has built the run's server side
         self.server: Any = None
 
     def shard(self, co: Any) -> None:
