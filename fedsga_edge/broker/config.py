@@ -361,8 +361,8 @@ def bridge_text(spec: BrokerSpec) -> list[str]:
     sets TCP_NODELAY only on the connections it accepts, not on a bridge's own, so the site's PUBACK for a
     QoS-1 message coming in over the bridge sits in Nagle's buffer, and the device's next request, written
     behind it, waits for the central's delayed ACK: ~48 ms per request (docs/deploy.md, "Devices at several
-    sites"). At QoS 0 a message crossing when the bridge drops is lost; the device's request times out and
-    is sent again (the coordinator answers a repeat from its reply cache)."""
+    sites"). At QoS 0 a message crossing when the bridge drops is lost: its device loses the round (its
+    request times out), as for any reply lost on the way."""
     assert spec.bridge is not None
     host, port, login, password, tls = spec.bridge.parts()
     t = spec.topic

@@ -8,9 +8,12 @@ prints what was written and how to start the broker (docs/deploy.md, "The broker
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from fedsga_edge.broker.config import BrokerFiles, BrokerSpec
 
 __all__ = ["register"]
 
@@ -41,8 +44,8 @@ def broker_config(
     bridge_ca: Optional[Path] = typer.Option(None, help="--bridge over TLS: the CA of the central broker's certificate."),
     bridge_qos: int = typer.Option(0, help="--bridge: QoS of the messages bridged to the site's devices. 1 costs each "
                                    "request ~48 ms on Mosquitto 2.0 (a bridge's own connection keeps Nagle on; "
-                                   "docs/deploy.md); at 0 a message crossing as the bridge drops is lost and the "
-                                   "device's request is repeated."),
+                                   "docs/deploy.md); at 0 a message crossing as the bridge reconnects is lost and its "
+                                   "device loses the round."),
     keys: Optional[Path] = typer.Option(None, help="The devices' message keys already written (a site broker: the "
                                         "central config's keys/); default: new keys in --out/keys."),
 ) -> None:
@@ -69,6 +72,12 @@ def broker_config(
         typer.secho(f"error: cannot write {out}: {exc}", fg="red", err=True)
         raise typer.Exit(1) from None
 
+    _say_written(spec, files, ids, host)
+
+
+def _say_written(spec: "BrokerSpec", files: "BrokerFiles", ids: list[str], host: Optional[str]) -> None:
+    """What was written, how to start the broker, and where each file goes."""
+    run, bind, loopback_port = spec.run, spec.bind, spec.loopback_port
     scheme = "mqtts" if spec.tls else "mqtt"
     typer.echo(f"Wrote a broker config for {len(ids)} device(s) ({ids[0]} .. {ids[-1]}) and the coordinator, "
                f"{'run ' + run if run else 'any run'}:")
