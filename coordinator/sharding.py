@@ -67,7 +67,7 @@ def check_sharding(cfg: RunConfig, strategy: type) -> None:
 
 
 class _Link:
-    """Pickled messages to and from one peer rank, sent without waiting (their buffers kept until sent).
+    """Pickled messages to and from one peer rank, sent without waiting (their buffers kept until ``flush``).
     ``listen``: a thread reads the peer's messages into a queue as they come (gloo completes a posted
     receive only inside ``wait``, so a receive cannot be polled); the peer's ``None`` ends it."""
 
@@ -85,11 +85,12 @@ class _Link:
         torch.save(obj, buf)
         body = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
         size = torch.tensor([body.numel()], dtype=torch.int64)
-        self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
         self._sending += [(dist.isend(size, self.peer, tag=self.send_tags[0]), size),
                           (dist.isend(body, self.peer, tag=self.send_tags[1]), body)]
 
     def flush(self) -> None:
+        """Wait until the peer has taken every message sent (a gloo send completes only when waited for, so
+        their buffers are let go here, at the round's end, when the peer has read them all)."""
         for w, _ in self._sending:
             w.wait()
         self._sending = []
@@ -213,6 +214,7 @@ class ShardedServer(PerClientServer):
             self._read(block=True)
         self._ready = []
         for link in self.links.values():
+            link.flush()
             link.send({"op": "end"})
         means = reduce_copies(self, snapshot, self.reduce_group)
         self._done = {"": (1.0, means)}
@@ -291,6 +293,7 @@ def serve_shard(server: PerClientServer, strategy: Any, reduce_group: Any = None
             weights[msg["device"]] = msg["weight"]
             server.finish_device(msg["device"], msg["depth"])
         elif op == "end":
+            link.flush()
             reduce_copies(server, snapshot, reduce_group)
             server._copies.clear()
             server._done.clear()

@@ -14,9 +14,9 @@ from fedsga_edge.simulation import Simulation
 
 
 def _cfg(**kw) -> RunConfig:
-    base = dict(strategy="static", dataset="digits", clients=4, rounds=2, model="resnet18_cifar", width=0.125,
+    base = dict(strategy="static", dataset="digits", clients=3, rounds=2, model="resnet18_cifar", width=0.125,
                 seed=0, device="cpu", eval_every=2, server_copies="per_client",
-                train=TrainConfig(local_epochs=1, batch_size=32, max_batches=2))
+                train=TrainConfig(local_epochs=1, batch_size=32, max_batches=1))
     return RunConfig(**(base | kw))
 
 
