@@ -54,7 +54,7 @@ def check_sharding(cfg: RunConfig, strategy: type) -> None:
     from .strategy import Strategy
 
     if cfg.server_copies != "per_client":
-        raise ValueError("only per-client server copies shard across ranks (--server-copies per_client): the "
+        raise ValueError("only per-client server copies shard across ranks (--server-copies per-client): the "
                          "shared copy takes the devices' steps in arrival order, one after another")
     if cfg.aggregation != "mean":
         raise ValueError(f"--aggregation {cfg.aggregation} combines every copy coordinate by coordinate in one "

@@ -33,7 +33,7 @@ def simulate(
     ray_actors: int = typer.Option(0, help="--engine ray: device actors (0: the cluster's CPUs, one each)."),
     world_size: int = typer.Option(1, help="Processes for the per-client server copies (torch.distributed, gloo; "
                                    "NCCL for the average on a GPU): each device's copy trains on one of them "
-                                   "(docs/scale.md). Needs --server-copies per_client."),
+                                   "(docs/scale.md). Needs --server-copies per-client."),
     **flags: Any,
 ) -> None:
     """Simulate split federated learning in one process and write metrics for every round."""
