@@ -68,7 +68,7 @@ def server_round(co: Any, t: int, acts: dict[str, list[tuple[torch.Tensor, torch
 
 
 def run(cfg: RunConfig, args: argparse.Namespace, world: int) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
-    ranks = ServerRanks(cfg, world, threads=1) if world > 1 else None
+    ranks = ServerRanks(cfg, world, threads=1, own_session=args.own_session) if world > 1 else None
     try:
         co = build_coordinator(plan_run(cfg)).coordinator
         if ranks is not None:
@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", type=int, default=1)
     p.add_argument("--width", type=float, default=0.25)
     p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--own-session", action="store_true", help="each other rank in a session of its own: on a "
+                   "machine busy with other jobs, Linux's autogroup scheduling then gives it its own CPU share")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     cfg = config(args)
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     many, st2 = run(config(args), args, args.world_size)
     diff = max(float((st1[n].double() - st2[n].double()).abs().max()) for n in st1)
     print(f"{args.devices} devices, per-client copies, {args.batches} activations of {args.batch_size} each per "
-          f"round at split {args.split}, resnet18_cifar width {args.width}; load average {os.getloadavg()[0]:.1f}")
+          f"round at split {args.split}, resnet18_cifar width {args.width}; load average {os.getloadavg()[0]:.1f}"
+          + ("; other ranks in sessions of their own" if args.own_session else ""))
     for t, ((a, ca), (b, cb)) in enumerate(zip(one, many), 1):
         print(f"  round {t}: 1 rank {a:.2f} s, {args.world_size} ranks {b:.2f} s ({b / a:.2f}x); rank 0's CPU "
               f"{ca:.2f} s and {cb:.2f} s")

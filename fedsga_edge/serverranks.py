@@ -9,6 +9,7 @@ copies live on a GPU (docs/scale.md, "The server side across processes").
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
@@ -33,10 +34,13 @@ def _reduce_group(cfg: RunConfig) -> Any:
     return dist.new_group(backend="nccl") if torch.device(resolve_device(cfg.device)).type == "cuda" else None
 
 
-def _serve(rank: int, world: int, cfg: RunConfig, init: str, threads: int) -> None:
+def _serve(rank: int, world: int, cfg: RunConfig, init: str, threads: int, own_session: bool) -> None:
     """Rank ``rank`` > 0: the run's server side, serving rank 0's steps for its devices."""
     import torch
     import torch.distributed as dist
+
+    if own_session:
+        os.setsid()
 
     from fedsga_edge.coordinator.sharding import serve_shard
     from fedsga_edge.runbuild import build_coordinator, plan_run
@@ -56,7 +60,10 @@ def _serve(rank: int, world: int, cfg: RunConfig, init: str, threads: int) -> No
 class ServerRanks:
     """Ranks 1..world-1 started, this process rank 0; ``shard(co)`` deals the coordinator's copies over them."""
 
-    def __init__(self, cfg: RunConfig, world: int, threads: int = 0) -> None:
+    def __init__(self, cfg: RunConfig, world: int, threads: int = 0, *, own_session: bool = False) -> None:
+        """``own_session``: each other rank in a session of its own. Linux's autogroup scheduling shares a busy
+        machine's CPU between sessions, so ranks in one session share one session's share (the default: the
+        ranks stop with the run's terminal); apart, each gets a share as a separate job would."""
         import torch.distributed as dist
         import torch.multiprocessing as mp
 
@@ -71,7 +78,8 @@ class ServerRanks:
         self.cfg, self.world = cfg, world
         init = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_serve, args=(r, world, cfg, init, threads), daemon=True)
+        self.procs = [ctx.Process(target=_serve, args=(r, world, cfg, init, threads, own_session),
+                                  daemon=True)
                       for r in range(1, world)]
         for p in self.procs:
             p.start()
