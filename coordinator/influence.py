@@ -99,27 +99,41 @@ def upper_median(values: Any) -> float:
 
 
 @torch.no_grad()
+def change_norms(global_units: dict[Any, dict[str, Tensor]], updates: dict[str, dict[Any, dict[str, Tensor]]]
+                 ) -> dict[Any, dict[str, float]]:
+    """unit -> device -> the L2 norm of the device's change of that unit (its floating-point tensors)."""
+    norms: dict[Any, dict[str, float]] = {}
+    for d, states in updates.items():
+        for u, st in states.items():
+            ref = global_units[u]
+            sq = sum(((v - ref[n]).double() ** 2).sum() for n, v in st.items() if v.is_floating_point())
+            norms.setdefault(u, {})[d] = float(torch.sqrt(torch.as_tensor(sq, dtype=torch.float64)))
+    return norms
+
+
+@torch.no_grad()
 def clip_updates(global_units: dict[int, dict[str, Tensor]], updates: dict[str, dict[int, dict[str, Tensor]]],
-                 factor: float) -> dict[str, int]:
+                 factor: float, elsewhere: dict[Any, dict[str, float]] | None = None) -> dict[str, int]:
     """Scale each device's change of each unit down to ``factor`` x the upper median change of that
     unit among the round's *other* devices (in place); returns how many units were clipped per
-    device. Needs 3 devices or more, so that two others set each device's bound."""
+    device. Needs 3 devices or more, so that two others set each device's bound. ``elsewhere``: the
+    change norms (``change_norms``) of the round's devices whose copies another process holds
+    (coordinator/sharding.py): they set bounds here, and are not clipped here."""
     clipped: dict[str, int] = {}
-    if not factor or len(updates) < 3:
+    if not factor:
         return clipped
-    units = {u for states in updates.values() for u in states}
-    for u in units:
-        ref = global_units[u]
-        holders = {d: states[u] for d, states in updates.items() if u in states}
-        if len(holders) < 3:
+    own = change_norms(global_units, updates)
+    for u, norms in own.items():
+        everyone = {**(elsewhere or {}).get(u, {}), **norms}
+        if len(everyone) < 3:
             continue
-        deltas = {d: {n: v - ref[n] for n, v in st.items() if v.is_floating_point()} for d, st in holders.items()}
-        norms = {d: float(torch.sqrt(sum((t.double() ** 2).sum() for t in ds.values()))) for d, ds in deltas.items()}
+        ref = global_units[u]
         for d, norm in norms.items():
-            limit = factor * upper_median(v for o, v in norms.items() if o != d)
+            limit = factor * upper_median(v for o, v in everyone.items() if o != d)
             if norm > limit > 0:
                 s = limit / norm
-                for n, delta in deltas[d].items():
-                    holders[d][n].copy_(ref[n] + delta * s)
+                for n, v in updates[d][u].items():
+                    if v.is_floating_point():
+                        v.copy_(ref[n] + (v - ref[n]) * s)
                 clipped[d] = clipped.get(d, 0) + 1
     return clipped

@@ -110,6 +110,9 @@ class InProcessScheduler:
             # a device whose request the coordinator holds (MergeSFL's merged step) waits for its reply:
             # it takes no turn until the step's last device has sent
             ready = [c for c in active if not getattr(c, "waiting", False)]
+            if not ready and (released := co.await_held()):  # a step out on another rank came back
+                send(released)
+                continue
             if not ready:  # the coordinator releases a step once every training device holds one
                 raise RuntimeError("every running device waits for a reply the coordinator holds: "
                                    f"{[c.cid for c in active]}")

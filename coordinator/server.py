@@ -163,6 +163,11 @@ class Coordinator:
         self.round.fail(device, reason)
         return self._released()
 
+    def await_held(self) -> Outgoing:
+        """Wait for a held server step that completes elsewhere (per-client copies on other ranks,
+        coordinator/sharding.py): the replies it released; nothing when no step is out."""
+        return self._released() if self.server.wait_held() else []
+
     def end_round(self, now: float | None = None) -> tuple[dict[str, Any], Outgoing]:
         """Aggregate what arrived, let the strategy close its round: the round's record, and the
         refusals of whatever was still held (nothing stays held past the round)."""

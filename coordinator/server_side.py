@@ -150,6 +150,11 @@ class ServerSide:
         (``closed``: the round is over): none unless this side holds them."""
         return []
 
+    def wait_held(self) -> bool:
+        """Wait for a held step that completes outside the coordinator's calls (coordinator/sharding.py: on
+        another rank); ``release`` then answers it. False: none can complete that way."""
+        return False
+
     def step(self, device: str, z: Tensor, y: Tensor, k: int, strategy: Any) -> tuple[Tensor, Tensor | None]:
         """``steps`` server steps on the device's activation; fills ``z.grad``. A non-finite loss or gradient
         in any of them raises RemoteProtocolError (the device's batch is at fault) with nothing changed.

@@ -116,16 +116,31 @@ def run_simulation(
     bundle: DatasetBundle | None = None,
     on_round: Callable[[dict[str, Any]], None] | None = None,
     engine: DeviceEngine | None = None,
+    world_size: int = 1,
+    threads: int = 0,
 ) -> dict[str, Any]:
     """Run all rounds; write ``config.json``, ``metrics.jsonl``, ``summary.json`` and ``checkpoint.pt`` under ``out``.
 
     The checkpoint holds the global weights (loadable by ``create_model(..., pretrained=...)`` and
     ``export --checkpoint``) plus the coordinator's own state (harmonizer, prototypes, estimator,
     calibration pairs); it is not resumable (coordinator/checkpoint.py). ``engine``: where the devices
-    compute (``Simulation``).
+    compute (``Simulation``). ``world_size`` > 1: the per-client server copies on that many processes, each
+    with ``threads`` torch threads (fedsga_edge/serverranks.py).
     """
+    if world_size > 1:
+        from fedsga_edge.serverranks import ServerRanks
+
+        with ServerRanks(cfg, world_size, threads) as ranks:
+            return _run(cfg, out, bundle, on_round, engine, ranks)
+    return _run(cfg, out, bundle, on_round, engine, None)
+
+
+def _run(cfg: RunConfig, out: str | Path | None, bundle: DatasetBundle | None,
+         on_round: Callable[[dict[str, Any]], None] | None, engine: DeviceEngine | None, ranks: Any) -> dict[str, Any]:
     started = time.perf_counter()
     sim = Simulation(cfg, bundle, engine=engine)
+    if ranks is not None:
+        ranks.shard(sim.coordinator)
     files = None
     if out is not None:
         files = RunFiles(out)

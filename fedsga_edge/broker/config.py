@@ -48,16 +48,20 @@ from fedsga_edge.wire.auth import enrol
 __all__ = [
     "COORDINATOR",
     "BrokerConfigError",
+    "BridgeSpec",
     "BrokerFiles",
     "BrokerSpec",
     "TlsFiles",
     "acl_text",
+    "bridge_text",
     "broker_url",
     "check_device_ids",
     "device_ids",
     "hash_password",
     "mosquitto_conf_text",
     "parse_devices",
+    "parse_site",
+    "read_bridge",
     "read_device_ids",
     "verify_password",
     "write_broker_config",
@@ -153,13 +157,42 @@ def read_device_ids(path: str | Path) -> list[str]:
 
 
 def parse_devices(spec: str) -> list[str]:
-    """``--devices``: a count N (ids ``client-000``...) or the path of a file of ids."""
+    """``--devices``: a count N (ids ``client-000``...), an index range ``I-J`` (``client-I`` .. ``client-J``)
+    or the path of a file of ids."""
     spec = spec.strip()
     if spec.isdigit():
         return device_ids(int(spec))
+    if re.fullmatch(r"\d+-\d+", spec):  # a site's share of client-000 ...: indices FIRST-LAST
+        first, last = (int(x) for x in spec.split("-"))
+        if first > last:
+            raise BrokerConfigError(f"--devices {spec}: the first index is after the last")
+        return device_ids(last + 1)[first:]
     if not Path(spec).is_file():
         raise BrokerConfigError(f"--devices takes a number of devices or a file of device ids; {spec!r} is neither")
     return read_device_ids(spec)
+
+
+def parse_site(spec: str) -> tuple[str, tuple[str, ...]]:
+    """``--site NAME=DEVICES``: a site's name and the devices behind its broker (``parse_devices``' forms)."""
+    name, eq, devices = spec.partition("=")
+    if not eq or not name.strip() or not devices.strip():
+        raise BrokerConfigError(f"--site {spec!r:.80} must be NAME=DEVICES (e.g. lab=0-9)")
+    return name.strip(), tuple(parse_devices(devices))
+
+
+def read_bridge(value: str) -> str:
+    """``--bridge``: a broker URL, or a credentials file (``FEDSGA_EDGE_BROKER=<url>``) holding one."""
+    path = Path(value)
+    if "://" in value or not path.is_file():
+        return value
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BrokerConfigError(f"cannot read --bridge {path}: {exc}") from None
+    for line in lines:
+        if line.startswith(CREDENTIALS_ENV + "="):
+            return line.split("=", 1)[1].strip()
+    raise BrokerConfigError(f"--bridge {path} holds no {CREDENTIALS_ENV}= line (a credentials file of broker-config)")
 
 
 # ---------------------------------------------------------------------------------------- the spec
@@ -172,6 +205,42 @@ class TlsFiles:
     cert: Path
     key: Path
     ca: Path | None = None
+
+
+@dataclass(frozen=True)
+class BridgeSpec:
+    """A site broker's bridge to the central broker: where it is and the site's login there (the URL of the
+    central config's ``credentials/site-<name>.env``), and the CA that signed the central's certificate."""
+
+    url: str
+    ca: Path | None = None
+    qos_in: int = 0  # the QoS of the messages bridged to the site (bridge_text says why 0)
+
+    def __post_init__(self) -> None:
+        from urllib.parse import unquote, urlsplit
+
+        parts = urlsplit(self.url)
+        problems = [] if self.qos_in in (0, 1) else [f"--bridge-qos must be 0 or 1 (got {self.qos_in})"]
+        if parts.scheme not in ("mqtt", "mqtts"):
+            problems.append("must start mqtt:// or mqtts://")
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname or not _HOST.fullmatch(parts.hostname) or port is None:
+            problems.append("must name the central broker's host and port")
+        if not parts.username or not parts.password or not _CONF_VALUE.fullmatch(unquote(parts.password)):
+            problems.append("must carry the site's login and password (the central config's credentials/site-<name>.env)")
+        if problems:
+            raise BrokerConfigError(f"--bridge {self.url.split('@')[-1]!r:.80}: " + "; ".join(problems))
+
+    def parts(self) -> tuple[str, int, str, str, bool]:
+        """(host, port, login, password, tls)."""
+        from urllib.parse import unquote, urlsplit
+
+        u = urlsplit(self.url)
+        return u.hostname or "", int(u.port or 0), unquote(u.username or ""), unquote(u.password or ""), \
+            u.scheme == "mqtts"
 
 
 @dataclass(frozen=True)
@@ -188,10 +257,25 @@ class BrokerSpec:
     coordinator: str = COORDINATOR
     max_packet: int = DEFAULT_MAX_PACKET
     persistence: bool = True
+    # the central broker of several sites: each site's bridge login (site-<name>) and the devices behind it
+    sites: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    bridge: BridgeSpec | None = None  # a site broker: its bridge to the central one
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(check_device_ids(self.devices, coordinator=self.coordinator)))
         problems = []
+        placed: dict[str, str] = {}
+        for name, devices in self.sites:
+            if why := _why_bad(name):
+                problems.append(f"--site {name!r:.60} {why}")
+            for d in devices:
+                if d not in self.devices:
+                    problems.append(f"--site {name}: {d} is not one of --devices")
+                elif d in placed:
+                    problems.append(f"--site {name}: {d} is already behind site {placed[d]}")
+                placed[d] = name
+        if self.sites and self.bridge is not None:
+            problems.append("a broker is either the central one (--site) or a site's (--bridge), not both")
         for what, name in (("--run", self.run), ("coordinator", self.coordinator)):
             if name is not None and (why := _why_bad(name)):
                 problems.append(f"{what} {name!r:.60} {why}")
@@ -232,6 +316,11 @@ class BrokerSpec:
     def topic(self, *levels: str) -> str:
         return "/".join((TOPIC_ROOT, self.run_level, *levels))
 
+    @property
+    def site_logins(self) -> dict[str, tuple[str, ...]]:
+        """The central broker's bridge logins (``site-<name>``) -> the devices behind each."""
+        return {f"site-{name}": devices for name, devices in self.sites}
+
 
 # ---------------------------------------------------------------------------------------- file texts
 
@@ -256,7 +345,40 @@ def acl_text(spec: BrokerSpec) -> str:
     for d in spec.devices:
         lines += ["", f"user {d}", f"topic write {t('up', d)}", f"topic read {t('down', d)}",
                   f"topic read {t('bcast')}", f"topic readwrite {t('status', d)}"]
+    for login, devices in spec.site_logins.items():  # a site's bridge carries its devices' topics, no others
+        lines += ["", f"# the bridge of {login}: the topics of the {len(devices)} device(s) behind it", f"user {login}",
+                  f"topic read {t('bcast')}"]
+        for d in devices:
+            lines += [f"topic write {t('up', d)}", f"topic read {t('down', d)}", f"topic write {t('status', d)}"]
     return "\n".join(lines) + "\n"
+
+
+def bridge_text(spec: BrokerSpec) -> list[str]:
+    """The site broker's bridge section: each of its devices' topics, each way; the site's login at the
+    central broker. The site's own ACL has already bound each device to its topics.
+
+    Up (site -> central) at QoS 1; down at ``spec.bridge.qos_in``, 0 by default: Mosquitto (2.0.11 measured)
+    sets TCP_NODELAY only on the connections it accepts, not on a bridge's own, so the site's PUBACK for a
+    QoS-1 message coming in over the bridge sits in Nagle's buffer, and the device's next request, written
+    behind it, waits for the central's delayed ACK: ~48 ms per request (docs/deploy.md, "Devices at several
+    sites"). At QoS 0 a message crossing when the bridge drops is lost: its device loses the round (its
+    request times out), as for any reply lost on the way."""
+    assert spec.bridge is not None
+    host, port, login, password, tls = spec.bridge.parts()
+    t = spec.topic
+    lines = ["", "# The bridge to the central broker (the coordinator's): only this site's devices' topics cross it.",
+             f"connection {login}", f"address {host}:{port}", f"remote_username {login}",
+             f"remote_password {password}", f"remote_clientid {login}", "cleansession false",
+             "notifications false", "bridge_protocol_version mqttv311", "try_private true",
+             f"topic {t('bcast')} in {spec.bridge.qos_in}"]
+    for d in spec.devices:
+        lines += [f"topic {t('up', d)} out 1", f"topic {t('status', d)} out 1",
+                  f"topic {t('down', d)} in {spec.bridge.qos_in}"]
+    if tls:
+        lines += ([f"bridge_cafile {Path(spec.bridge.ca).absolute()}"] if spec.bridge.ca else
+                  ["bridge_capath /etc/ssl/certs"])
+        lines.append("bridge_tls_version tlsv1.2")
+    return lines
 
 
 def mosquitto_conf_text(spec: BrokerSpec, config_dir: str | Path) -> str:
@@ -300,6 +422,8 @@ def mosquitto_conf_text(spec: BrokerSpec, config_dir: str | Path) -> str:
     if spec.loopback_port is not None:
         lines += ["", "# Plaintext for processes on this host only (e.g. the coordinator); logins and the ACL apply.",
                   f"listener {spec.loopback_port} 127.0.0.1", *BIND_CLIENT_ID]
+    if spec.bridge is not None:
+        lines += bridge_text(spec)
     return "\n".join(lines) + "\n"
 
 
@@ -420,22 +544,28 @@ def _share_with_broker(path: Path) -> None:
 
 
 def write_broker_config(spec: BrokerSpec, out: str | Path, *, force: bool = False, hasher: str = "auto",
-                        passwords: Mapping[str, str] | None = None) -> BrokerFiles:
+                        passwords: Mapping[str, str] | None = None, keys: str | Path | None = None) -> BrokerFiles:
     """Write ``mosquitto.conf``, ``acl``, ``passwd``, ``credentials/<login>.env`` and ``keys/<device>.key``
     (each device's message key, fedsga_edge/wire/auth.py) into ``out``.
 
     Refuses to overwrite an earlier config unless ``force`` (that would change every password).
-    ``passwords`` fixes some logins' passwords (the rest are random).
+    ``passwords`` fixes some logins' passwords (the rest are random). ``keys``: the devices' message keys
+    already written (a site broker's devices use the central config's ``keys/``), none made here.
+    The central broker of several sites (``spec.sites``) also gets one login per site, ``site-<name>``,
+    whose credentials file is the site broker's ``--bridge``; a site broker's config (``spec.bridge``)
+    holds that password, so it is written mode 0640 like the password file.
     """
     out = Path(out).absolute()
-    logins = [spec.coordinator, *spec.devices]
+    logins = [spec.coordinator, *spec.devices, *spec.site_logins]
     creds_dir = out / "credentials"
     existing = [out / n for n in _FILE_NAMES if (out / n).exists()]
     existing += sorted(creds_dir.glob("*.env")) if creds_dir.is_dir() else []
     if existing and not force:
         raise BrokerConfigError(f"{out} already holds a broker config ({', '.join(p.name for p in existing[:4])}); "
                                 "regenerating changes every password: pass --force to do it anyway")
+    given = {d: Path(keys).absolute() / f"{d}.key" for d in spec.devices} if keys is not None else {}
     missing = [f"{what} {path}: no such file" for what, path in spec.tls_files() if not path.is_file()]
+    missing += [f"--keys {keys}: no key for {d} ({p})" for d, p in list(given.items()) if not p.is_file()][:5]
     if missing:
         raise BrokerConfigError("; ".join(missing))
     conf = mosquitto_conf_text(spec, out)  # checks the path before anything is written
@@ -447,18 +577,19 @@ def write_broker_config(spec: BrokerSpec, out: str | Path, *, force: bool = Fals
     pw = {login: (passwords or {}).get(login) or make_password() for login in logins}
     used = _hash_file(out / "passwd", pw, hasher)
     _write(out / "acl", acl_text(spec), 0o640)
-    _write(out / "mosquitto.conf", conf, 0o644)
-    for p in (out / "passwd", out / "acl"):
+    _write(out / "mosquitto.conf", conf, 0o640 if spec.bridge is not None else 0o644)
+    for p in (out / "passwd", out / "acl", *([out / "mosquitto.conf"] if spec.bridge is not None else [])):
         _share_with_broker(p)
     urls, creds = {}, {}
     for login in logins:
         local = login == spec.coordinator and spec.loopback_port is not None
         urls[login] = broker_url(spec, login, pw[login], loopback=local)
-        role = "the coordinator" if login == spec.coordinator else f"device {login}"
+        role = ("the coordinator" if login == spec.coordinator else
+                f"the bridge of {login}" if login in spec.site_logins else f"device {login}")
         text = (f"# Broker login of {role}, written by `fedsga-edge broker-config`. Secret: keep it mode 0600.\n"
                 f"# On the device: /etc/fedsga-edge/credentials.env (docs/deploy.md).\n"
                 f"{CREDENTIALS_ENV}={urls[login]}\n")
         creds[login] = creds_dir / f"{login}.env"
         _write(creds[login], text, 0o600)
-    keys = enrol(out / "keys", spec.devices)
-    return BrokerFiles(out / "mosquitto.conf", out / "acl", out / "passwd", creds, urls, used, keys)
+    key_files = enrol(out / "keys", spec.devices) if keys is None else given
+    return BrokerFiles(out / "mosquitto.conf", out / "acl", out / "passwd", creds, urls, used, key_files)

@@ -8,9 +8,12 @@ prints what was written and how to start the broker (docs/deploy.md, "The broker
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from fedsga_edge.broker.config import BrokerFiles, BrokerSpec
 
 __all__ = ["register"]
 
@@ -33,11 +36,23 @@ def broker_config(
                                        "with TLS it must match the certificate)."),
     max_packet: int = typer.Option(256 * 1024, help="Broker's max_packet_size: at least every client's --max-packet."),
     force: bool = typer.Option(False, "--force", help="Overwrite an earlier config in --out (new passwords for all)."),
+    site: list[str] = typer.Option([], help="The central broker of several sites: NAME=DEVICES (an index range I-J, a "
+                                   "count or a file of ids, all among --devices), one per site: a login site-NAME for "
+                                   "that site's bridge, allowed only its devices' topics (docs/deploy.md)."),
+    bridge: Optional[str] = typer.Option(None, help="A site broker: bridge to the central broker with this site's "
+                                         "login there, the central config's credentials/site-NAME.env (or its URL)."),
+    bridge_ca: Optional[Path] = typer.Option(None, help="--bridge over TLS: the CA of the central broker's certificate."),
+    bridge_qos: int = typer.Option(0, help="--bridge: QoS of the messages bridged to the site's devices. 1 costs each "
+                                   "request ~48 ms on Mosquitto 2.0 (a bridge's own connection keeps Nagle on; "
+                                   "docs/deploy.md); at 0 a message crossing as the bridge reconnects is lost and its "
+                                   "device loses the round."),
+    keys: Optional[Path] = typer.Option(None, help="The devices' message keys already written (a site broker: the "
+                                        "central config's keys/); default: new keys in --out/keys."),
 ) -> None:
     """Write a Mosquitto config where every device may use only its own topics and its own login as client id
     (docs/protocol.md)."""
-    from fedsga_edge.broker.config import (BrokerConfigError, BrokerSpec, TlsFiles, parse_devices,
-                                                       write_broker_config)
+    from fedsga_edge.broker.config import (BridgeSpec, BrokerConfigError, BrokerSpec, TlsFiles, parse_devices,
+                                           parse_site, read_bridge, write_broker_config)
 
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter("--tls-cert and --tls-key go together")
@@ -47,14 +62,22 @@ def broker_config(
         ids = parse_devices(devices)
         spec = BrokerSpec(devices=tuple(ids), run=run, port=port, bind=bind, loopback_port=loopback_port,
                           tls=TlsFiles(tls_cert, tls_key, ca) if tls_cert is not None else None,
-                          max_packet=max_packet, **({"host": host} if host else {}))
-        files = write_broker_config(spec, out, force=force)
+                          max_packet=max_packet, sites=tuple(parse_site(s) for s in site),
+                          bridge=None if bridge is None else BridgeSpec(read_bridge(bridge), bridge_ca, bridge_qos),
+                          **({"host": host} if host else {}))
+        files = write_broker_config(spec, out, force=force, keys=keys)
     except BrokerConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
     except OSError as exc:
         typer.secho(f"error: cannot write {out}: {exc}", fg="red", err=True)
         raise typer.Exit(1) from None
 
+    _say_written(spec, files, ids, host)
+
+
+def _say_written(spec: "BrokerSpec", files: "BrokerFiles", ids: list[str], host: Optional[str]) -> None:
+    """What was written, how to start the broker, and where each file goes."""
+    run, bind, loopback_port = spec.run, spec.bind, spec.loopback_port
     scheme = "mqtts" if spec.tls else "mqtt"
     typer.echo(f"Wrote a broker config for {len(ids)} device(s) ({ids[0]} .. {ids[-1]}) and the coordinator, "
                f"{'run ' + run if run else 'any run'}:")
@@ -81,6 +104,12 @@ def broker_config(
                "keys/<id>.key as /etc/fedsga-edge/device.key (mode 0600, owned by the agent's user), "
                f"{'and the CA as /etc/fedsga-edge/ca.crt, ' if spec.tls and spec.tls.ca else ''}"
                f"and give the coordinator credentials/{spec.coordinator}.env (docs/deploy.md).")
+    for login in spec.site_logins:
+        typer.echo(f"Site broker {login[5:]}: broker-config --devices <its devices> --bridge "
+                   f"{files.credentials[login]} --keys {files.conf.parent / 'keys'} --out <its folder>")
+    if spec.bridge is not None:
+        typer.echo(f"The bridge to {spec.bridge.parts()[0]}:{spec.bridge.parts()[1]} carries {len(ids)} device(s)' "
+                   "topics; the config holds the site's password: mode 0640.")
     typer.echo(f"Devices will connect to {scheme}://<login>:<password>@{spec.host}:{spec.listen_port}"
                + ("" if host else " (change the host name with --host)") + ".")
 

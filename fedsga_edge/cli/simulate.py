@@ -31,6 +31,9 @@ def simulate(
     ray_address: str = typer.Option("", help="--engine ray: a running Ray cluster (e.g. 10.0.0.5:6379, or auto); "
                                     "empty starts a local Ray."),
     ray_actors: int = typer.Option(0, help="--engine ray: device actors (0: the cluster's CPUs, one each)."),
+    world_size: int = typer.Option(1, help="Processes for the per-client server copies (torch.distributed, gloo; "
+                                   "NCCL for the average on a GPU): each device's copy trains on one of them "
+                                   "(docs/scale.md). Needs --server-copies per-client."),
     **flags: Any,
 ) -> None:
     """Simulate split federated learning in one process and write metrics for every round."""
@@ -39,6 +42,8 @@ def simulate(
         raise typer.BadParameter(f"--engine must be inprocess or ray (got {engine!r})")
     if engine != "ray" and (ray_address or ray_actors):
         raise typer.BadParameter("--ray-address and --ray-actors need --engine ray")
+    if world_size < 1:
+        raise typer.BadParameter(f"--world-size must be >= 1 (got {world_size})")
     cfg = run_config(**flags)
     if engine == "ray" and cfg.fleet:
         raise typer.BadParameter("--engine ray runs the in-process schedule: leave out --fleet")
@@ -69,7 +74,8 @@ def simulate(
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
     try:
-        summary = run_simulation(cfg, out, on_round=on_round, engine=devices)
+        summary = run_simulation(cfg, out, on_round=on_round, engine=devices, world_size=world_size,
+                                 threads=threads)
     except (DatasetError, FileNotFoundError) as exc:
         bar.close()
         typer.secho(f"error: {exc}", fg="red", err=True)

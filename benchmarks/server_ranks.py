@@ -1,0 +1,115 @@
+"""The per-client server copies on one rank and on several, side by side: the server side's seconds per round.
+
+Both runs drive the coordinator's server side alone (no devices, no transport): every device of the round
+sends ``--batches`` activations at split ``--split`` (random tensors of the interface's shape, seeded, the
+same for both runs), each device's copy takes its steps, the copies are averaged. A round's server time runs
+from ``begin_round`` to the end of ``end_round``: on one rank ``PerClientServer``, on ``--world-size`` ranks
+``ShardedServer`` (coordinator/sharding.py) with the copies dealt over them. Every rank runs one torch thread.
+It prints both times per round, their ratio, and the largest difference of the averaged weights.
+
+    nice python benchmarks/server_ranks.py --devices 20 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fedsga_edge.config import RunConfig, TrainConfig  # noqa: E402
+from fedsga_edge.runbuild import build_coordinator, plan_run  # noqa: E402
+from fedsga_edge.serverranks import ServerRanks  # noqa: E402
+from fedsga_edge.wire import Message  # noqa: E402
+
+
+def config(args: argparse.Namespace) -> RunConfig:
+    return RunConfig(strategy="static", split=args.split, dataset="digits", clients=args.devices, rounds=args.rounds,
+                     model="resnet18_cifar", width=args.width, seed=0, device="cpu", server_copies="per_client",
+                     train=TrainConfig(local_epochs=1, batch_size=args.batch_size, max_batches=args.batches))
+
+
+def activations(co: Any, args: argparse.Namespace) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(0)
+    shape = co.model.interface_shape(co.model.depth_of(args.split))
+    return {d: [(torch.randn(args.batch_size, *shape, generator=g),
+                 torch.randint(0, co.num_classes, (args.batch_size,), generator=g)) for _ in range(args.batches)]
+            for d in co.clients}
+
+
+def server_round(co: Any, t: int, acts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]],
+                 split: int) -> tuple[float, float]:
+    """One round of the server side alone: its wall seconds, and the CPU seconds of this process (rank 0)."""
+    from fedsga_edge.coordinator.server_side import Activation
+
+    side, devices = co.server, list(co.clients)
+    snapshot = {n: v.detach().clone() for n, v in co.model.state_dict().items()}
+    started, cpu = time.perf_counter(), time.process_time()
+    side.set_lr_scale(1.0)
+    side.begin_round(snapshot)
+    for b in range(len(acts[devices[0]])):
+        for d in devices:
+            z, y = acts[d][b]
+            side.submit(Activation(Message("activation", "bench", t, b + 1, d, {}), split, z.clone(), y, None, 0,
+                                   None, None), co.strategy)
+    while side.wait_held():
+        side.release(set(devices), False, co.strategy)
+    depth = co.model.depth_of(split)
+    for d in devices:
+        side.finish_device(d, depth)
+    side.end_round(snapshot)
+    return time.perf_counter() - started, time.process_time() - cpu
+
+
+def run(cfg: RunConfig, args: argparse.Namespace, world: int) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
+    ranks = ServerRanks(cfg, world, threads=1, own_session=args.own_session) if world > 1 else None
+    try:
+        co = build_coordinator(plan_run(cfg)).coordinator
+        if ranks is not None:
+            ranks.shard(co)
+        acts = activations(co, args)
+        times = [server_round(co, t, acts, args.split) for t in range(1, args.rounds + 1)]
+        return times, {n: v.clone() for n, v in co.model.state_dict().items()}
+    finally:
+        if ranks is not None:
+            ranks.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batches", type=int, default=4, help="activations per device per round")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--split", type=int, default=1)
+    p.add_argument("--width", type=float, default=0.25)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--own-session", action="store_true", help="each other rank in a session of its own: on a "
+                   "machine busy with other jobs, Linux's autogroup scheduling then gives it its own CPU share")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    cfg = config(args)
+    one, st1 = run(cfg, args, 1)
+    many, st2 = run(config(args), args, args.world_size)
+    diff = max(float((st1[n].double() - st2[n].double()).abs().max()) for n in st1)
+    print(f"{args.devices} devices, per-client copies, {args.batches} activations of {args.batch_size} each per "
+          f"round at split {args.split}, resnet18_cifar width {args.width}; load average {os.getloadavg()[0]:.1f}"
+          + ("; other ranks in sessions of their own" if args.own_session else ""))
+    for t, ((a, ca), (b, cb)) in enumerate(zip(one, many), 1):
+        print(f"  round {t}: 1 rank {a:.2f} s, {args.world_size} ranks {b:.2f} s ({b / a:.2f}x); rank 0's CPU "
+              f"{ca:.2f} s and {cb:.2f} s")
+    w1, w2 = sum(a for a, _ in one), sum(b for b, _ in many)
+    print(f"mean per round: 1 rank {w1 / len(one):.2f} s, {args.world_size} ranks {w2 / len(many):.2f} s: "
+          f"{w2 / w1:.2f}x; rank 0's CPU {sum(c for _, c in many) / sum(c for _, c in one):.2f}x; "
+          f"weights' largest difference {diff:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,303 @@
+"""Per-client server copies sharded across processes with torch.distributed (docs/scale.md, "The server
+side across processes").
+
+With per-client copies a device's server steps touch only its own copy, started from the round's snapshot,
+so the copies of different devices can train in different processes at once. ``ShardedServer`` is the
+coordinator's (rank 0's) server side: a device's copy lives on rank ``owner(device)``; rank 0 steps its own
+devices' activations as ``PerClientServer`` does and sends the others' to their rank without waiting (the
+request is held, as MergeSFL's are, and answered by whichever later call finds the step back). Each other
+rank runs ``serve_shard`` around a ``PerClientServer`` of its own. At the round's end every rank bounds its
+devices' changes against the norms of all devices (``influence.change_norms``, gathered), sums its copies
+by data weight, and one ``all_reduce`` adds the ranks' sums: the average is one process's, to float
+rounding.
+
+The shared copy stays on one rank: it takes the devices' steps one after another in arrival order, each
+step starting from the previous one's weights, so there is nothing to run side by side.
+
+Messages between ranks are pickled dicts in uint8 tensors over the gloo group (a length on one tag, the
+bytes on the next): rank 0 -> rank r ``begin`` (the snapshot, the head, the rate), ``step``, ``finish``,
+``end``, ``stop``; rank r -> rank 0 the step's result. The average's ``all_reduce`` runs on the NCCL group
+when the copies live on a GPU.
+"""
+
+from __future__ import annotations
+
+import io
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from fedsga_edge.config import RunConfig
+from fedsga_edge.wire import RemoteProtocolError
+
+from .influence import change_norms, clip_updates
+from .server_side import Activation, PerClientServer, Stepped
+
+__all__ = ["ShardedServer", "serve_shard", "check_sharding", "owner"]
+
+_LEN, _BODY = 1, 2  # rank 0 -> rank r
+_RLEN, _RBODY = 3, 4  # rank r -> rank 0
+
+
+def owner(device: str, devices: list[str], world: int) -> int:
+    """The rank that holds ``device``'s copy: its place among the run's devices, dealt round-robin."""
+    return devices.index(device) % world
+
+
+def check_sharding(cfg: RunConfig, strategy: type) -> None:
+    """A ValueError naming why this run (its config, its strategy's class) cannot shard its server side."""
+    from .strategy import Strategy
+
+    if cfg.server_copies != "per_client":
+        raise ValueError("only per-client server copies shard across ranks (--server-copies per-client): the "
+                         "shared copy takes the devices' steps in arrival order, one after another")
+    if cfg.aggregation != "mean":
+        raise ValueError(f"--aggregation {cfg.aggregation} combines every copy coordinate by coordinate in one "
+                         "process; across ranks the copies are averaged (mean)")
+    hooks = [h for h in ("forward", "loss", "after_step", "server_side", "requests")
+             if getattr(strategy, h) is not getattr(Strategy, h)]
+    if hooks:
+        raise ValueError(f"strategy {cfg.strategy!r} has its own server-side {', '.join(hooks)}: its server state "
+                         "lives in the coordinator's process, so it runs on one rank")
+
+
+class _Link:
+    """Pickled messages to and from one peer rank, sent without waiting (their buffers kept until ``flush``).
+    ``listen``: a thread reads the peer's messages into a queue as they come (gloo completes a posted
+    receive only inside ``wait``, so a receive cannot be polled); the peer's ``None`` ends it."""
+
+    def __init__(self, peer: int, send_tags: tuple[int, int], recv_tags: tuple[int, int], *,
+                 listen: bool = False) -> None:
+        self.peer, self.send_tags, self.recv_tags = peer, send_tags, recv_tags
+        self._sending: list[tuple[Any, Tensor]] = []
+        self._inbox: queue.Queue[Any] | None = None
+        if listen:
+            self._inbox = queue.Queue()
+            threading.Thread(target=self._listen, name=f"rank-{peer}-results", daemon=True).start()
+
+    def send(self, obj: Any) -> None:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        body = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        size = torch.tensor([body.numel()], dtype=torch.int64)
+        self._sending += [(dist.isend(size, self.peer, tag=self.send_tags[0]), size),
+                          (dist.isend(body, self.peer, tag=self.send_tags[1]), body)]
+
+    def flush(self) -> None:
+        """Wait until the peer has taken every message sent (a gloo send completes only when waited for, so
+        their buffers are let go here, at the round's end, when the peer has read them all)."""
+        for w, _ in self._sending:
+            w.wait()
+        self._sending = []
+
+    def recv(self) -> Any:
+        """The peer's next message, waiting for it."""
+        header = torch.zeros(1, dtype=torch.int64)
+        dist.recv(header, self.peer, tag=self.recv_tags[0])
+        body = torch.empty(int(header[0]), dtype=torch.uint8)
+        dist.recv(body, self.peer, tag=self.recv_tags[1])
+        return torch.load(io.BytesIO(body.numpy().tobytes()), weights_only=False)
+
+    def _listen(self) -> None:
+        assert self._inbox is not None
+        while True:
+            msg = self.recv()
+            self._inbox.put(msg)
+            if msg is None:
+                return
+
+    def poll(self, timeout: float | None = 0.0) -> Any:
+        """A message the listening thread read (``timeout`` seconds to wait for one, None: forever), else None."""
+        assert self._inbox is not None
+        try:
+            return self._inbox.get(block=timeout != 0.0, timeout=timeout or None)
+        except queue.Empty:
+            return None
+
+
+def _cpu(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.detach().cpu()
+
+
+class ShardedServer(PerClientServer):
+    """Rank 0's per-client server side, its devices' copies dealt over ``world`` ranks (``owner``)."""
+
+    name = "per_client"
+
+    def __init__(self, model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float], *,
+                 devices: list[str], world: int, reduce_group: Any = None) -> None:
+        super().__init__(model, head, cfg, weight)
+        self.devices, self.world, self.reduce_group = list(devices), world, reduce_group
+        self.links = {r: _Link(r, (_LEN, _BODY), (_RLEN, _RBODY), listen=True) for r in range(1, world)}
+        self._flight: dict[int, Activation] = {}  # step id -> its held activation
+        self._dropped: set[int] = set()  # steps still coming back from a closed round: read and ignored
+        self._ready: list[Stepped] = []  # steps back, not yet handed to the coordinator
+        self._next = 0
+
+    def begin_round(self, snapshot: dict[str, Tensor]) -> None:
+        super().begin_round(snapshot)
+        self._flight = {}
+        msg = {"op": "begin", "snapshot": {n: v.cpu() for n, v in snapshot.items()},
+               "head": {n: v.cpu() for n, v in self.head.state_dict().items()}, "lr_scale": self.lr_scale}
+        for link in self.links.values():
+            link.send(msg)
+
+    def submit(self, act: Activation, strategy: Any) -> list[Stepped]:
+        r = owner(act.msg.sender, self.devices, self.world)
+        if r == 0:
+            return super().submit(act, strategy)
+        self._next += 1
+        self._flight[self._next] = act
+        self.links[r].send({"op": "step", "id": self._next, "device": act.msg.sender, "z": _cpu(act.z),
+                            "y": _cpu(act.y), "k": act.k})
+        return []
+
+    def release(self, waiting: set[str], closed: bool, strategy: Any) -> list[Stepped]:
+        """The steps back from the other ranks; with the round closed, those still out are dropped."""
+        self._read(block=False)
+        out, self._ready = self._ready, []
+        if closed:
+            for i, act in self._flight.items():
+                self._dropped.add(i)
+                out.append(Stepped(act, dropped="activation not stepped: the round closed before its step came back"))
+            self._flight = {}
+        return out
+
+    def wait_held(self) -> bool:
+        """Wait until a step sent to another rank is back (``release`` then answers it); False: none is out."""
+        if not self._flight and not self._ready:
+            return False
+        while not self._ready:
+            self._read(block=True)
+        return True
+
+    def _read(self, block: bool) -> None:
+        """Every result the other ranks sent so far (``block``: at least one) into ``_ready``."""
+        while True:
+            got = False
+            for link in self.links.values():
+                while (msg := link.poll()) is not None:
+                    got = True
+                    self._result(msg)
+            if got or not block:
+                return
+            if len(self.links) == 1:
+                self._result(next(iter(self.links.values())).poll(timeout=None))
+                return
+            threading.Event().wait(0.0002)
+
+    def _result(self, msg: dict[str, Any]) -> None:
+        i = msg["id"]
+        if i in self._dropped:
+            self._dropped.discard(i)
+            return
+        act = self._flight.pop(i)
+        if msg.get("refused") is not None:
+            self._ready.append(Stepped(act, refused=msg["refused"]))
+        else:
+            self._ready.append(Stepped(act, msg["grad"].to(act.z.device), msg["loss"]))
+
+    def finish_device(self, device: str, depth: int) -> None:
+        r = owner(device, self.devices, self.world)
+        if r == 0:
+            super().finish_device(device, depth)
+        else:
+            self.links[r].send({"op": "finish", "device": device, "depth": depth, "weight": self.weight(device)})
+
+    def end_round(self, snapshot: dict[str, Tensor]) -> None:
+        while self._flight or self._dropped:  # every step out must be back before the copies are averaged
+            self._read(block=True)
+        self._ready = []
+        for link in self.links.values():
+            link.flush()
+            link.send({"op": "end"})
+        means = reduce_copies(self, snapshot, self.reduce_group)
+        self._done = {"": (1.0, means)}
+        super().end_round(snapshot)
+
+    def close(self) -> None:
+        """Tell the other ranks to stop serving."""
+        for link in self.links.values():
+            link.send({"op": "stop"})
+            while link.poll(timeout=None) is not None:  # the rank's last word: None
+                pass
+            link.flush()
+
+
+def _by_unit(side: PerClientServer, state: dict[str, Tensor]) -> dict[Any, dict[str, Tensor]]:
+    units: dict[Any, dict[str, Tensor]] = {}
+    for n, v in state.items():
+        units.setdefault(side._unit(n), {})[n] = v
+    return units
+
+
+@torch.no_grad()
+def reduce_copies(side: PerClientServer, snapshot: dict[str, Tensor], group: Any = None) -> dict[str, Tensor]:
+    """Every rank's part of the round's average (all ranks call it together): this rank's finished copies,
+    each unit's change bounded against every rank's devices (``clip_updates``), summed by data weight; the
+    ranks' sums added by ``all_reduce``. Returns the weighted mean of every entry some device trained."""
+    ref = dict(snapshot) | {"head:" + n: v for n, v in side.head.state_dict().items()}
+    ref_units = _by_unit(side, ref)
+    local = {d: _by_unit(side, st) for d, (_, st) in side._done.items()}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, change_norms(ref_units, local))
+    elsewhere: dict[Any, dict[str, float]] = {}
+    for norms in gathered:
+        for u, by_device in norms.items():
+            elsewhere.setdefault(u, {}).update({d: v for d, v in by_device.items() if d not in local})
+    clip_updates(ref_units, local, side.cfg.clip_updates, elsewhere)
+    names = sorted(ref)
+    sizes = [ref[n].numel() for n in names]
+    flat = torch.zeros(sum(sizes) + len(names), dtype=torch.float64, device=next(iter(ref.values())).device)
+    sums, weights = flat[:sum(sizes)].split(sizes), flat[sum(sizes):]
+    for w, trained in side._done.values():  # in the order this rank's devices finished
+        for i, n in enumerate(names):
+            if n in trained:
+                sums[i].add_(w * trained[n].double().flatten())
+                weights[i] += w
+    dist.all_reduce(flat, group=group)
+    return {n: (sums[i] / weights[i]).view_as(ref[n]) for i, n in enumerate(names) if weights[i] > 0}
+
+
+def serve_shard(server: PerClientServer, strategy: Any, reduce_group: Any = None) -> None:
+    """Rank r > 0: train the copies of the devices rank 0 sends steps for, round after round, until ``stop``
+    (``reduce_group``: the group of the average's ``all_reduce``, the one rank 0's ``ShardedServer`` has)."""
+    link = _Link(0, (_RLEN, _RBODY), (_LEN, _BODY))
+    weights: dict[str, float] = {}
+    server.weight = weights.__getitem__
+    snapshot: dict[str, Tensor] = {}
+    where = next(server.model.parameters()).device
+    while True:
+        msg = link.recv()
+        op = msg["op"]
+        if op == "begin":
+            snapshot = {n: v.to(where) for n, v in msg["snapshot"].items()}
+            server.model.load_state_dict(snapshot)
+            server.head.load_state_dict(msg["head"])
+            server.set_lr_scale(msg["lr_scale"])
+            server.begin_round(snapshot)
+            weights.clear()
+        elif op == "step":
+            z, y = msg["z"].to(where), msg["y"].to(where)
+            try:
+                loss, _ = server.step(msg["device"], z, y, msg["k"], strategy)
+                link.send({"id": msg["id"], "grad": z.grad.cpu(), "loss": float(loss.detach())})
+            except RemoteProtocolError as exc:
+                link.send({"id": msg["id"], "refused": f"bad activation: {exc}"})
+        elif op == "finish":
+            weights[msg["device"]] = msg["weight"]
+            server.finish_device(msg["device"], msg["depth"])
+        elif op == "end":
+            link.flush()
+            reduce_copies(server, snapshot, reduce_group)
+            server._copies.clear()
+            server._done.clear()
+        elif op == "stop":
+            link.send(None)
+            link.flush()
+            return

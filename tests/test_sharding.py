@@ -1,0 +1,73 @@
+"""The per-client server copies on two ranks (coordinator/sharding.py) train what one process trains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedsga_edge.config import RunConfig, TrainConfig
+from fedsga_edge.coordinator import get_strategy
+from fedsga_edge.coordinator.influence import change_norms, clip_updates
+from fedsga_edge.coordinator.sharding import check_sharding, owner
+from fedsga_edge.serverranks import ServerRanks
+from fedsga_edge.simulation import Simulation
+
+
+def _cfg(**kw) -> RunConfig:
+    base = dict(strategy="static", dataset="digits", clients=3, rounds=2, model="resnet18_cifar", width=0.125,
+                seed=0, device="cpu", eval_every=2, server_copies="per_client",
+                train=TrainConfig(local_epochs=1, batch_size=32, max_batches=1))
+    return RunConfig(**(base | kw))
+
+
+def _run(cfg: RunConfig, ranks: ServerRanks | None) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    sim = Simulation(cfg)
+    if ranks is not None:
+        ranks.shard(sim.coordinator)
+    records = [{k: v for k, v in r.items() if k not in ("wall_s", "round_s")} for r in sim.rounds()]
+    return records, {n: v.clone() for n, v in sim.model.state_dict().items()}
+
+
+def test_two_ranks_train_what_one_process_trains():
+    torch.set_num_threads(1)  # the other rank's thread count: the same float sums on both sides
+    one = _run(_cfg(), None)
+    with ServerRanks(_cfg(), 2, threads=1) as ranks:
+        two = _run(_cfg(), ranks)
+        assert {owner(d, list(ranks.server.devices), 2) for d in ranks.server.devices} == {0, 1}
+    for a, b in zip(one[0], two[0], strict=True):
+        assert a["splits"] == b["splits"] and a["failures"] == b["failures"] == {}
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+        assert a.get("test_acc") == pytest.approx(b.get("test_acc"))
+    for n, v in one[1].items():
+        torch.testing.assert_close(two[1][n], v, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("kw, strategy, why", [
+    ({"server_copies": "shared"}, "static", "arrival order"),
+    ({"aggregation": "median"}, "static", "--aggregation median"),
+    ({}, "fedsga", "its own server-side"),
+])
+def test_what_cannot_shard_is_refused_by_name(kw, strategy, why):
+    with pytest.raises(ValueError, match=why):
+        check_sharding(_cfg(strategy=strategy, **kw), get_strategy(strategy))
+
+
+def test_update_bounds_across_processes_are_one_process_bounds():
+    """Each half clipped against the other half's change norms is the whole fleet clipped at once."""
+    g = torch.Generator().manual_seed(0)
+    ref = {0: {"w": torch.zeros(5)}, 1: {"v": torch.zeros(3)}}
+    updates = {f"d{i}": {0: {"w": torch.randn(5, generator=g) * (10 if i == 2 else 1)},
+                         1: {"v": torch.randn(3, generator=g)}} for i in range(6)}
+    copy = lambda part: {d: {u: {n: t.clone() for n, t in st.items()} for u, st in s.items()}
+                         for d, s in updates.items() if d in part}
+    whole = copy(set(updates))
+    clipped = clip_updates(ref, whole, 2.0)
+    assert clipped == {"d2": 1}
+    halves = [copy({"d0", "d2", "d4"}), copy({"d1", "d3", "d5"})]
+    norms = [change_norms(ref, h) for h in halves]  # gathered before any rank clips
+    for mine, other in ((halves[0], norms[1]), (halves[1], norms[0])):
+        clip_updates(ref, mine, 2.0, elsewhere=other)
+    for d, states in whole.items():
+        part = halves[0] if d in halves[0] else halves[1]
+        for u, st in states.items():
+            assert torch.equal(st[next(iter(st))], part[d][u][next(iter(st))])
