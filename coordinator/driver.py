@@ -136,6 +136,7 @@ class RoundDriver:
         with lock:
             starts = co.begin_round(t, self.clock.now(), devices=devices)
             calibrate = co.round.calibrate
+            self.peer.formats = dict(getattr(co, "wire_formats", {}))  # each device's gradients in its own format
         self.log.info("round_begin", round=t, devices=devices, calibrate=calibrate, round_timeout=cfg.round_timeout)
         self._start_devices(starts)
         with lock:
