@@ -4,6 +4,7 @@ round's record keeps it. On the virtual clock (``simulate --fleet``) and digits,
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,31 @@ def test_an_unknown_or_misplaced_wire_format_is_a_clear_error() -> None:
     check_round_start(body | {"wire_format": "int8"})
     with pytest.raises(RemoteProtocolError, match="wire_format 'fp8' is none of fp32, fp16, int8, int4"):
         check_round_start(body | {"wire_format": "fp8"})
+
+
+def test_on_the_crossed_fleet_no_fixed_split_is_fast_for_both_classes() -> None:
+    """fleets/crossed-bench.toml (docs/fleet.md, "A fleet where the plan pays") on benchmarks/fleet.py's small
+    preset: the slow processors are fastest at p_1, the slow uplinks at p_K, so the plan's predicted makespan is
+    at most 0.61x the best fixed split's, and lower still with each device's own wire format."""
+    from fedsga_edge.simulation import Simulation
+
+    fleet = str(Path(__file__).resolve().parents[1] / "fleets" / "crossed-bench.toml")
+    cfg = tiny_config("planner", clients=10, width=0.125, fleet=fleet, server_copies="per_client",
+                      train=TrainConfig(local_epochs=1, batch_size=16))
+    sim = Simulation(cfg)
+    classes = sim.scheduler.classes
+    one = {classes[c].name: c for c in sim.client_ids}
+    assert set(one) == {"pi3_ethernet", "jetson_lte"}
+    seconds = {name: sim.strategy.predicted(1, c) for name, c in one.items()}
+    assert min(seconds["pi3_ethernet"], key=seconds["pi3_ethernet"].get) == 1
+    assert min(seconds["jetson_lte"], key=seconds["jetson_lte"].get) == 3
+    best_fixed = min(max(s[k] for s in seconds.values()) for k in (1, 2, 3))
+    planned = max(min(s.values()) for s in seconds.values())
+    assert planned <= 0.61 * best_fixed, (planned, best_fixed, seconds)
+
+    sim.strategy.cfg = dataclasses.replace(cfg, wire_format="auto")
+    sim.strategy.assign(1, sim.client_ids)
+    plan = sim.strategy._plan
+    auto = max(p["predicted_s"][str(p["split"])] for p in plan.values())
+    assert auto < planned and {plan[c]["split"] for c in sim.client_ids if classes[c].name == "pi3_ethernet"} == {1}
+    assert all(plan[c]["wire_format"] != "fp32" for c in sim.client_ids if classes[c].name == "jetson_lte")
