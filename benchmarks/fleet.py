@@ -286,11 +286,12 @@ def table_rows(out: Path, runs: list[dict[str, Any]], target: float) -> list[dic
     return rows
 
 
-PLANNER, FIXED_SPLITS, RESOURCE = "planner", ("static-p1", "static", "static-pK"), "resource"
+# the planner's rows (with --wire-format auto: its own per-device formats) against the fixed splits and resource
+PLANNERS, FIXED_SPLITS, RESOURCE = ("planner", "planner-auto"), ("static-p1", "static", "static-pK"), "resource"
 
 
 def paired_planner(out: Path, runs: list[dict[str, Any]], target: float) -> list[dict[str, Any]]:
-    """Per partition and seed where the planner ran: its fleet seconds to ``target`` over the best fixed split's
+    """Per planner method, partition and seed where it ran: its fleet seconds to ``target`` over the best fixed split's
     (that seed's fastest of static at p_1, p_ref, p_K) and over ``resource``'s, the same seed's runs (None where a
     run is missing or one of the two did not reach the target)."""
     from fedsga_edge.report.data import seconds_to_target, time_to_accuracy_curves
@@ -302,12 +303,12 @@ def paired_planner(out: Path, runs: list[dict[str, Any]], target: float) -> list
             _, hits = seconds_to_target(time_to_accuracy_curves([load_run(out / r["dir"])]), target)
             secs[(r["method"], r["partition"], r["seed"])] = hits[0]["seconds"] if hits and hits[0]["reached"] else None
     rows = []
-    for (method, part, seed), planned in sorted(secs.items(), key=lambda kv: (kv[0][1], kv[0][2])):
-        if method != PLANNER:
+    for (method, part, seed), planned in sorted(secs.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        if method not in PLANNERS:
             continue
         fixed = [v for m in FIXED_SPLITS if (v := secs.get((m, part, seed))) is not None]
         best, res = (min(fixed) if fixed else None), secs.get((RESOURCE, part, seed))
-        rows.append({"partition": part, "seed": seed, "planner_s": planned, "best_fixed_s": best, "resource_s": res,
+        rows.append({"method": method, "partition": part, "seed": seed, "planner_s": planned, "best_fixed_s": best, "resource_s": res,
                      "vs_best_fixed": planned / best if planned and best else None,
                      "vs_resource": planned / res if planned and res else None})
     return rows
@@ -318,17 +319,18 @@ def paired_markdown(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
     out = ["**The planner against the best fixed split and `resource`** (fleet seconds to target, paired by seed)",
-           "", "| partition | seed | planner s | best fixed split s | resource s | planner / best fixed "
-           "| planner / resource |", "|---|---:|---:|---:|---:|---:|---:|"]
+           "", "| method | partition | seed | planner s | best fixed split s | resource s | planner / best fixed "
+           "| planner / resource |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['partition']} | {r['seed']} | {_cell(r['planner_s'], '.1f')} "
+        out.append(f"| {r['method']} | {r['partition']} | {r['seed']} | {_cell(r['planner_s'], '.1f')} "
                    f"| {_cell(r['best_fixed_s'], '.1f')} | {_cell(r['resource_s'], '.1f')} | {_cell(r['vs_best_fixed'], '.2f')} "
                    f"| {_cell(r['vs_resource'], '.2f')} |")
-    for key in ("vs_best_fixed", "vs_resource"):
-        vals = [r[key] for r in rows if r[key] is not None]
-        if vals:
-            out.append(f"\n{key.replace('_', ' ')}: geometric mean {float(np.exp(np.mean(np.log(vals)))):.2f} over "
-                       f"{len(vals)} seed(s)")
+    for method in dict.fromkeys(r["method"] for r in rows):
+        for key in ("vs_best_fixed", "vs_resource"):
+            vals = [r[key] for r in rows if r[key] is not None and r["method"] == method]
+            if vals:
+                out.append(f"\n{method} {key.replace('_', ' ')}: geometric mean "
+                           f"{float(np.exp(np.mean(np.log(vals)))):.2f} over {len(vals)} seed(s)")
     return "\n".join(out) + "\n"
 
 

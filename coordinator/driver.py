@@ -164,6 +164,7 @@ class RoundDriver:
         with lock:
             starts = co.begin_round(t, self.clock.now(), devices=devices, evaluate_only=evaluate_only)
             calibrate = co.round.calibrate
+            self.peer.formats = dict(getattr(co, "wire_formats", {}))  # each device's gradients in its own format
         self.log.info("round_begin", round=t, devices=devices, calibrate=calibrate,
                       round_timeout=co.cfg.round_timeout, **({"evaluate_only": True} if evaluate_only else {}))
         self._start_devices(starts)

@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from fedsga_edge.config import TrainConfig
+from fedsga_edge.config import WIRE_FORMATS, TrainConfig
 
 __all__ = ["CORE_FIELDS", "Instruction", "check_instructions", "round_start_body"]
 
 # The coordinator's own round_start fields (and the envelope's round): never a method's
-CORE_FIELDS = frozenset({"split", "full", "train", "weights", "round", "evaluate", "evaluate_only"})
+CORE_FIELDS = frozenset({"split", "full", "train", "weights", "round", "evaluate", "evaluate_only",
+                         "wire_format"})
 
 
 def _check_fields(fields: Mapping[str, Any]) -> None:
@@ -43,11 +44,14 @@ def _check_fields(fields: Mapping[str, Any]) -> None:
 class Instruction:
     """One device's round: ``split`` 1..K, 0 for the whole model on the device, None for "the device
     decides"; ``train`` the local settings as sent (lr, mu, freeze_head, epochs ...); ``fields`` the
-    method's round-start fields beside the core ones (checked on construction: none may name a core field)."""
+    method's round-start fields beside the core ones (checked on construction: none may name a core field);
+    ``wire_format`` the device's activations and gradients this round (one of ``WIRE_FORMATS``; None: the run's
+    ``--wire-format``, and the round start names none)."""
 
     split: int | None
     train: TrainConfig
     fields: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    wire_format: str | None = None
 
     def __post_init__(self) -> None:
         if self.split is not None and (isinstance(self.split, bool) or not isinstance(self.split, int)
@@ -57,6 +61,9 @@ class Instruction:
             raise ValueError(f"Instruction.train must be a TrainConfig, not {type(self.train).__name__}")
         if not isinstance(self.fields, Mapping):
             raise ValueError(f"Instruction.fields must be a map, not {type(self.fields).__name__}")
+        if self.wire_format is not None and self.wire_format not in WIRE_FORMATS:
+            raise ValueError(f"Instruction.wire_format must be one of {', '.join(WIRE_FORMATS)} or None, not "
+                             f"{self.wire_format!r:.40}")
         _check_fields(self.fields)
         object.__setattr__(self, "fields", MappingProxyType(dict(self.fields)))
 
@@ -101,6 +108,8 @@ def round_start_body(instruction: Instruction, weights: dict[str, Any], evaluate
         "fedsga": None,
     }
     body.update(instruction.fields)
+    if instruction.wire_format is not None:  # named only when it is the device's own (--wire-format auto)
+        body["wire_format"] = instruction.wire_format
     if evaluate:
         body["evaluate"] = True
     if evaluate_only:

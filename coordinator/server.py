@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedsga_edge.config import RunConfig
+from fedsga_edge.config import WIRE_CODECS, RunConfig
 from fedsga_edge.method.aggregation import DeviceUpdate, aggregate_round, group_by_unit
 from fedsga_edge.models import CostTable, SplitModel
 from fedsga_edge.tensors import from_numpy, to_numpy, to_numpy_state
@@ -117,6 +117,7 @@ class Coordinator:
             handler = getattr(strategy, method)
             self._handlers[kind] = lambda msg, h=handler: h(self, msg)
         self._last_seq: dict[str, int] = {}  # device -> seq of its last accepted request this round
+        self.wire_formats: dict[str, str] = {}  # device -> the codec its round's tensors travel in, where not the run's
         self._snapshot: dict[str, Tensor] = {}
         self._stats: dict[str, Any] = {}
 
@@ -130,6 +131,8 @@ class Coordinator:
         calibrate = not evaluate_only and self.strategy.calibrates(t)
         instructions = check_instructions(self.strategy.configure_round(t, devices), devices)
         assigned = {cid: i.split for cid, i in instructions.items()}
+        # each device's own wire format this round, as its Peer's codec (the driver sends its gradients in it)
+        self.wire_formats = {cid: WIRE_CODECS[i.wire_format] for cid, i in instructions.items() if i.wire_format}
         timeout = self.cfg.round_timeout
         self.round.begin(t, assigned, calibrate, now + timeout if timeout > 0 else None)
         self._snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fedsga_edge.batches import cut_batches
-from fedsga_edge.config import TrainConfig, from_wire
+from fedsga_edge.config import WIRE_CODECS, TrainConfig, from_wire
 from fedsga_edge.method.adaptation import prompt_contributions
 from fedsga_edge.method.heads import HeadError
 from fedsga_edge.transport import PendingMessage
@@ -42,9 +42,11 @@ class Caller(Protocol):
 
     A reply the coordinator answers later (MergeSFL's merged step) may come back as a ``PendingMessage``
     on a transport that cannot wait for it (loopback): the device then keeps it, ``waiting`` says so,
-    and the next ``step`` takes the reply once it is there (waiting for it if need be)."""
+    and the next ``step`` takes the reply once it is there (waiting for it if need be). ``tensor_format``
+    (given only when the round start names the device's wire format) is the codec its tensors travel in."""
 
-    def call(self, dst: str, kind: str, round: int, body: dict[str, Any]) -> Message | PendingMessage: ...
+    def call(self, dst: str, kind: str, round: int, body: dict[str, Any],
+             **kw: Any) -> Message | PendingMessage: ...
 
     def send(self, dst: str, kind: str, round: int, body: dict[str, Any]) -> None: ...
 
@@ -109,6 +111,8 @@ class _Task:
     t: int
     gen: Steps[dict[str, Any]]
     reply: Message | PendingMessage | None = None
+    # the round start's own wire format for this round's requests, as the Peer's keyword (none: the run's)
+    wire: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -189,7 +193,9 @@ class SplitClient:
         if msg.kind != "round_start":
             raise RemoteProtocolError(f"client {self.cid} does not accept {msg.kind!r}")
         check_round_start(msg.body)
-        self._task = _Task(msg.round, self._round(msg.round, msg.body))
+        fmt = msg.body.get("wire_format")
+        wire = {"tensor_format": WIRE_CODECS[fmt]} if fmt is not None else {}
+        self._task = _Task(msg.round, self._round(msg.round, msg.body), wire=wire)
         self.last_error = None
         return None
 
@@ -226,7 +232,7 @@ class SplitClient:
         except (Refused, BackendError, HeadError) as exc:
             self._give_up(task, str(exc))
             return False
-        task.reply = self.peer.call(self.server, kind, task.t, body)
+        task.reply = self.peer.call(self.server, kind, task.t, body, **task.wire)
         if isinstance(task.reply, Message) and task.reply.kind != "error":
             self._confirm(task.t)
         return True
@@ -396,6 +402,9 @@ def check_round_start(body: dict[str, Any]) -> None:
         split = body.get("split")
         if split is not None and (not isinstance(split, int) or isinstance(split, bool)):
             raise TypeError("split must be an integer")
+        fmt = body.get("wire_format")
+        if fmt is not None and (not isinstance(fmt, str) or fmt not in WIRE_CODECS):
+            raise ValueError(f"wire_format {fmt!r:.40} is none of {', '.join(WIRE_CODECS)}")
         if split is None and not body.get("full") and not (method is not None and method.chooses_split):
             raise ValueError("round_start names no split and carries no FedSGA settings to choose one")
     except (KeyError, TypeError, ValueError, OverflowError) as exc:

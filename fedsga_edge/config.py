@@ -14,15 +14,18 @@ from typing import Any
 
 from fedsga_edge.options import Opt, declared, opt, problems, to_config
 
-__all__ = ["RECORD_BEFORE", "SCHEDULES", "DEVICE_ORDERS", "FedSGAConfig", "TrainConfig", "RunConfig", "from_wire",
-           "run_options", "parse_model_args"]
+__all__ = ["AUTO_WIRE", "RECORD_BEFORE", "SCHEDULES", "WIRE_CODECS", "WIRE_FORMATS", "DEVICE_ORDERS", "FedSGAConfig",
+           "TrainConfig", "RunConfig", "from_wire", "run_options", "parse_model_args"]
 
 # How the in-process simulation interleaves its devices (docs/method.md, "Rounds").
 SCHEDULES = ("round_robin", "random", "sequential")
 # Which device takes the first turn of a simulated round, and in which order the rest follow.
 DEVICE_ORDERS = ("shuffled", "fixed")
-# Activations / gradients on the wire (weights stay fp32): runbuild.WIRE_FORMATS maps them to codecs.
+# Activations / gradients on the wire (weights stay fp32), most precise first, and the codec's tensor_format each
+# travels in (fedsga_edge/wire/codec.py). ``--wire-format auto``: the planner picks one per device and round.
 WIRE_FORMATS = ("fp32", "fp16", "int8", "int4")
+WIRE_CODECS: dict[str, str] = {"fp32": "raw", "fp16": "fp16", "int8": "int8", "int4": "int4"}
+AUTO_WIRE = "auto"
 # How the copies of one unit become its new global value (fedsga_edge/method/aggregation.py ``RULES``).
 AGGREGATIONS = ("mean", "trimmed_mean", "median", "norm_bounded")
 # Options whose default changed after runs were recorded: a run record (config.json, a checkpoint) that lacks
@@ -251,9 +254,10 @@ class RunConfig:
     prox_mu: float = opt(0.01, "FedProx proximal weight (used by --strategy fedprox).", flag="--mu", ge=0)
     wire_format: str = opt(
         "fp32", "Tensor encoding of the per-batch activations and gradients on the wire: fp32 | fp16 (half the "
-        "bytes) | int8 (a quarter, per-tensor scale) | int4 (0.129x, a float32 scale per 256 values). Weights always "
-        "travel fp32 (docs/protocol.md, \"Messages\").",
-        choices=WIRE_FORMATS)
+        "bytes) | int8 (a quarter, per-tensor scale) | int4 (0.129x, a float32 scale per 256 values) | auto (--strategy "
+        "planner: each device's format per round, the most precise that keeps the round's makespan; docs/fleet.md). "
+        "Weights always travel fp32 (docs/protocol.md, \"Messages\").",
+        choices=WIRE_FORMATS + (AUTO_WIRE,))
     train: TrainConfig = field(default_factory=TrainConfig)
     fedsga: FedSGAConfig = field(default_factory=FedSGAConfig)
     # the chosen strategy's own options (``Strategy.options``), by name; the CLI fills in their defaults

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedsga_edge.config import RunConfig
+from fedsga_edge.config import AUTO_WIRE, WIRE_CODECS, RunConfig
 from fedsga_edge.data import ArrayImageSet, DatasetBundle, load_dataset, partition
 from fedsga_edge.data.local import RunData, read_local_data
 from fedsga_edge.latency import ProfileError, hello_profile, read_profile
@@ -43,12 +43,13 @@ __all__ = ["COORDINATOR", "RunPlan", "plan_local", "run_data_of", "make_client",
 COORDINATOR = "coordinator"
 # --wire-format -> the codec's tensor_format (docs/protocol.md, "Messages"); Peer applies it to the
 # per-batch tensors only (transport/peer.py LOSSY_FIELDS), weights always travel fp32.
-WIRE_FORMATS: dict[str, str] = {"fp32": "raw", "fp16": "fp16", "int8": "int8", "int4": "int4"}
+WIRE_FORMATS: dict[str, str] = WIRE_CODECS
 
 
 def peer_format(cfg: RunConfig) -> str:
-    """The Peer ``tensor_format`` for ``cfg.wire_format`` (validated by ``validate_config``)."""
-    return WIRE_FORMATS[cfg.wire_format]
+    """The Peer ``tensor_format`` for ``cfg.wire_format`` (validated by ``validate_config``); under ``auto`` fp32's
+    until a round start names the device's format (the coordinator's Peer sends each device its own)."""
+    return WIRE_CODECS.get(cfg.wire_format, WIRE_CODECS["fp32"])
 
 
 def resolve_device(name: str) -> "torch.device":
@@ -79,6 +80,9 @@ def validate_config(cfg: RunConfig) -> None:
         except ValueError as exc:
             problems.append(str(exc))
     problems += cfg.problems()
+    if cfg.wire_format == AUTO_WIRE and cfg.strategy != "planner":
+        problems.append(f"--wire-format auto needs --strategy planner (it picks each device's format); got "
+                        f"--strategy {cfg.strategy}: give one of {', '.join(WIRE_CODECS)}")
     if cfg.server_bn_context and cfg.server_copies == "per_client" and not isinstance(cfg.server_bn_context, bool):
         problems.append("--server-bn-context needs --server-copies shared (a per-client copy sees one device only)")
     if cfg.fronts == "private" and cfg.strategy in list_strategies():

@@ -62,3 +62,33 @@ def test_slow_class_steps_follow_its_quota_and_its_transfers_its_link(tmp_path: 
         assert tm["compute_s"] + tm["wire_s"] <= rec["fleet_s"] + 1.0
     prefix = res.stderr.split("namespaces ", 1)[1].split("d*", 1)[0]  # this trial's own (fsg<pid>)
     assert not _leftovers(prefix + "d") and not _leftovers(prefix + "-"), "the trial left namespaces or cgroups behind"
+
+
+@pytest.mark.full("a 4-round trial --fleet with FedSGA (70-80 s on the shared 2 cores); the virtual clock's "
+                  "deadline test in tests/test_planner.py covers the predictions in seconds")
+@pytest.mark.skipif(PROBLEM is not None, reason=f"trial --fleet under real limits cannot run here: {PROBLEM}")
+def test_deadline_aware_fedsga_moves_a_split_predicted_to_miss_in_a_real_fleet(tmp_path: Path) -> None:
+    """FedSGA's --deadline-aware under real quotas and links (fleets/trial-4.toml): the slow class's p_2 is
+    predicted over the 8.5 s deadline once measured (its 2 Mbit/s link), so a device whose policy picks p_2 trains
+    p_3; every device trains a split predicted to fit whenever one does."""
+    out = tmp_path / "trial"
+    res = subprocess.run(
+        [sys.executable, "-m", "fedsga_edge.cli.main", "trial", "--strategy", "fedsga", "--deadline-aware",
+         "--fleet", str(ROOT / "fleets" / "trial-4.toml"), "--clients", "4", "--rounds", "4", "--dataset", "digits",
+         "--model", "resnet18_cifar", "--width", "0.125", "--seed", "0", "--local-epochs", "1", "--max-batches", "2",
+         "--batch-size", "32", "--round-timeout", "8.5", "--out", str(out), "--quiet"],
+        capture_output=True, text=True, timeout=600, env=os.environ | {"COLUMNS": "200"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["fleet_mode"] == "cgroup+netns"
+    moved = []
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        told = rec["deadline"]["split_s"]
+        assert rec["deadline"]["s"] == 8.5 and set(told) == {f"client-{i:03d}" for i in range(4)}
+        for cid, k in rec["splits"].items():  # each update: the split it trained against what it was told
+            s, policy = told[cid], rec["clients"][cid]["k_policy"]
+            assert len(s) == 3 and (s[k - 1] <= 8.5 or min(s) > 8.5), (rec["round"], cid, k, s)
+            if k != policy and s[policy - 1] > 8.5:
+                moved.append((rec["round"], cid, policy, k))
+    assert moved, "no device's policy split was predicted to miss the deadline: the deadline never acted"
+    assert all(cid in ("client-002", "client-003") and k > policy for _, cid, policy, k in moved), moved

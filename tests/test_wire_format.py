@@ -132,14 +132,14 @@ def test_a_lossy_peer_rounds_per_batch_tensors_only_and_any_receiver_decodes_the
 
 
 def test_a_bad_wire_format_is_refused_naming_the_flag() -> None:
-    with pytest.raises(ValueError, match="--wire-format must be one of fp32, fp16, int8, int4 .*'int3'"):
+    with pytest.raises(ValueError, match="--wire-format must be one of fp32, fp16, int8, int4, auto .*'int3'"):
         validate_config(tiny_config(wire_format="int3"))
     from typer.testing import CliRunner
 
     from fedsga_edge.cli.main import app
 
     res = CliRunner().invoke(app, ["simulate", "--wire-format", "raw", "--quiet"], env={"COLUMNS": "300"})
-    assert res.exit_code == 2 and "--wire-format must be one of fp32, fp16, int8, int4" in res.output
+    assert res.exit_code == 2 and "--wire-format must be one of fp32, fp16, int8, int4, auto" in res.output
     assert set(TENSOR_FORMATS) == {"raw", "fp16", "int8", "int4"}  # what WIRE_FORMATS maps onto
 
 

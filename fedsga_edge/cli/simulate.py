@@ -47,6 +47,9 @@ def simulate(
     cfg = run_config(**flags)
     if engine == "ray" and cfg.fleet:
         raise typer.BadParameter("--engine ray runs the in-process schedule: leave out --fleet")
+    if engine == "ray" and cfg.wire_format == "auto":
+        raise typer.BadParameter("--engine ray relays one wire format for the run: give --wire-format fp32, fp16, "
+                                 "int8 or int4, not auto")
     from fedsga_edge.data import DatasetError
     from fedsga_edge.rayengine import EngineError, RayEngine
     from fedsga_edge.simulation import run_simulation, validate_config

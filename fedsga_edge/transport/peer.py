@@ -145,6 +145,9 @@ class Peer:
         self.me = me
         self.run = run
         self.tensor_format = tensor_format
+        # per recipient, the tensor_format sent to it instead (a coordinator under --wire-format auto: each
+        # device's gradients in the format its round start named); replaced whole, never changed in place
+        self.formats: dict[str, str] = {}
         self.errors = 0  # garbage received: undecodable, wrong run, or judged wrong by the handler
         self.duplicates = 0  # redeliveries answered from the cache
         self.replays = 0  # repeats whose reply was dropped from the cache: refused, not handled twice
@@ -174,15 +177,20 @@ class Peer:
         return self.message(kind, to.round, body)
 
     def call(
-        self, dst: str, kind: str, round: int, body: dict[str, Any] | None = None, *, timeout: float | None = None
+        self, dst: str, kind: str, round: int, body: dict[str, Any] | None = None, *, timeout: float | None = None,
+        tensor_format: str | None = None,
     ) -> Message | PendingMessage:
         """Send a request and return the decoded reply (an ``error`` reply is returned, not raised), or,
         when the other side answers later on a transport that cannot wait (loopback), a ``PendingMessage``.
+        ``tensor_format``: this request's per-batch tensors in that format instead of the peer's (a device
+        under --wire-format auto sends in the format its round start named).
 
         Raises RemoteProtocolError if the reply is garbage or belongs to another
         run, TransportError if it never comes.
         """
-        payload = self._encode(self.message(kind, round, body))
+        if tensor_format is not None and tensor_format not in TENSOR_FORMATS:
+            raise LocalProtocolError(f"unknown tensor_format {tensor_format!r}; use one of {TENSOR_FORMATS}")
+        payload = self._encode(self.message(kind, round, body), tensor_format or self.formats.get(dst))
         raw = self.transport.request(self.me, dst, payload, timeout=timeout)
         if isinstance(raw, PendingReply):
             return PendingMessage(raw, self._decode_reply)
@@ -199,13 +207,13 @@ class Peer:
 
     def send(self, dst: str, kind: str, round: int, body: dict[str, Any] | None = None) -> None:
         """One-way message; any reply is dropped by the transport."""
-        payload = self._encode(self.message(kind, round, body))
+        payload = self._encode(self.message(kind, round, body), self.formats.get(dst))
         self.transport.send(self.me, dst, payload)
 
     def answer(self, to: str, reply: Message) -> None:
         """Send ``reply`` as the reply to ``to``'s open request ``reply.seq`` (one this peer's handler has
         not answered yet)."""
-        data = self._encode(reply)
+        data = self._encode(reply, self.formats.get(to))
         try:
             self.transport.reply(self.me, OpenRequest(to, reply.seq), data)
         finally:
@@ -277,7 +285,7 @@ class Peer:
                     return OpenRequest(*key)
             if out is not None and not isinstance(out, Message):
                 raise LocalProtocolError(f"handler returned {type(out).__name__}, not Message, a list or None")
-            reply = None if out is None else self._encode(out)
+            reply = None if out is None else self._encode(out, self.formats.get(msg.sender))
             if out is not None and out.kind == "error":  # the role refused it (and logs it itself): not cached,
                 self._count_rejection(msg.sender, msg.kind, str(out.body.get("reason", "")), notify=False)
                 return reply  # a refusal changed nothing, so a repeat may be answered afresh
@@ -309,9 +317,10 @@ class Peer:
 
     # -------------------------------------------------------------- helpers
 
-    def format_for(self, msg: Message) -> str:
-        """The tensor encoding ``msg`` travels in: ``tensor_format`` for per-batch tensors only, else raw."""
-        fmt = self.tensor_format
+    def format_for(self, msg: Message, fmt: str | None = None) -> str:
+        """The tensor encoding ``msg`` travels in: ``fmt`` (default ``tensor_format``) for per-batch tensors
+        only, else raw."""
+        fmt = fmt or self.tensor_format
         if fmt == "raw" or msg.kind not in LOSSY_KINDS:
             return "raw"
         for name, value in msg.body.items():
@@ -319,8 +328,8 @@ class Peer:
                 return "raw"
         return fmt
 
-    def _encode(self, msg: Message) -> bytes:
-        data = encode(msg, tensor_format=self.format_for(msg))
+    def _encode(self, msg: Message, fmt: str | None = None) -> bytes:
+        data = encode(msg, tensor_format=self.format_for(msg, fmt))
         with self._lock:
             self.encoded_bytes[msg.kind] += len(data)
         return data
