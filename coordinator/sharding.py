@@ -38,7 +38,7 @@ from fedsga_edge.wire import RemoteProtocolError
 from .influence import change_norms, clip_updates
 from .server_side import Activation, PerClientServer, Stepped
 
-__all__ = ["ShardedServer", "serve_shard", "check_sharding", "owner"]
+__all__ = ["RankFailed", "ShardedServer", "serve_shard", "check_sharding", "owner"]
 
 _LEN, _BODY = 1, 2  # rank 0 -> rank r
 _RLEN, _RBODY = 3, 4  # rank r -> rank 0
@@ -64,6 +64,10 @@ def check_sharding(cfg: RunConfig, strategy: type) -> None:
     if hooks:
         raise ValueError(f"strategy {cfg.strategy!r} has its own server-side {', '.join(hooks)}: its server state "
                          "lives in the coordinator's process, so it runs on one rank")
+
+
+class RankFailed(RuntimeError):
+    """Another rank of the server side stopped answering (it crashed, or its connection broke): the run fails."""
 
 
 class _Link:
@@ -106,7 +110,11 @@ class _Link:
     def _listen(self) -> None:
         assert self._inbox is not None
         while True:
-            msg = self.recv()
+            try:
+                msg = self.recv()
+            except Exception as exc:  # the rank died: whoever waits on it hears so
+                self._inbox.put(RankFailed(f"server rank {self.peer} is gone: {type(exc).__name__}: {exc}"[:500]))
+                return
             self._inbox.put(msg)
             if msg is None:
                 return
@@ -115,9 +123,13 @@ class _Link:
         """A message the listening thread read (``timeout`` seconds to wait for one, None: forever), else None."""
         assert self._inbox is not None
         try:
-            return self._inbox.get(block=timeout != 0.0, timeout=timeout or None)
+            msg = self._inbox.get(block=timeout != 0.0, timeout=timeout or None)
         except queue.Empty:
             return None
+        if isinstance(msg, RankFailed):
+            self._inbox.put(msg)  # every later wait fails the same way
+            raise msg
+        return msg
 
 
 def _cpu(t: Tensor | None) -> Tensor | None:
@@ -223,10 +235,13 @@ class ShardedServer(PerClientServer):
     def close(self) -> None:
         """Tell the other ranks to stop serving."""
         for link in self.links.values():
-            link.send({"op": "stop"})
-            while link.poll(timeout=None) is not None:  # the rank's last word: None
-                pass
-            link.flush()
+            try:
+                link.send({"op": "stop"})
+                while link.poll(timeout=None) is not None:  # the rank's last word: None
+                    pass
+                link.flush()
+            except RuntimeError:  # that rank is gone already (RankFailed, or gloo's own error)
+                continue
 
 
 def _by_unit(side: PerClientServer, state: dict[str, Tensor]) -> dict[Any, dict[str, Tensor]]:
