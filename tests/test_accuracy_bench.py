@@ -261,6 +261,10 @@ def test_partition_names(bench):
     assert bench.partition_label("mixed0.05") == "Mixed: IID + Dirichlet(0.05)"
     cfg = bench.make_config(bench.PRESETS["smoke"], "static", "mixed0.05", 3, 2, "digits", None)
     assert (cfg.partition, cfg.alpha, cfg.seed) == ("mixed", 0.05, 3)
+    from fedsga_edge.report.runs import partition_name  # the report names a run's partition as the benchmark does
+
+    assert partition_name(cfg.to_dict()) == "mixed0.05" and partition_name({"partition": "domain", "alpha": 0.5}) == \
+        "domain0.5"
     for bad in ("shards", "domain", "domain0", "dirx", "mixed", "mixed0"):
         with pytest.raises(SystemExit):
             bench.parse_partition(bad)
