@@ -383,6 +383,8 @@ def test_devices_each_with_only_their_own_folder_and_a_coordinator_without_train
     assert all(p.returncode == 0 for p in procs), {n: t[-2000:] for n, t in logs.items()}
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in recs] == [1, 2] and not any(r["failures"] for r in recs), recs
+    final = recs[-1]["fed_final"]  # the final model on every device's slice, the torch-free one's included
+    assert final["fed_model_round"] == 2 and set(final["fed_by_device"]) == set(recs[-1]["splits"])
     for r in recs:
         assert set(r["splits"]) == {"client-000", "client-001", "client-002"}
         assert set(r["fed_by_device"]) == set(r["splits"]) and 0 <= r["fed_acc"] <= 1
