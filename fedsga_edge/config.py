@@ -31,7 +31,8 @@ AGGREGATIONS = ("mean", "trimmed_mean", "median", "norm_bounded")
 # Options whose default changed after runs were recorded: a run record (config.json, a checkpoint) that lacks
 # the key ran with this value, not today's default (docs/method.md, "Batches": every run before the option cut
 # its epochs with the tail rule). ``RunConfig.from_record`` applies it; so does the benchmark's record check.
-RECORD_BEFORE: dict[str, Any] = {"train.batching": "tail"}
+# FedSGA's harmonizer was the paper's two-layer MLP before the residual form became the default.
+RECORD_BEFORE: dict[str, Any] = {"train.batching": "tail", "fedsga.harmonizer_form": "mlp"}
 
 
 @dataclass
