@@ -209,8 +209,8 @@ class ServerSide:
             side.opt.zero_grad(set_to_none=True)
             raise RemoteProtocolError("the activation gives a non-finite loss or gradient: refused, nothing changed")
         side.opt.step()
-        rows = len(z) + sum(len(c) for c in context)  # the context rows ran forward and backward too
-        self.work.add(("step", k), rows, lambda: step_flops(strategy, side.model, side.head, z, k))
+        # the joined and context rows ran forward and backward too
+        self.work.add(("step", k), sum(len(r) for r in rows), lambda: step_flops(strategy, side.model, side.head, z, k))
         self.remember(device, k, z)
         return loss, Z
 
