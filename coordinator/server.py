@@ -195,10 +195,7 @@ class Coordinator:
             "failures": dict(rs.failures),
             "round_s": now - self._stats["started"],
         }
-        this_round: dict[int, int] = {}
-        for cid, u in updates.items():
-            k = int(u["split"])
-            this_round[k] = this_round.get(k, 0) + self.clients[cid]
+        this_round = samples_by_split(updates, self.clients)
         if any(k > 0 for k in this_round):  # a round that trained no split (none came back) keeps the last one's
             self.split_samples = this_round
         self.strategy.end_round(updates, record)
@@ -362,40 +359,58 @@ class Coordinator:
     # -- state ------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything the next round needs to go on as if never stopped (the one checkpoint writer's input)."""
-        # the server side's whole state ("opt", and "bn_context" with context): a new ServerSide's too
-        return {"coordinator": self.state_dict(), **self.server.state_dict(),
-                "strategy_opt": self.strategy.optimizer_state(), "split_samples": dict(self.split_samples),
-                "remote_errors": self.remote_errors, "activation_norms": self.bounds.state_dict(),
-                "anomaly": self.anomaly.state_dict(),
-                "fronts": self.fronts.state_dict(),
-                "strategy_rngs": {name: g.bit_generator.state for name, g in vars(self.strategy).items()
-                                  if isinstance(g, np.random.Generator)}}
+        return checkpoint_state(self)
 
     def restore(self, state: dict[str, Any]) -> None:
         """Load what ``checkpoint_state`` returned (``resume``)."""
-        c = state["coordinator"]
-        self.model.load_state_dict(c["model"])
-        self.head.load_state_dict(c["head"])
-        self.strategy.load_state_dict(c["strategy"])
-        self.server.load_state_dict(state)
-        self.strategy.load_optimizer_state(state["strategy_opt"])
-        self.split_samples = {int(k): int(v) for k, v in state["split_samples"].items()}
-        self.remote_errors = int(state["remote_errors"])
-        self.bounds.load_state_dict(state.get("activation_norms", {}))
-        self.anomaly.load_state_dict(state.get("anomaly", {}))
-        self.fronts.load_state_dict(state.get("fronts", {}))
-        for name, rng_state in state["strategy_rngs"].items():
-            getattr(self.strategy, name).bit_generator.state = rng_state
+        restore(self, state)
 
     def state_dict(self) -> dict[str, Any]:
         """The trained server state (checkpoint.pt's "coordinator"): weights, head, the strategy's own."""
         return {"model": self.model.state_dict(), "head": self.head.state_dict(), "strategy": self.strategy.state_dict()}
 
 
+def checkpoint_state(co: Coordinator) -> dict[str, Any]:
+    """Everything the next round needs to go on as if never stopped (the one checkpoint writer's input)."""
+    # the server side's whole state ("opt", and "bn_context" with context): a new ServerSide's too
+    return {"coordinator": co.state_dict(), **co.server.state_dict(),
+            "strategy_opt": co.strategy.optimizer_state(), "split_samples": dict(co.split_samples),
+            "remote_errors": co.remote_errors, "activation_norms": co.bounds.state_dict(),
+            "anomaly": co.anomaly.state_dict(),
+            "fronts": co.fronts.state_dict(),
+            "strategy_rngs": {name: g.bit_generator.state for name, g in vars(co.strategy).items()
+                              if isinstance(g, np.random.Generator)}}
+
+
+def restore(co: Coordinator, state: dict[str, Any]) -> None:
+    """Load what ``checkpoint_state`` returned (``resume``)."""
+    c = state["coordinator"]
+    co.model.load_state_dict(c["model"])
+    co.head.load_state_dict(c["head"])
+    co.strategy.load_state_dict(c["strategy"])
+    co.server.load_state_dict(state)
+    co.strategy.load_optimizer_state(state["strategy_opt"])
+    co.split_samples = {int(k): int(v) for k, v in state["split_samples"].items()}
+    co.remote_errors = int(state["remote_errors"])
+    co.bounds.load_state_dict(state.get("activation_norms", {}))
+    co.anomaly.load_state_dict(state.get("anomaly", {}))
+    co.fronts.load_state_dict(state.get("fronts", {}))
+    for name, rng_state in state["strategy_rngs"].items():
+        getattr(co.strategy, name).bit_generator.state = rng_state
+
+
+def samples_by_split(updates: dict[str, dict[str, Any]], clients: dict[str, int]) -> dict[int, int]:
+    """The round's training samples per split (the headline split follows where most samples trained)."""
+    out: dict[int, int] = {}
+    for cid, u in updates.items():
+        out[int(u["split"])] = out.get(int(u["split"]), 0) + clients[cid]
+    return out
+
+
 def device_copy(co: Coordinator, cid: str, names: Any) -> dict[str, Tensor]:
-    """The round snapshot's ``names`` as ``cid`` receives them: the strategy's copy (FedMut's mutation; the
-    snapshot itself by default), the snapshot itself in the final evaluation (the model as the run ended); under ``--fronts private`` the
-    device's own copy of the blocks it runs."""
+    """The round snapshot's ``names`` as ``cid`` receives them: its own front under ``--fronts private``, then
+    the strategy's copy (FedMut's mutation; the snapshot itself by default), except in the final evaluation
+    (the model as the run ended)."""
     weights = co.fronts.own(cid, {n: co._snapshot[n] for n in names}, co._snapshot)  # --fronts private
     return weights if co.fed_eval.only else co.strategy.device_weights(cid, co.round.t, weights)
 

@@ -109,7 +109,7 @@ def test_table_5_reports_the_server_work_per_round_and_a_dash_for_older_records(
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")] for line in md.splitlines()
             if line.startswith("| ") and not line.startswith("| Method")}
     steps, flops = cols.index("server steps / round"), cols.index("server GFLOPs / round")
-    splitfed, mu = rows["Static at p_ref (SplitFed)"], rows["MU-SplitFed (unbalanced server updates)"]
+    splitfed, mu = rows["Static at p_ref (SplitFed)"], rows["MU-SplitFed, first-order devices (tau server updates)"]
     assert (splitfed[steps], splitfed[flops]) == ("40.0", "4.00")
     assert (mu[steps], mu[flops]) == ("—", "—")
     assert "predate that count (not estimated)" in md

@@ -38,18 +38,8 @@ def simulate(
 ) -> None:
     """Simulate split federated learning in one process and write metrics for every round."""
     set_threads(threads)
-    if engine not in ("inprocess", "ray"):
-        raise typer.BadParameter(f"--engine must be inprocess or ray (got {engine!r})")
-    if engine != "ray" and (ray_address or ray_actors):
-        raise typer.BadParameter("--ray-address and --ray-actors need --engine ray")
-    if world_size < 1:
-        raise typer.BadParameter(f"--world-size must be >= 1 (got {world_size})")
     cfg = run_config(**flags)
-    if engine == "ray" and cfg.fleet:
-        raise typer.BadParameter("--engine ray runs the in-process schedule: leave out --fleet")
-    if engine == "ray" and cfg.wire_format == "auto":
-        raise typer.BadParameter("--engine ray relays one wire format for the run: give --wire-format fp32, fp16, "
-                                 "int8 or int4, not auto")
+    check_engine(cfg, engine, ray_address, ray_actors, world_size)
     from fedsga_edge.data import DatasetError
     from fedsga_edge.rayengine import EngineError, RayEngine
     from fedsga_edge.simulation import run_simulation, validate_config
@@ -104,6 +94,21 @@ def simulate(
         f"client_flops/sample={summary['client_flops_per_sample'] / 1e6:.1f}M "
         f"bytes={summary['bytes_total'] / 1e6:.1f}MB wall={summary['wall_s']:.1f}s{fleet}{fed_text(summary)} -> {out}"
     )
+
+
+def check_engine(cfg: Any, engine: str, ray_address: str, ray_actors: int, world_size: int) -> None:
+    """The engine flags against each other and the run: a clear error before anything starts."""
+    if engine not in ("inprocess", "ray"):
+        raise typer.BadParameter(f"--engine must be inprocess or ray (got {engine!r})")
+    if engine != "ray" and (ray_address or ray_actors):
+        raise typer.BadParameter("--ray-address and --ray-actors need --engine ray")
+    if world_size < 1:
+        raise typer.BadParameter(f"--world-size must be >= 1 (got {world_size})")
+    if engine == "ray" and cfg.fleet:
+        raise typer.BadParameter("--engine ray runs the in-process schedule: leave out --fleet")
+    if engine == "ray" and cfg.wire_format == "auto":
+        raise typer.BadParameter("--engine ray relays one wire format for the run: give --wire-format fp32, fp16, "
+                                 "int8 or int4, not auto")
 
 
 def set_threads(threads: int) -> None:
