@@ -40,7 +40,8 @@ class FakeCoordinator:
         self.evaluated: list[int] = []
         self.device = "cpu"
 
-    def begin_round(self, t: int, now: float, devices: list[str] | None = None) -> list[tuple[str, Message]]:
+    def begin_round(self, t: int, now: float, devices: list[str] | None = None,
+                    evaluate_only: bool = False) -> list[tuple[str, Message]]:
         devices = list(self.clients) if devices is None else devices
         deadline = now + self.cfg.round_timeout if self.cfg.round_timeout > 0 else None
         self.round.begin(t, {d: 1 for d in devices}, False, deadline)

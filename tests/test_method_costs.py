@@ -20,7 +20,10 @@ def test_observation_and_probe_flops_count_what_each_device_ran(digits) -> None:
     r1, r2 = list(sim.rounds())
     for rec in (r1, r2):  # one observation batch of 16 per device and round, to p_1
         assert rec["observation_flops"] == {"client": 3 * 16 * costs.prefix_fwd(1)}
-    probes = [min(16, len(c.data.probe_indices)) for c in sim.clients]  # the probe: its slice, to p_ref
+    # the probe: one batch of the slice held out on the calibration round (released after it), to p_ref
+    frac = sim.cfg.fedsga.probe_holdout
+    probes = [min(16, max(2, int(round(frac * len(c.data.indices)))), len(c.data.indices) - 2) for c in sim.clients]
+    assert all(c.data.probe_indices is None for c in sim.clients)  # back in training after the round
     assert r2["calibration_flops"]["client"] == sum(probes) * costs.prefix_fwd(reference_index(K)) > 0
 
 
