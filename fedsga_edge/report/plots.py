@@ -231,11 +231,7 @@ def plot_tradeoff(points: list[dict[str, Any]]):
                         label=f"{p['method']} (n={p['n']})")
             ax.annotate(p["method"], (p["flops_mean"] / 1e6, p["acc_mean"] * 100), textcoords="offset points",
                         xytext=(5, 4), fontsize=7)
-        ax.set_title(f"accuracy vs client cost{f': {part}' if part else ''}", fontsize=9)
-        ax.set_xlabel("client MFLOPs / training sample")
-        ax.set_ylabel("final test accuracy (%)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _cost_axes(ax, f"accuracy vs client cost{f': {part}' if part else ''}", "final test accuracy (%)")
     fig.tight_layout()
     return fig
 
@@ -421,10 +417,15 @@ def plot_frontier(groups: list[dict[str, Any]]):
                 f" ± {100 * d['se']:.2f}" if d.get("se") is not None else "")
             ax.plot(m["flops"] / 1e6, m["acc"] * 100, "o", color=_color(m["method"], i), ms=7,
                     label=f"{m['method']}{gap} (n={m['n']})")
-        ax.set_title(f"static frontier: {g['partition'] or 'runs'} (seeds {len(g['seeds'])})", fontsize=9)
-        ax.set_xlabel("client MFLOPs / training sample")
-        ax.set_ylabel("accuracy (%)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _cost_axes(ax, f"static frontier: {g['partition'] or 'runs'} (seeds {len(g['seeds'])})", "accuracy (%)")
     fig.tight_layout()
     return fig
+
+
+def _cost_axes(ax: Any, title: str, ylabel: str) -> None:
+    """An accuracy-against-client-cost panel's title, axes, grid and legend (the cost plot's and the frontier's)."""
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("client MFLOPs / training sample")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
