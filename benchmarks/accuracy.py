@@ -1105,6 +1105,8 @@ def record_differs(run_dir: Path, cfg: Any) -> list[str]:
     have = _defaults() | RECORD_BEFORE | _flat(json.loads(path.read_text()))
     want = _flat(json.loads(json.dumps(cfg.to_dict())))  # through JSON: tuples as lists, like the record
     unread = set(_NOT_COMPARED) | set(get_strategy(cfg.strategy).ignores_options)  # FedAvg: no server side
+    if cfg.strategy != "fedsga":  # FedSGA's settings are read by FedSGA's runs alone
+        unread |= {k for k in want if k.startswith("fedsga.")}
     return [f"{k} {have.get(k)!r}, plan {want[k]!r}" for k in want
             if k not in unread and want[k] is not None and have.get(k) != want[k]]
 
