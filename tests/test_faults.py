@@ -23,6 +23,8 @@ def faults():
     return load_bench("faults", needs_mosquitto=True)
 
 
+@pytest.mark.full("a device killed and a broker restarted mid-run over real Mosquitto: 61 s of the suite's busiest "
+                  "worker; the recovery paths are also covered by tests/test_field.py's faster tests")
 def test_a_device_killed_mid_round_rejoins_and_the_run_survives_a_broker_restart(faults, tmp_path) -> None:
     s = faults.Settings(clients=2, rounds=5, round_timeout=25.0, request_timeout=8.0)
     h = faults.Harness(tmp_path / "run", s)

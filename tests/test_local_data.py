@@ -468,6 +468,8 @@ def test_bad_local_data_fails_at_device_start_before_the_device_registers(partit
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.full("a trial of device processes against a simulate of the same shares: 40 s; the folders' reading "
+                  "is tested process by process in the default run")
 def test_trial_with_device_folders_equals_simulate_on_the_same_share(tmp_path) -> None:
     """`trial --device-data` (a coordinator with no training data, the device process given its folder) and
     `simulate` (the in-process partition): with one device the same computation, so the same numbers, bit
