@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fedsga_edge.broker.config import (BridgeSpec, BrokerSpec, device_ids, read_bridge,  # noqa: E402
                                        write_broker_config)
 from fedsga_edge.broker.launch import free_port, mosquitto_path, run_mosquitto  # noqa: E402
+from fedsga_edge.trial import stop_all  # noqa: E402
 
 MOSQUITTO = mosquitto_path()
 CLI = [sys.executable, "-m", "fedsga_edge.cli.main"]
@@ -91,12 +92,7 @@ def field_run(brokers: Brokers, out: Path, args: argparse.Namespace, bridged: bo
         for p in procs[1:]:
             p.wait(timeout=60)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+        stop_all(dict(enumerate(procs)), logs, None)  # the trial's own: SIGTERM, then kill after 30 s
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

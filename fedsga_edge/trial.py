@@ -25,7 +25,7 @@ from fedsga_edge.fieldconfig import ENV_PREFIX
 from fedsga_edge.fieldroles import FieldError, read_classes
 from fedsga_edge.wire.auth import enrol, key_path
 
-__all__ = ["BROKER_ENV", "TrialSettings", "follow", "run_trial"]
+__all__ = ["BROKER_ENV", "TrialSettings", "follow", "run_trial", "stop_all"]
 
 BROKER_ENV = ENV_PREFIX + "BROKER"  # what `coordinator` and `device` read when --broker is not given
 CLI = [sys.executable, "-m", "fedsga_edge.cli.main"]
@@ -231,7 +231,7 @@ def _run_processes(plan: _Plan, sandbox: Any, local: Any) -> tuple[int, dict[str
                   for c in plan.fleet.classes} if sandbox is not None else None
     finally:
         try:
-            _stop_all(procs, logs, local)
+            stop_all(procs, logs, local)
         finally:
             if sandbox is not None:
                 sandbox.close()
@@ -323,7 +323,7 @@ def _device_profiles(folder: Path, clients: int) -> dict[int, Path]:
     return found
 
 
-def _stop_all(procs: dict[str, subprocess.Popen], logs: list[Any], local: Any) -> None:
+def stop_all(procs: dict[Any, subprocess.Popen], logs: list[Any], local: Any) -> None:
     """SIGTERM every process still running, kill what has not exited after 30 s, close logs, stop the broker."""
     for p in procs.values():
         if p.poll() is None:
