@@ -1099,10 +1099,10 @@ def record_differs(run_dir: Path, cfg: Any) -> list[str]:
     path = run_dir / "config.json"
     if not path.exists():
         return []
-    from fedsga_edge.config import RECORD_BEFORE
+    from fedsga_edge.config import RECORD_BEFORE, record_settings
     from fedsga_edge.coordinator.strategy import get_strategy
 
-    have = _defaults() | RECORD_BEFORE | _flat(json.loads(path.read_text()))
+    have = _defaults() | RECORD_BEFORE | _flat(record_settings(json.loads(path.read_text())))
     want = _flat(json.loads(json.dumps(cfg.to_dict())))  # through JSON: tuples as lists, like the record
     unread = set(_NOT_COMPARED) | set(get_strategy(cfg.strategy).ignores_options)  # FedAvg: no server side
     if cfg.strategy != "fedsga":  # FedSGA's settings are read by FedSGA's runs alone

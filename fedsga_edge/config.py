@@ -14,7 +14,7 @@ from typing import Any
 
 from fedsga_edge.options import Opt, declared, opt, problems, to_config
 
-__all__ = ["AUTO_WIRE", "RECORD_BEFORE", "SCHEDULES", "WIRE_CODECS", "WIRE_FORMATS", "DEVICE_ORDERS", "FedSGAConfig",
+__all__ = ["AUTO_WIRE", "RECORD_BEFORE", "record_settings", "SCHEDULES", "WIRE_CODECS", "WIRE_FORMATS", "DEVICE_ORDERS", "FedSGAConfig",
            "TrainConfig", "RunConfig", "from_wire", "run_options", "parse_model_args"]
 
 # How the in-process simulation interleaves its devices (docs/method.md, "Rounds").
@@ -33,6 +33,16 @@ AGGREGATIONS = ("mean", "trimmed_mean", "median", "norm_bounded")
 # its epochs with the tail rule). ``RunConfig.from_record`` applies it; so does the benchmark's record check.
 # FedSGA's harmonizer was the paper's two-layer MLP before the residual form became the default.
 RECORD_BEFORE: dict[str, Any] = {"train.batching": "tail", "fedsga.harmonizer_form": "mlp"}
+
+
+def record_settings(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A run record's top-level keys as settings. FedAS's and FedMut's records once carried their weighting's
+    description under ``aggregation`` (written over the setting of that name); those runs aggregated with the
+    mean, the only rule then."""
+    data = dict(data)
+    if data.get("aggregation") not in (None, *AGGREGATIONS):
+        data["aggregation"] = "mean"
+    return data
 
 
 @dataclass
@@ -297,7 +307,7 @@ class RunConfig:
         ``drop_unknown``: keys beside the config in config.json (``client_sizes``, ``method``) are dropped;
         False refuses them, as ``from_dict`` does."""
         known = {f.name for f in fields(cls)}
-        data = {k: v for k, v in data.items() if k in known or not drop_unknown}
+        data = {k: v for k, v in record_settings(data).items() if k in known or not drop_unknown}
         for key, before in RECORD_BEFORE.items():
             section, _, name = key.rpartition(".")
             if section:

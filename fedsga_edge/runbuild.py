@@ -145,8 +145,11 @@ class CoordinatorSide:
         cfg = self.plan.cfg
         # "method": the name, label and table group the benchmark and the report show (the strategy's)
         method = method_of(cfg, self.model.num_splits) | {"adaptive": self.strategy.adaptive}
+        info = self.strategy.info()
+        if clash := set(info) & set(cfg.to_dict()):  # a description must never overwrite a recorded setting
+            raise ValueError(f"{cfg.strategy}.info() reuses the run settings' names {sorted(clash)}")
         return cfg.to_dict() | {"resolved_device": str(self.plan.device), "candidate_depths": list(self.model.splits),
-                                "client_sizes": self.plan.sizes, "method": method} | self.strategy.info()
+                                "client_sizes": self.plan.sizes, "method": method} | info
 
 
 def plan_run(cfg: RunConfig, bundle: DatasetBundle | None = None, *, seed_globals: bool = True,

@@ -66,5 +66,5 @@ class FedAS(FedAvg):
         record["fisher_weights"] = {cid: f / total for cid, f in fisher.items()} if total > 0 else None
 
     def info(self) -> dict[str, Any]:
-        return {"aggregation": "Fisher-information weights (trace, all parameters)",
+        return {"weights": "Fisher-information weights (trace, all parameters)",
                 "head": "kept per device; the coordinator's head is the Fisher-weighted average, for its test figure"}

@@ -111,7 +111,7 @@ class FedMut(FedAvg):
         record["mutation_acceleration"] = self._acc if self._factors else None
 
     def info(self) -> dict[str, Any]:
-        return {"mutated": "parameters (not BatchNorm statistics)", "aggregation": "equal weights"}
+        return {"mutated": "parameters (not BatchNorm statistics)", "weights": "equal weights"}
 
     def state_dict(self) -> dict[str, Any]:
         return {"prev_global": self._prev, "mutations": self.mutations}
