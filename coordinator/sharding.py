@@ -14,18 +14,21 @@ rounding.
 The shared copy stays on one rank: it takes the devices' steps one after another in arrival order, each
 step starting from the previous one's weights, so there is nothing to run side by side.
 
-Messages between ranks are pickled dicts in uint8 tensors over the gloo group (a length on one tag, the
-bytes on the next): rank 0 -> rank r ``begin`` (the snapshot, the head, the rate), ``step``, ``finish``,
+Messages between ranks go over the gloo group as a small pickled header (the message with each tensor
+replaced by its dtype and shape: a length on one tag, the bytes on the next) followed by the tensors
+themselves, sent as they are, on a third tag; nothing copies or pickles the activations and gradients.
+Rank 0 -> rank r ``begin`` (the snapshot, the head, the rate), ``step``, ``finish``,
 ``end``, ``stop``; rank r -> rank 0 the step's result. The average's ``all_reduce`` runs on the NCCL group
 when the copies live on a GPU.
 """
 
 from __future__ import annotations
 
-import io
+import pickle
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,8 +43,8 @@ from .server_side import Activation, PerClientServer, Stepped
 
 __all__ = ["RankFailed", "ShardedServer", "serve_shard", "check_sharding", "owner"]
 
-_LEN, _BODY = 1, 2  # rank 0 -> rank r
-_RLEN, _RBODY = 3, 4  # rank r -> rank 0
+_TO_RANK = (1, 2, 5)  # rank 0 -> rank r: header length, header, tensors
+_TO_ZERO = (3, 4, 6)  # rank r -> rank 0
 
 
 def owner(device: str, devices: list[str], world: int) -> int:
@@ -70,12 +73,50 @@ class RankFailed(RuntimeError):
     """Another rank of the server side stopped answering (it crashed, or its connection broke): the run fails."""
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """A tensor's place in a message header: it follows the header on the tensor tag."""
+
+    index: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _pack(obj: Any, tensors: list[Tensor]) -> Any:
+    """``obj`` with every tensor (in dicts, lists, tuples) replaced by its ``_Slot``, the tensors appended."""
+    if isinstance(obj, Tensor):
+        tensors.append(obj.detach().cpu().contiguous())
+        return _Slot(len(tensors) - 1, obj.dtype, tuple(obj.shape))
+    if isinstance(obj, dict):
+        return {k: _pack(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_pack(v, tensors) for v in obj)
+    return obj
+
+
+def _unpack(obj: Any, tensors: list[Tensor]) -> Any:
+    if isinstance(obj, _Slot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _unpack(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unpack(v, tensors) for v in obj)
+    return obj
+
+
+def _slots(obj: Any) -> list[_Slot]:
+    if isinstance(obj, _Slot):
+        return [obj]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sorted((s for v in items for s in _slots(v)), key=lambda s: s.index)
+
+
 class _Link:
-    """Pickled messages to and from one peer rank, sent without waiting (their buffers kept until ``flush``).
+    """Messages to and from one peer rank, sent without waiting (their buffers kept until ``flush``).
     ``listen``: a thread reads the peer's messages into a queue as they come (gloo completes a posted
     receive only inside ``wait``, so a receive cannot be polled); the peer's ``None`` ends it."""
 
-    def __init__(self, peer: int, send_tags: tuple[int, int], recv_tags: tuple[int, int], *,
+    def __init__(self, peer: int, send_tags: tuple[int, int, int], recv_tags: tuple[int, int, int], *,
                  listen: bool = False) -> None:
         self.peer, self.send_tags, self.recv_tags = peer, send_tags, recv_tags
         self._sending: list[tuple[Any, Tensor]] = []
@@ -85,12 +126,13 @@ class _Link:
             threading.Thread(target=self._listen, name=f"rank-{peer}-results", daemon=True).start()
 
     def send(self, obj: Any) -> None:
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        body = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        size = torch.tensor([body.numel()], dtype=torch.int64)
-        self._sending += [(dist.isend(size, self.peer, tag=self.send_tags[0]), size),
-                          (dist.isend(body, self.peer, tag=self.send_tags[1]), body)]
+        """``obj`` (None, or a dict of plain values and tensors) to the peer: its header, then its tensors."""
+        tensors: list[Tensor] = []
+        header = torch.frombuffer(bytearray(pickle.dumps(_pack(obj, tensors))), dtype=torch.uint8)
+        size = torch.tensor([header.numel()], dtype=torch.int64)
+        length, head, body = self.send_tags
+        parts = [(size, length), (header, head)] + [(t, body) for t in tensors if t.numel()]
+        self._sending += [(dist.isend(t, self.peer, tag=tag), t) for t, tag in parts]
 
     def flush(self) -> None:
         """Wait until the peer has taken every message sent (a gloo send completes only when waited for, so
@@ -101,11 +143,19 @@ class _Link:
 
     def recv(self) -> Any:
         """The peer's next message, waiting for it."""
-        header = torch.zeros(1, dtype=torch.int64)
-        dist.recv(header, self.peer, tag=self.recv_tags[0])
-        body = torch.empty(int(header[0]), dtype=torch.uint8)
-        dist.recv(body, self.peer, tag=self.recv_tags[1])
-        return torch.load(io.BytesIO(body.numpy().tobytes()), weights_only=False)
+        length, head, body = self.recv_tags
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, self.peer, tag=length)
+        header = torch.empty(int(size[0]), dtype=torch.uint8)
+        dist.recv(header, self.peer, tag=head)
+        skeleton = pickle.loads(header.numpy().tobytes())
+        tensors = []
+        for slot in _slots(skeleton):
+            t = torch.empty(slot.shape, dtype=slot.dtype)
+            if t.numel():
+                dist.recv(t, self.peer, tag=body)
+            tensors.append(t)
+        return _unpack(skeleton, tensors)
 
     def _listen(self) -> None:
         assert self._inbox is not None
@@ -145,35 +195,57 @@ class ShardedServer(PerClientServer):
                  devices: list[str], world: int, reduce_group: Any = None) -> None:
         super().__init__(model, head, cfg, weight)
         self.devices, self.world, self.reduce_group = list(devices), world, reduce_group
-        self.links = {r: _Link(r, (_LEN, _BODY), (_RLEN, _RBODY), listen=True) for r in range(1, world)}
+        self.links = {r: _Link(r, _TO_RANK, _TO_ZERO, listen=True) for r in range(1, world)}
         self._flight: dict[int, Activation] = {}  # step id -> its held activation
         self._dropped: set[int] = set()  # steps still coming back from a closed round: read and ignored
         self._ready: list[Stepped] = []  # steps back, not yet handed to the coordinator
+        self._own: list[Activation] = []  # rank 0's devices' activations, stepped once the others have work
+        self._strategy: Any = None
         self._next = 0
 
     def begin_round(self, snapshot: dict[str, Tensor]) -> None:
         super().begin_round(snapshot)
-        self._flight = {}
-        msg = {"op": "begin", "snapshot": {n: v.cpu() for n, v in snapshot.items()},
-               "head": {n: v.cpu() for n, v in self.head.state_dict().items()}, "lr_scale": self.lr_scale}
+        self._flight, self._own = {}, []
+        # copies: a send reads its buffer until the round's flush, and the weights may move before that
+        msg = {"op": "begin", "snapshot": {n: v.detach().cpu().clone() for n, v in snapshot.items()},
+               "head": {n: v.detach().cpu().clone() for n, v in self.head.state_dict().items()},
+               "lr_scale": self.lr_scale}
         for link in self.links.values():
             link.send(msg)
 
     def submit(self, act: Activation, strategy: Any) -> list[Stepped]:
+        """Another rank's activation goes to it at once, then rank 0 steps its own held ones; its own is held
+        until then (or until the scheduler waits, ``wait_held``). So a rank never idles while rank 0 steps:
+        stepped at arrival, rank 0's activation would hold back the next one another rank is waiting for.
+        The copies are the devices' own, so only each device's order counts, and that is kept."""
+        self._strategy = strategy
         r = owner(act.msg.sender, self.devices, self.world)
         if r == 0:
-            return super().submit(act, strategy)
+            self._own.append(act)
+            return []
         self._next += 1
         self._flight[self._next] = act
         self.links[r].send({"op": "step", "id": self._next, "device": act.msg.sender, "z": _cpu(act.z),
                             "y": _cpu(act.y), "k": act.k})
-        return []
+        return self._step_own()
+
+    def _step_own(self) -> list[Stepped]:
+        own, self._own = self._own, []
+        out: list[Stepped] = []
+        for act in own:
+            try:
+                out += super().submit(act, self._strategy)
+            except RemoteProtocolError as exc:  # the device's batch is at fault: its refusal, the others go on
+                out.append(Stepped(act, refused=f"bad activation: {exc}"))
+        return out
 
     def release(self, waiting: set[str], closed: bool, strategy: Any) -> list[Stepped]:
         """The steps back from the other ranks; with the round closed, those still out are dropped."""
         self._read(block=False)
         out, self._ready = self._ready, []
         if closed:
+            out += [Stepped(a, dropped="activation not stepped: the round closed before its step") for a in self._own]
+            self._own = []
             for i, act in self._flight.items():
                 self._dropped.add(i)
                 out.append(Stepped(act, dropped="activation not stepped: the round closed before its step came back"))
@@ -181,7 +253,11 @@ class ShardedServer(PerClientServer):
         return out
 
     def wait_held(self) -> bool:
-        """Wait until a step sent to another rank is back (``release`` then answers it); False: none is out."""
+        """Step rank 0's held activations, else wait until a step sent to another rank is back (``release``
+        then answers either); False: none is held or out."""
+        if self._own:
+            self._ready += self._step_own()
+            return True
         if not self._flight and not self._ready:
             return False
         while not self._ready:
@@ -224,7 +300,7 @@ class ShardedServer(PerClientServer):
     def end_round(self, snapshot: dict[str, Tensor]) -> None:
         while self._flight or self._dropped:  # every step out must be back before the copies are averaged
             self._read(block=True)
-        self._ready = []
+        self._ready, self._own = [], []
         for link in self.links.values():
             link.flush()
             link.send({"op": "end"})
@@ -282,7 +358,7 @@ def reduce_copies(side: PerClientServer, snapshot: dict[str, Tensor], group: Any
 def serve_shard(server: PerClientServer, strategy: Any, reduce_group: Any = None) -> None:
     """Rank r > 0: train the copies of the devices rank 0 sends steps for, round after round, until ``stop``
     (``reduce_group``: the group of the average's ``all_reduce``, the one rank 0's ``ShardedServer`` has)."""
-    link = _Link(0, (_RLEN, _RBODY), (_LEN, _BODY))
+    link = _Link(0, _TO_ZERO, _TO_RANK)
     weights: dict[str, float] = {}
     server.weight = weights.__getitem__
     snapshot: dict[str, Tensor] = {}
