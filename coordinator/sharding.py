@@ -3,7 +3,7 @@ side across processes").
 
 With per-client copies a device's server steps touch only its own copy, started from the round's snapshot,
 so the copies of different devices can train in different processes at once. ``ShardedServer`` is the
-coordinator's (rank 0's) server side: a device's copy lives on rank ``owner(device)``; rank 0 steps its own
+coordinator's (rank 0's) server side: a device's copy lives on the rank ``deal`` gives it (by its expected work); rank 0 steps its own
 devices' activations as ``PerClientServer`` does and sends the others' to their rank without waiting (the
 request is held, as MergeSFL's are, and answered by whichever later call finds the step back). Each other
 rank runs ``serve_shard`` around a ``PerClientServer`` of its own. At the round's end every rank bounds its
@@ -41,15 +41,30 @@ from fedsga_edge.wire import RemoteProtocolError
 from .influence import change_norms, clip_updates
 from .server_side import Activation, PerClientServer, Stepped
 
-__all__ = ["RankFailed", "ShardedServer", "serve_shard", "check_sharding", "owner"]
+__all__ = ["RankFailed", "ShardedServer", "serve_shard", "check_sharding", "deal", "expected_work"]
 
 _TO_RANK = (1, 2, 5)  # rank 0 -> rank r: header length, header, tensors
 _TO_ZERO = (3, 4, 6)  # rank r -> rank 0
 
 
-def owner(device: str, devices: list[str], world: int) -> int:
-    """The rank that holds ``device``'s copy: its place among the run's devices, dealt round-robin."""
-    return devices.index(device) % world
+def deal(work: dict[str, float], world: int) -> dict[str, int]:
+    """Each device's rank, by the server work it is expected to bring (``expected_work``): the devices in
+    decreasing work, each to the rank with the least so far (ties: the lower rank). Devices of equal work
+    are dealt round-robin in the run's order; uneven partitions (Dirichlet) come out even by work, not by
+    count, so no rank waits for a busier one at the round's end."""
+    load = [0.0] * world
+    ranks: dict[str, int] = {}
+    for d in sorted(work, key=lambda d: -work[d]):  # stable: equal work keeps the run's order
+        r = min(range(world), key=lambda r: load[r])
+        ranks[d] = r
+        load[r] += work[d]
+    return ranks
+
+
+def expected_work(samples: dict[str, int], cfg: RunConfig) -> dict[str, float]:
+    """The samples each device's server steps take in a round: its data, at most ``--max-batches`` batches."""
+    cap = cfg.train.max_batches * cfg.train.batch_size
+    return {d: float(min(n, cap) if cap else n) for d, n in samples.items()}
 
 
 def check_sharding(cfg: RunConfig, strategy: type) -> None:
@@ -187,14 +202,15 @@ def _cpu(t: Tensor | None) -> Tensor | None:
 
 
 class ShardedServer(PerClientServer):
-    """Rank 0's per-client server side, its devices' copies dealt over ``world`` ranks (``owner``)."""
+    """Rank 0's per-client server side, its devices' copies on the ranks ``owners`` gives (``deal``; a device
+    not dealt stays on rank 0)."""
 
     name = "per_client"
 
     def __init__(self, model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float], *,
-                 devices: list[str], world: int, reduce_group: Any = None) -> None:
+                 owners: dict[str, int], world: int, reduce_group: Any = None) -> None:
         super().__init__(model, head, cfg, weight)
-        self.devices, self.world, self.reduce_group = list(devices), world, reduce_group
+        self.owners, self.world, self.reduce_group = dict(owners), world, reduce_group
         self.links = {r: _Link(r, _TO_RANK, _TO_ZERO, listen=True) for r in range(1, world)}
         self._flight: dict[int, Activation] = {}  # step id -> its held activation
         self._dropped: set[int] = set()  # steps still coming back from a closed round: read and ignored
@@ -219,7 +235,7 @@ class ShardedServer(PerClientServer):
         stepped at arrival, rank 0's activation would hold back the next one another rank is waiting for.
         The copies are the devices' own, so only each device's order counts, and that is kept."""
         self._strategy = strategy
-        r = owner(act.msg.sender, self.devices, self.world)
+        r = self.owners.get(act.msg.sender, 0)
         if r == 0:
             self._own.append(act)
             return []
@@ -291,7 +307,7 @@ class ShardedServer(PerClientServer):
             self._ready.append(Stepped(act, msg["grad"].to(act.z.device), msg["loss"]))
 
     def finish_device(self, device: str, depth: int) -> None:
-        r = owner(device, self.devices, self.world)
+        r = self.owners.get(device, 0)
         if r == 0:
             super().finish_device(device, depth)
         else:

@@ -8,7 +8,7 @@ import torch
 from fedsga_edge.config import RunConfig, TrainConfig
 from fedsga_edge.coordinator import get_strategy
 from fedsga_edge.coordinator.influence import change_norms, clip_updates
-from fedsga_edge.coordinator.sharding import check_sharding, owner
+from fedsga_edge.coordinator.sharding import check_sharding, deal, expected_work
 from fedsga_edge.serverranks import ServerRanks
 from fedsga_edge.simulation import Simulation
 
@@ -33,13 +33,25 @@ def test_two_ranks_train_what_one_process_trains():
     one = _run(_cfg(), None)
     with ServerRanks(_cfg(), 2, threads=1) as ranks:
         two = _run(_cfg(), ranks)
-        assert {owner(d, list(ranks.server.devices), 2) for d in ranks.server.devices} == {0, 1}
+        assert set(ranks.server.owners.values()) == {0, 1}
     for a, b in zip(one[0], two[0], strict=True):
         assert a["splits"] == b["splits"] and a["failures"] == b["failures"] == {}
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
         assert a.get("test_acc") == pytest.approx(b.get("test_acc"))
     for n, v in one[1].items():
         torch.testing.assert_close(two[1][n], v, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_devices_are_dealt_by_expected_work():
+    """Equal devices go round-robin; uneven ones (a Dirichlet split) come out even by work, not by count."""
+    assert deal({f"d{i}": 10.0 for i in range(5)}, 2) == {"d0": 0, "d1": 1, "d2": 0, "d3": 1, "d4": 0}
+    samples = {"a": 199, "b": 86, "c": 556, "d": 214, "e": 138, "f": 244}
+    ranks = deal(expected_work(samples, _cfg(train=TrainConfig(batch_size=32, max_batches=0))), 2)
+    loads = [sum(n for d, n in samples.items() if ranks[d] == r) for r in (0, 1)]
+    assert sorted(loads) == [694, 743]  # round-robin by count: 893 and 544
+    capped = expected_work(samples, _cfg(train=TrainConfig(batch_size=32, max_batches=3)))
+    assert capped == {d: float(min(n, 96)) for d, n in samples.items()}
+    assert deal(capped, 2) == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 1, "f": 0}
 
 
 @pytest.mark.parametrize("kw, strategy, why", [
