@@ -42,6 +42,26 @@ def test_two_ranks_train_what_one_process_trains():
         torch.testing.assert_close(two[1][n], v, rtol=1e-5, atol=1e-6, msg=n)
 
 
+def test_a_message_travels_as_a_header_and_its_tensors():
+    """Tensors anywhere in a message leave the header as slots, in order, and come back in their places."""
+    import pickle
+
+    from fedsga_edge.coordinator.sharding import _pack, _slots, _unpack
+
+    msg = {"op": "step", "id": 3, "z": torch.randn(2, 3), "y": torch.tensor([1, 0]),
+           "snapshot": {"w": torch.ones(4), "n": torch.tensor(7)}, "pair": (torch.zeros(0), 1.5)}
+    tensors: list[torch.Tensor] = []
+    header = pickle.loads(pickle.dumps(_pack(msg, tensors)))
+    slots = _slots(header)
+    assert [sl.index for sl in slots] == list(range(5)) and len(tensors) == 5
+    assert all(sl.shape == tuple(t.shape) and sl.dtype == t.dtype for sl, t in zip(slots, tensors))
+    back = _unpack(header, [t.clone() for t in tensors])
+    assert back["op"] == "step" and back["id"] == 3 and back["pair"][1] == 1.5 and back["pair"][0].numel() == 0
+    for k in ("z", "y"):
+        assert torch.equal(back[k], msg[k])
+    assert torch.equal(back["snapshot"]["n"], msg["snapshot"]["n"])
+
+
 def test_devices_are_dealt_by_expected_work():
     """Equal devices go round-robin; uneven ones (a Dirichlet split) come out even by work, not by count."""
     assert deal({f"d{i}": 10.0 for i in range(5)}, 2) == {"d0": 0, "d1": 1, "d2": 0, "d3": 1, "d4": 0}
