@@ -62,6 +62,38 @@ def test_a_message_travels_as_a_header_and_its_tensors():
     assert torch.equal(back["snapshot"]["n"], msg["snapshot"]["n"])
 
 
+def test_rank_zero_holds_its_own_steps_until_another_rank_has_work():
+    """Rank 0's own activations wait for the next one sent elsewhere, or for the scheduler's wait; a bad one is
+    refused without costing the others their step; a round closed first drops them."""
+    from fedsga_edge.coordinator.server_side import Activation
+    from fedsga_edge.coordinator.sharding import ShardedServer
+    from fedsga_edge.runbuild import build_coordinator, plan_run
+    from fedsga_edge.wire import Message
+
+    torch.manual_seed(0)
+    co = build_coordinator(plan_run(_cfg())).coordinator
+    old = co.server
+    side = ShardedServer(old.model, old.head, co.cfg, old.weight, owners={d: 0 for d in co.clients}, world=1)
+    snapshot = {n: v.detach().clone() for n, v in co.model.state_dict().items()}
+    shape = co.model.interface_shape(co.model.depth_of(1))
+    a, b, c = list(co.clients)
+
+    def act(d: str, z: torch.Tensor) -> Activation:
+        return Activation(Message("activation", "r", 1, 1, d, {}), 1, z, torch.tensor([0, 1]), None, 0, None, None)
+
+    side.begin_round(snapshot)
+    assert side.submit(act(a, torch.randn(2, *shape)), co.strategy) == []
+    assert side.submit(act(b, torch.full((2, *shape), float("nan"))), co.strategy) == []
+    assert side.wait_held()
+    out = {r.act.msg.sender: r for r in side.release({a, b}, False, co.strategy)}
+    assert out[a].grad is not None and out[a].refused is None
+    assert out[b].refused is not None and out[b].refused.startswith("bad activation")
+    assert not side.wait_held()
+    side.submit(act(c, torch.randn(2, *shape)), co.strategy)
+    [dropped] = side.release(set(), True, co.strategy)
+    assert dropped.act.msg.sender == c and "round closed" in dropped.dropped
+
+
 def test_devices_are_dealt_by_expected_work():
     """Equal devices go round-robin; uneven ones (a Dirichlet split) come out even by work, not by count."""
     assert deal({f"d{i}": 10.0 for i in range(5)}, 2) == {"d0": 0, "d1": 1, "d2": 0, "d3": 1, "d4": 0}
