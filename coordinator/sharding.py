@@ -3,9 +3,10 @@ side across processes").
 
 With per-client copies a device's server steps touch only its own copy, started from the round's snapshot,
 so the copies of different devices can train in different processes at once. ``ShardedServer`` is the
-coordinator's (rank 0's) server side: a device's copy lives on the rank ``deal`` gives it (by its expected work); rank 0 steps its own
-devices' activations as ``PerClientServer`` does and sends the others' to their rank without waiting (the
-request is held, as MergeSFL's are, and answered by whichever later call finds the step back). Each other
+coordinator's (rank 0's) server side: a device's copy lives on the rank ``deal`` gives it (by its expected
+work); rank 0 sends the others' activations to their rank without waiting (the request is held, as MergeSFL's
+are, and answered by whichever later call finds the step back) and steps its own as ``PerClientServer`` does,
+once the next activation has gone to another rank. Each other
 rank runs ``serve_shard`` around a ``PerClientServer`` of its own. At the round's end every rank bounds its
 devices' changes against the norms of all devices (``influence.change_norms``, gathered), sums its copies
 by data weight, and one ``all_reduce`` adds the ranks' sums: the average is one process's, to float
