@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,39 +40,57 @@ def config(args: argparse.Namespace) -> RunConfig:
                      train=TrainConfig(local_epochs=1, batch_size=args.batch_size, max_batches=args.max_batches))
 
 
-def run(cfg: RunConfig, bundle: Any, engine: RayEngine | None) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
+def run(cfg: RunConfig, data: Callable[[], Any], actors: int | None = None) -> Run:
+    """One run, timed as the command line runs it: from the engine's creation (with ``actors`` not None, a
+    ``RayEngine``: Ray starts on a thread of its own), through loading the data (``data()``), the driver's
+    setup and every round."""
     started = time.perf_counter()
-    sim = Simulation(cfg, bundle, engine=engine)
-    records = list(sim.rounds())
-    weights = {n: v.clone() for n, v in sim.model.state_dict().items()}
-    return records, weights, time.perf_counter() - started
+    ray = RayEngine(actors=actors) if actors is not None else None
+    try:
+        sim = Simulation(cfg, data(), engine=ray)
+        setup = time.perf_counter() - started
+        records = list(sim.rounds())
+        weights = {n: v.clone() for n, v in sim.model.state_dict().items()}
+        total = time.perf_counter() - started
+        return Run(records, weights, setup, total, ray, len(ray.pool) if ray is not None else 0)
+    finally:
+        if ray is not None:
+            ray.close()
 
 
-def identical(a: tuple, b: tuple) -> bool:
+@dataclasses.dataclass
+class Run:
+    records: list[dict[str, Any]]
+    weights: dict[str, Any]
+    setup_s: float  # from the start to the first round: data, partition, models, devices (and Ray's wait)
+    total_s: float
+    engine: RayEngine | None
+    actors: int
+
+
+def identical(a: Run, b: Run) -> bool:
     measured = ("wall_s", "round_s")  # host seconds, not results
-    strip = [[{k: v for k, v in r.items() if k not in measured} for r in run[0]] for run in (a, b)]
+    strip = [[{k: v for k, v in r.items() if k not in measured} for r in run.records] for run in (a, b)]
     import torch
 
-    return strip[0] == strip[1] and all(torch.equal(a[1][n], b[1][n]) for n in a[1])
+    return strip[0] == strip[1] and all(torch.equal(a.weights[n], b.weights[n]) for n in a.weights)
 
 
-def compare(args: argparse.Namespace, bundle: Any) -> None:
+def compare(args: argparse.Namespace, data: Callable[[], Any]) -> None:
     cfg = config(args)
-    local = run(cfg, bundle, None)
-    engine = RayEngine(actors=args.actors)
-    try:
-        remote = run(cfg, bundle, engine)
-        actors = len(engine.pool)
-    finally:
-        engine.close()
-    lr, rr = sum(r["wall_s"] for r in local[0]), sum(r["wall_s"] for r in remote[0])
+    local, remote = run(cfg, data), run(cfg, data, args.actors)
+    e, actors = remote.engine, remote.actors
+    assert e is not None
+    lr, rr = (sum(r["wall_s"] for r in x.records) for x in (local, remote))
     print(f"{args.devices} devices, {args.rounds} rounds, {args.strategy}, identical metrics and weights: "
-          f"{identical(local, remote)}")
-    print(f"in-process: rounds {lr:.2f} s (total {local[2]:.2f} s)")
-    print(f"ray ({engine.init_s:.1f} s to start Ray and {actors} actors): "
-          f"rounds {rr:.2f} s (total {remote[2]:.2f} s)")
-    print(f"ray / in-process, rounds: {rr / lr:.2f}x; with the start-up: {remote[2] / local[2]:.2f}x")
-    for a, b in zip(local[0], remote[0]):
+          f"{identical(local, remote)}; load average {os.getloadavg()[0]:.1f}")
+    print(f"in-process: setup {local.setup_s:.2f} s, rounds {lr:.2f} s, total {local.total_s:.2f} s")
+    print(f"ray: setup {remote.setup_s:.2f} s, rounds {rr:.2f} s, total {remote.total_s:.2f} s")
+    print(f"  Ray and {actors} actors started in {e.init_s:.2f} s on their own thread, beside the driver's setup; "
+          f"the actors held their devices at {e.setup_s:.2f} s; the driver waited {e.waited_s:.2f} s for them")
+    print(f"ray / in-process, rounds: {rr / lr:.2f}x; setup: {remote.setup_s / local.setup_s:.2f}x; "
+          f"whole run: {remote.total_s / local.total_s:.2f}x")
+    for a, b in zip(local.records, remote.records):
         print(f"  round {a['round']}: in-process {a['wall_s']:.2f} s, ray {b['wall_s']:.2f} s")
 
 
@@ -84,18 +104,15 @@ def tiled(bundle: Any, devices: int, per_device: int) -> Any:
     return dataclasses.replace(bundle, train=train)
 
 
-def fleet(args: argparse.Namespace, bundle: Any) -> None:
+def fleet(args: argparse.Namespace, data: Callable[[], Any]) -> None:
     cfg = config(args)
-    data = tiled(bundle, args.devices, args.per_device)
-    engine = RayEngine(actors=args.actors)
-    try:
-        records, _, total = run(cfg, data, engine)
-        actors = len(engine.pool)
-    finally:
-        engine.close()
-    print(f"{args.devices} virtual devices on {actors} actors, {len(data.train.labels)} "
-          f"samples: Ray and actors started in {engine.init_s:.1f} s, total {total:.1f} s")
-    for r in records:
+    out = run(cfg, lambda: tiled(data(), args.devices, args.per_device), args.actors)
+    e, actors = out.engine, out.actors
+    assert e is not None
+    print(f"{args.devices} virtual devices on {actors} actors, {args.devices * args.per_device}+ samples: Ray and "
+          f"actors started in {e.init_s:.1f} s, holding their devices at {e.setup_s:.1f} s (the driver waited "
+          f"{e.waited_s:.1f} s), total {out.total_s:.1f} s")
+    for r in out.records:
         print(f"  round {r['round']}: {r['wall_s']:.1f} s, {len(r['splits'])} updates, {len(r['failures'])} "
               f"failures, train_loss {r['train_loss']:.3f}, test_acc {r.get('test_acc', float('nan')):.4f}, "
               f"bytes {(r['bytes_up'] + r['bytes_down']) / 1e6:.1f} MB")
@@ -118,9 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     from fedsga_edge.data import load_dataset
 
-    bundle = load_dataset("digits")
     print("command: python benchmarks/scale.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    (compare if args.what == "compare" else fleet)(args, bundle)
+    (compare if args.what == "compare" else fleet)(args, lambda: load_dataset("digits"))
     return 0
 
 

@@ -5,7 +5,9 @@ sends ``--batches`` activations at split ``--split`` (random tensors of the inte
 same for both runs), each device's copy takes its steps, the copies are averaged. A round's server time runs
 from ``begin_round`` to the end of ``end_round``: on one rank ``PerClientServer``, on ``--world-size`` ranks
 ``ShardedServer`` (coordinator/sharding.py) with the copies dealt over them. Every rank runs one torch thread.
-It prints both times per round, their ratio, and the largest difference of the averaged weights.
+The two run side by side, a round of one then the same round of the other, so both meet the same load. It
+prints both times per round, their ratio, each rank's CPU seconds in the round (rank 0: this process; the
+others: from /proc) and the largest difference of the averaged weights.
 
     nice python benchmarks/server_ranks.py --devices 20 --rounds 3
 """
@@ -67,18 +69,13 @@ def server_round(co: Any, t: int, acts: dict[str, list[tuple[torch.Tensor, torch
     return time.perf_counter() - started, time.process_time() - cpu
 
 
-def run(cfg: RunConfig, args: argparse.Namespace, world: int) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
-    ranks = ServerRanks(cfg, world, threads=1, own_session=args.own_session) if world > 1 else None
-    try:
-        co = build_coordinator(plan_run(cfg)).coordinator
-        if ranks is not None:
-            ranks.shard(co)
-        acts = activations(co, args)
-        times = [server_round(co, t, acts, args.split) for t in range(1, args.rounds + 1)]
-        return times, {n: v.clone() for n, v in co.model.state_dict().items()}
-    finally:
-        if ranks is not None:
-            ranks.close()
+def _cpu(pids: list[int]) -> float:
+    """The CPU seconds (user and system) the processes ``pids`` have used so far."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,18 +92,33 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     cfg = config(args)
-    one, st1 = run(cfg, args, 1)
-    many, st2 = run(config(args), args, args.world_size)
+    ranks = ServerRanks(cfg, args.world_size, threads=1, own_session=args.own_session)
+    try:
+        one, many = build_coordinator(plan_run(cfg)).coordinator, build_coordinator(plan_run(cfg)).coordinator
+        ranks.shard(many)
+        acts = activations(one, args)
+        others = [q.pid for q in ranks.procs if q.pid is not None]
+        rows = []
+        for t in range(1, args.rounds + 1):  # the two side by side, round after round: the same load on both
+            a, ca = server_round(one, t, acts, args.split)
+            before = _cpu(others)
+            b, cb = server_round(many, t, acts, args.split)
+            rows.append((a, ca, b, cb, (_cpu(others) - before) / max(1, len(others))))
+        st1, st2 = one.model.state_dict(), many.model.state_dict()
+    finally:
+        ranks.close()
     diff = max(float((st1[n].double() - st2[n].double()).abs().max()) for n in st1)
+    w = args.world_size
     print(f"{args.devices} devices, per-client copies, {args.batches} activations of {args.batch_size} each per "
           f"round at split {args.split}, resnet18_cifar width {args.width}; load average {os.getloadavg()[0]:.1f}"
           + ("; other ranks in sessions of their own" if args.own_session else ""))
-    for t, ((a, ca), (b, cb)) in enumerate(zip(one, many), 1):
-        print(f"  round {t}: 1 rank {a:.2f} s, {args.world_size} ranks {b:.2f} s ({b / a:.2f}x); rank 0's CPU "
-              f"{ca:.2f} s and {cb:.2f} s")
-    w1, w2 = sum(a for a, _ in one), sum(b for b, _ in many)
-    print(f"mean per round: 1 rank {w1 / len(one):.2f} s, {args.world_size} ranks {w2 / len(many):.2f} s: "
-          f"{w2 / w1:.2f}x; rank 0's CPU {sum(c for _, c in many) / sum(c for _, c in one):.2f}x; "
+    for t, (a, ca, b, cb, co) in enumerate(rows, 1):
+        print(f"  round {t}: 1 rank {a:.2f} s, {w} ranks {b:.2f} s ({b / a:.2f}x); CPU: 1 rank {ca:.2f} s, "
+              f"rank 0 {cb:.2f} s, other ranks {co:.2f} s each")
+    w1, w2 = sum(r[0] for r in rows), sum(r[2] for r in rows)
+    c1, c0, co = (sum(r[i] for r in rows) for i in (1, 3, 4))
+    print(f"mean per round: 1 rank {w1 / len(rows):.2f} s, {w} ranks {w2 / len(rows):.2f} s: {w2 / w1:.2f}x; "
+          f"CPU over one rank's: rank 0 {c0 / c1:.2f}x, other ranks {co / c1:.2f}x each; "
           f"weights' largest difference {diff:.2e}")
     return 0
 

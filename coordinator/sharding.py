@@ -3,9 +3,10 @@ side across processes").
 
 With per-client copies a device's server steps touch only its own copy, started from the round's snapshot,
 so the copies of different devices can train in different processes at once. ``ShardedServer`` is the
-coordinator's (rank 0's) server side: a device's copy lives on rank ``owner(device)``; rank 0 steps its own
-devices' activations as ``PerClientServer`` does and sends the others' to their rank without waiting (the
-request is held, as MergeSFL's are, and answered by whichever later call finds the step back). Each other
+coordinator's (rank 0's) server side: a device's copy lives on the rank ``deal`` gives it (by its expected
+work); rank 0 sends the others' activations to their rank without waiting (the request is held, as MergeSFL's
+are, and answered by whichever later call finds the step back) and steps its own as ``PerClientServer`` does,
+once the next activation has gone to another rank. Each other
 rank runs ``serve_shard`` around a ``PerClientServer`` of its own. At the round's end every rank bounds its
 devices' changes against the norms of all devices (``influence.change_norms``, gathered), sums its copies
 by data weight, and one ``all_reduce`` adds the ranks' sums: the average is one process's, to float
@@ -14,18 +15,21 @@ rounding.
 The shared copy stays on one rank: it takes the devices' steps one after another in arrival order, each
 step starting from the previous one's weights, so there is nothing to run side by side.
 
-Messages between ranks are pickled dicts in uint8 tensors over the gloo group (a length on one tag, the
-bytes on the next): rank 0 -> rank r ``begin`` (the snapshot, the head, the rate), ``step``, ``finish``,
+Messages between ranks go over the gloo group as a small pickled header (the message with each tensor
+replaced by its dtype and shape: a length on one tag, the bytes on the next) followed by the tensors
+themselves, sent as they are, on a third tag; nothing copies or pickles the activations and gradients.
+Rank 0 -> rank r ``begin`` (the snapshot, the head, the rate), ``step``, ``finish``,
 ``end``, ``stop``; rank r -> rank 0 the step's result. The average's ``all_reduce`` runs on the NCCL group
 when the copies live on a GPU.
 """
 
 from __future__ import annotations
 
-import io
+import pickle
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,15 +42,30 @@ from fedsga_edge.wire import RemoteProtocolError
 from .influence import change_norms, clip_updates
 from .server_side import Activation, PerClientServer, Stepped
 
-__all__ = ["RankFailed", "ShardedServer", "serve_shard", "check_sharding", "owner"]
+__all__ = ["RankFailed", "ShardedServer", "serve_shard", "check_sharding", "deal", "expected_work"]
 
-_LEN, _BODY = 1, 2  # rank 0 -> rank r
-_RLEN, _RBODY = 3, 4  # rank r -> rank 0
+_TO_RANK = (1, 2, 5)  # rank 0 -> rank r: header length, header, tensors
+_TO_ZERO = (3, 4, 6)  # rank r -> rank 0
 
 
-def owner(device: str, devices: list[str], world: int) -> int:
-    """The rank that holds ``device``'s copy: its place among the run's devices, dealt round-robin."""
-    return devices.index(device) % world
+def deal(work: dict[str, float], world: int) -> dict[str, int]:
+    """Each device's rank, by the server work it is expected to bring (``expected_work``): the devices in
+    decreasing work, each to the rank with the least so far (ties: the lower rank). Devices of equal work
+    are dealt round-robin in the run's order; uneven partitions (Dirichlet) come out even by work, not by
+    count, so no rank waits for a busier one at the round's end."""
+    load = [0.0] * world
+    ranks: dict[str, int] = {}
+    for d in sorted(work, key=lambda d: -work[d]):  # stable: equal work keeps the run's order
+        r = min(range(world), key=lambda r: load[r])
+        ranks[d] = r
+        load[r] += work[d]
+    return ranks
+
+
+def expected_work(samples: dict[str, int], cfg: RunConfig) -> dict[str, float]:
+    """The samples each device's server steps take in a round: its data, at most ``--max-batches`` batches."""
+    cap = cfg.train.max_batches * cfg.train.batch_size
+    return {d: float(min(n, cap) if cap else n) for d, n in samples.items()}
 
 
 def check_sharding(cfg: RunConfig, strategy: type) -> None:
@@ -70,12 +89,50 @@ class RankFailed(RuntimeError):
     """Another rank of the server side stopped answering (it crashed, or its connection broke): the run fails."""
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """A tensor's place in a message header: it follows the header on the tensor tag."""
+
+    index: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _pack(obj: Any, tensors: list[Tensor]) -> Any:
+    """``obj`` with every tensor (in dicts, lists, tuples) replaced by its ``_Slot``, the tensors appended."""
+    if isinstance(obj, Tensor):
+        tensors.append(obj.detach().cpu().contiguous())
+        return _Slot(len(tensors) - 1, obj.dtype, tuple(obj.shape))
+    if isinstance(obj, dict):
+        return {k: _pack(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_pack(v, tensors) for v in obj)
+    return obj
+
+
+def _unpack(obj: Any, tensors: list[Tensor]) -> Any:
+    if isinstance(obj, _Slot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _unpack(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unpack(v, tensors) for v in obj)
+    return obj
+
+
+def _slots(obj: Any) -> list[_Slot]:
+    if isinstance(obj, _Slot):
+        return [obj]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sorted((s for v in items for s in _slots(v)), key=lambda s: s.index)
+
+
 class _Link:
-    """Pickled messages to and from one peer rank, sent without waiting (their buffers kept until ``flush``).
+    """Messages to and from one peer rank, sent without waiting (their buffers kept until ``flush``).
     ``listen``: a thread reads the peer's messages into a queue as they come (gloo completes a posted
     receive only inside ``wait``, so a receive cannot be polled); the peer's ``None`` ends it."""
 
-    def __init__(self, peer: int, send_tags: tuple[int, int], recv_tags: tuple[int, int], *,
+    def __init__(self, peer: int, send_tags: tuple[int, int, int], recv_tags: tuple[int, int, int], *,
                  listen: bool = False) -> None:
         self.peer, self.send_tags, self.recv_tags = peer, send_tags, recv_tags
         self._sending: list[tuple[Any, Tensor]] = []
@@ -85,12 +142,13 @@ class _Link:
             threading.Thread(target=self._listen, name=f"rank-{peer}-results", daemon=True).start()
 
     def send(self, obj: Any) -> None:
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        body = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        size = torch.tensor([body.numel()], dtype=torch.int64)
-        self._sending += [(dist.isend(size, self.peer, tag=self.send_tags[0]), size),
-                          (dist.isend(body, self.peer, tag=self.send_tags[1]), body)]
+        """``obj`` (None, or a dict of plain values and tensors) to the peer: its header, then its tensors."""
+        tensors: list[Tensor] = []
+        header = torch.frombuffer(bytearray(pickle.dumps(_pack(obj, tensors))), dtype=torch.uint8)
+        size = torch.tensor([header.numel()], dtype=torch.int64)
+        length, head, body = self.send_tags
+        parts = [(size, length), (header, head)] + [(t, body) for t in tensors if t.numel()]
+        self._sending += [(dist.isend(t, self.peer, tag=tag), t) for t, tag in parts]
 
     def flush(self) -> None:
         """Wait until the peer has taken every message sent (a gloo send completes only when waited for, so
@@ -101,11 +159,19 @@ class _Link:
 
     def recv(self) -> Any:
         """The peer's next message, waiting for it."""
-        header = torch.zeros(1, dtype=torch.int64)
-        dist.recv(header, self.peer, tag=self.recv_tags[0])
-        body = torch.empty(int(header[0]), dtype=torch.uint8)
-        dist.recv(body, self.peer, tag=self.recv_tags[1])
-        return torch.load(io.BytesIO(body.numpy().tobytes()), weights_only=False)
+        length, head, body = self.recv_tags
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, self.peer, tag=length)
+        header = torch.empty(int(size[0]), dtype=torch.uint8)
+        dist.recv(header, self.peer, tag=head)
+        skeleton = pickle.loads(header.numpy().tobytes())
+        tensors = []
+        for slot in _slots(skeleton):
+            t = torch.empty(slot.shape, dtype=slot.dtype)
+            if t.numel():
+                dist.recv(t, self.peer, tag=body)
+            tensors.append(t)
+        return _unpack(skeleton, tensors)
 
     def _listen(self) -> None:
         assert self._inbox is not None
@@ -137,43 +203,66 @@ def _cpu(t: Tensor | None) -> Tensor | None:
 
 
 class ShardedServer(PerClientServer):
-    """Rank 0's per-client server side, its devices' copies dealt over ``world`` ranks (``owner``)."""
+    """Rank 0's per-client server side, its devices' copies on the ranks ``owners`` gives (``deal``; a device
+    not dealt stays on rank 0)."""
 
     name = "per_client"
 
     def __init__(self, model: nn.Module, head: nn.Module, cfg: RunConfig, weight: Callable[[str], float], *,
-                 devices: list[str], world: int, reduce_group: Any = None) -> None:
+                 owners: dict[str, int], world: int, reduce_group: Any = None) -> None:
         super().__init__(model, head, cfg, weight)
-        self.devices, self.world, self.reduce_group = list(devices), world, reduce_group
-        self.links = {r: _Link(r, (_LEN, _BODY), (_RLEN, _RBODY), listen=True) for r in range(1, world)}
+        self.owners, self.world, self.reduce_group = dict(owners), world, reduce_group
+        self.links = {r: _Link(r, _TO_RANK, _TO_ZERO, listen=True) for r in range(1, world)}
         self._flight: dict[int, Activation] = {}  # step id -> its held activation
         self._dropped: set[int] = set()  # steps still coming back from a closed round: read and ignored
         self._ready: list[Stepped] = []  # steps back, not yet handed to the coordinator
+        self._own: list[Activation] = []  # rank 0's devices' activations, stepped once the others have work
+        self._strategy: Any = None
         self._next = 0
 
     def begin_round(self, snapshot: dict[str, Tensor]) -> None:
         super().begin_round(snapshot)
-        self._flight = {}
-        msg = {"op": "begin", "snapshot": {n: v.cpu() for n, v in snapshot.items()},
-               "head": {n: v.cpu() for n, v in self.head.state_dict().items()}, "lr_scale": self.lr_scale}
+        self._flight, self._own = {}, []
+        # copies: a send reads its buffer until the round's flush, and the weights may move before that
+        msg = {"op": "begin", "snapshot": {n: v.detach().cpu().clone() for n, v in snapshot.items()},
+               "head": {n: v.detach().cpu().clone() for n, v in self.head.state_dict().items()},
+               "lr_scale": self.lr_scale}
         for link in self.links.values():
             link.send(msg)
 
     def submit(self, act: Activation, strategy: Any) -> list[Stepped]:
-        r = owner(act.msg.sender, self.devices, self.world)
+        """Another rank's activation goes to it at once, then rank 0 steps its own held ones; its own is held
+        until then (or until the scheduler waits, ``wait_held``). So a rank never idles while rank 0 steps:
+        stepped at arrival, rank 0's activation would hold back the next one another rank is waiting for.
+        The copies are the devices' own, so only each device's order counts, and that is kept."""
+        self._strategy = strategy
+        r = self.owners.get(act.msg.sender, 0)
         if r == 0:
-            return super().submit(act, strategy)
+            self._own.append(act)
+            return []
         self._next += 1
         self._flight[self._next] = act
         self.links[r].send({"op": "step", "id": self._next, "device": act.msg.sender, "z": _cpu(act.z),
                             "y": _cpu(act.y), "k": act.k})
-        return []
+        return self._step_own()
+
+    def _step_own(self) -> list[Stepped]:
+        own, self._own = self._own, []
+        out: list[Stepped] = []
+        for act in own:
+            try:
+                out += super().submit(act, self._strategy)
+            except RemoteProtocolError as exc:  # the device's batch is at fault: its refusal, the others go on
+                out.append(Stepped(act, refused=f"bad activation: {exc}"))
+        return out
 
     def release(self, waiting: set[str], closed: bool, strategy: Any) -> list[Stepped]:
         """The steps back from the other ranks; with the round closed, those still out are dropped."""
         self._read(block=False)
         out, self._ready = self._ready, []
         if closed:
+            out += [Stepped(a, dropped="activation not stepped: the round closed before its step") for a in self._own]
+            self._own = []
             for i, act in self._flight.items():
                 self._dropped.add(i)
                 out.append(Stepped(act, dropped="activation not stepped: the round closed before its step came back"))
@@ -181,7 +270,11 @@ class ShardedServer(PerClientServer):
         return out
 
     def wait_held(self) -> bool:
-        """Wait until a step sent to another rank is back (``release`` then answers it); False: none is out."""
+        """Step rank 0's held activations, else wait until a step sent to another rank is back (``release``
+        then answers either); False: none is held or out."""
+        if self._own:
+            self._ready += self._step_own()
+            return True
         if not self._flight and not self._ready:
             return False
         while not self._ready:
@@ -215,7 +308,7 @@ class ShardedServer(PerClientServer):
             self._ready.append(Stepped(act, msg["grad"].to(act.z.device), msg["loss"]))
 
     def finish_device(self, device: str, depth: int) -> None:
-        r = owner(device, self.devices, self.world)
+        r = self.owners.get(device, 0)
         if r == 0:
             super().finish_device(device, depth)
         else:
@@ -224,7 +317,7 @@ class ShardedServer(PerClientServer):
     def end_round(self, snapshot: dict[str, Tensor]) -> None:
         while self._flight or self._dropped:  # every step out must be back before the copies are averaged
             self._read(block=True)
-        self._ready = []
+        self._ready, self._own = [], []
         for link in self.links.values():
             link.flush()
             link.send({"op": "end"})
@@ -282,7 +375,7 @@ def reduce_copies(side: PerClientServer, snapshot: dict[str, Tensor], group: Any
 def serve_shard(server: PerClientServer, strategy: Any, reduce_group: Any = None) -> None:
     """Rank r > 0: train the copies of the devices rank 0 sends steps for, round after round, until ``stop``
     (``reduce_group``: the group of the average's ``all_reduce``, the one rank 0's ``ShardedServer`` has)."""
-    link = _Link(0, (_RLEN, _RBODY), (_LEN, _BODY))
+    link = _Link(0, _TO_ZERO, _TO_RANK)
     weights: dict[str, float] = {}
     server.weight = weights.__getitem__
     snapshot: dict[str, Tensor] = {}

@@ -92,23 +92,40 @@ class Outcome:
 
 
 class DeviceWorker:
-    """One actor's devices (built on first use from the run's plan); stateless between rounds but for caches."""
+    """One actor's devices, built by ``setup`` from the run's plan; stateless between rounds but for caches.
 
-    def __init__(self, cfg: RunConfig, bundle: Any, backend: str, artifacts: str | None, threads: int) -> None:
+    The actor is created before the run's plan exists (while the driver loads and partitions the data and
+    builds its model), so its process start and its imports overlap the driver's own setup."""
+
+    def __init__(self, threads: int) -> None:
         import torch
 
+        import fedsga_edge.device.role  # noqa: F401 - the device code's imports, paid here, not in round 1
+        import fedsga_edge.device.statefile  # noqa: F401
+
         torch.set_num_threads(max(1, threads))
-        self.plan = plan_run(cfg, bundle)
-        self.backend, self.artifacts = backend, artifacts
+        self.plan: Any = None
+        self.backend, self.artifacts = "torch", None
         self.clients: dict[int, Any] = {}
         self.before: dict[int, Any] = {}  # each running device's snapshot before its last step
 
-    def start(self, i: int, state: Any, msg: Message) -> None:
-        """Device ``i``'s round start, on the private state the driver kept for it (None: a fresh device)."""
+    def setup(self, cfg: RunConfig, bundle: Any, backend: str, artifacts: str | None, devices: list[int]) -> None:
+        """The run's plan, and the roles of the devices this actor holds (each built once, for the run)."""
+        self.plan = plan_run(cfg, bundle)
+        self.backend, self.artifacts = backend, artifacts
+        for i in devices:
+            self._client(i)
+
+    def _client(self, i: int) -> Any:
         client = self.clients.get(i)
         if client is None:
             client = self.clients[i] = build_client(self.plan, i, _RelayPeer(), backend=self.backend,
                                                     artifacts=self.artifacts)
+        return client
+
+    def start(self, i: int, state: Any, msg: Message) -> None:
+        """Device ``i``'s round start, on the private state the driver kept for it (None: a fresh device)."""
+        client = self._client(i)
         if state is not None:
             _restore(client, state)
         client.handle(msg)
@@ -228,7 +245,12 @@ def _now(reply: Message | PendingMessage) -> Message:
 
 
 class RayEngine:
-    """The actor pool for one run: ``client`` (simulation.DeviceEngine) builds it on the first device."""
+    """The actor pool for one run. Constructing it starts the cluster and the actors on a thread of their own,
+    so that they come up while the driver loads the data, partitions it and builds its model; ``client``
+    (simulation.DeviceEngine) waits for them on the first device and hands the actors the run's plan.
+
+    The thread lives until ``close``: a local Ray's processes are bound to the thread that started them
+    (they end when it ends), so it also ends them."""
 
     def __init__(self, *, address: str | None = None, actors: int = 0, cpus_per_actor: float = 1.0,
                  threads: int | None = None) -> None:
@@ -236,6 +258,9 @@ class RayEngine:
         CPUs); ``actors``: the pool size (0: the cluster's CPUs over ``cpus_per_actor``); ``threads``: each
         actor's torch threads (default: this process's, which the bit-identical results need: torch's
         float sums depend on the thread count, in one process as across them)."""
+        import threading
+        import time
+
         if actors < 0 or cpus_per_actor <= 0:
             raise ValueError("--ray-actors must be >= 0 and the CPUs per actor > 0")
         if threads is None:
@@ -244,50 +269,85 @@ class RayEngine:
             threads = torch.get_num_threads()
         self.address, self.actors, self.cpus_per_actor, self.threads = address, actors, cpus_per_actor, threads
         self.pool: list[Any] = []
-        self.init_s = 0.0
+        self.init_s = 0.0  # starting (or joining) Ray and its actors, on the starting thread
+        self.setup_s = 0.0  # from the start to the actors holding their devices
+        self.waited_s = 0.0  # of those, the seconds the driver waited for them
+        self.ready = False  # the actors hold the run's devices
         self._ray: Any = None
-        self._started_ray = False
+        self._failure: BaseException | None = None
+        self._up, self._closing = threading.Event(), threading.Event()
+        self._t0 = time.perf_counter()
+        self._holder = threading.Thread(target=self._hold, name="ray-engine", daemon=True)
+        self._holder.start()
+
+    def _hold(self) -> None:
+        """The starting thread: Ray and the actors up, then held until ``close``, then ended."""
+        import time
+
+        started = False
+        try:
+            ray = _import_ray()
+            if not ray.is_initialized():
+                try:
+                    if self.address:
+                        ray.init(address=self.address, include_dashboard=False, log_to_driver=False)
+                    else:
+                        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a run's own Ray reports nothing
+                        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+                except (ConnectionError, RuntimeError, ValueError) as exc:
+                    raise EngineError(f"cannot reach the Ray cluster at {self.address!r}: {exc}") from None
+                started = True
+            cpus = float(ray.cluster_resources().get("CPU", 1.0))
+            n = self.actors or max(1, int(cpus // self.cpus_per_actor))
+            worker = ray.remote(num_cpus=self.cpus_per_actor)(DeviceWorker)
+            self.pool = [worker.remote(self.threads) for _ in range(n)]
+            fit = max(1, min(n, int(cpus // self.cpus_per_actor)))  # an actor holds its CPUs: the others wait
+            ray.wait([a.__ray_ready__.remote() for a in self.pool], num_returns=fit)
+            self._ray = ray
+        except BaseException as exc:  # noqa: BLE001 - raised on the driver's thread by ``client``
+            self._failure = exc
+        self.init_s = time.perf_counter() - self._t0
+        self._up.set()
+        self._closing.wait()
+        if "ray" in locals():
+            for a in self.pool:
+                ray.kill(a)
+            if started:
+                ray.shutdown()
+        self.pool = []
 
     def client(self, plan: Any, i: int, peer: Peer, *, backend: str = "torch",
                artifacts: str | Path | None = None) -> RayDevice:
-        if not self.pool:
-            self._start(plan, backend, artifacts)
+        if not self.ready:
+            self._setup(plan, backend, artifacts)
         return RayDevice(plan.client_ids[i], i, peer, self.pool[i % len(self.pool)], self._ray)
 
-    def _start(self, plan: Any, backend: str, artifacts: str | Path | None) -> None:
+    def _setup(self, plan: Any, backend: str, artifacts: str | Path | None) -> None:
+        """The actors up (waiting for the starting thread), given the plan; each builds its devices' roles."""
         import time
 
-        ray = _import_ray()
         started = time.perf_counter()
-        if not ray.is_initialized():
-            try:
-                if self.address:
-                    ray.init(address=self.address, include_dashboard=False, log_to_driver=False)
-                else:
-                    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-            except (ConnectionError, RuntimeError, ValueError) as exc:
-                raise EngineError(f"cannot reach the Ray cluster at {self.address!r}: {exc}") from None
-            self._started_ray = True
-        cpus = float(ray.cluster_resources().get("CPU", 1.0))
-        n = self.actors or max(1, int(cpus // self.cpus_per_actor))
-        n = min(n, len(plan.client_ids))
-        worker = ray.remote(num_cpus=self.cpus_per_actor)(DeviceWorker)
+        self._up.wait()
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+        ray, devices = self._ray, len(plan.client_ids)
+        for a in self.pool[devices:]:  # fewer devices than actors
+            ray.kill(a)
+        del self.pool[devices:]
         bundle = ray.put(plan.bundle)
-        self.pool = [worker.remote(plan.cfg, bundle, backend, str(artifacts) if artifacts else None, self.threads)
-                     for _ in range(n)]
-        ray.get([a.__ray_ready__.remote() for a in self.pool])  # built: round 1 does not pay for it
-        self._ray = ray
-        self.init_s = time.perf_counter() - started
+        art = str(artifacts) if artifacts else None
+        n = len(self.pool)
+        ray.get([a.setup.remote(plan.cfg, bundle, backend, art, list(range(j, devices, n)))
+                 for j, a in enumerate(self.pool)])
+        now = time.perf_counter()
+        self.waited_s, self.setup_s, self.ready = now - started, now - self._t0, True
 
     def close(self) -> None:
-        """End the actors (and the local Ray this engine started)."""
-        if self._ray is None:
-            return
-        for a in self.pool:
-            self._ray.kill(a)
-        self.pool = []
-        if self._started_ray:
-            self._ray.shutdown()
+        """End the actors (and the local Ray this engine started), once the start is over."""
+        self._up.wait()
+        self._closing.set()
+        self._holder.join()
         self._ray = None
 
 

@@ -89,11 +89,12 @@ class ServerRanks:
         self.server: Any = None
 
     def shard(self, co: Any) -> None:
-        """Put a ``ShardedServer`` in place of ``co``'s per-client server side."""
-        from fedsga_edge.coordinator.sharding import ShardedServer
+        """Put a ``ShardedServer`` in place of ``co``'s per-client server side, its devices dealt by expected work."""
+        from fedsga_edge.coordinator.sharding import ShardedServer, deal, expected_work
 
         old = co.server
-        self.server = co.server = ShardedServer(old.model, old.head, self.cfg, old.weight, devices=list(co.clients),
+        owners = deal(expected_work(co.clients, self.cfg), self.world)
+        self.server = co.server = ShardedServer(old.model, old.head, self.cfg, old.weight, owners=owners,
                                                 world=self.world, reduce_group=self.group)
         self.server.steps = old.steps
 

@@ -79,6 +79,29 @@ def test_ray_engine_gives_the_in_process_run(ray_local, digits, one_thread) -> N
 
 
 @RAY
+def test_the_pool_starts_beside_the_driver_and_fits_the_run(ray_local, digits, one_thread) -> None:
+    """The actors start on the engine's own thread as it is made; the run's plan trims the pool to its devices
+    and each actor builds its devices before round 1; an engine closed before any device leaves the Ray it
+    found running as it was."""
+    from fedsga_edge.rayengine import RayEngine
+
+    unused = RayEngine(actors=2)
+    unused.close()
+    assert ray_local.is_initialized() and not unused.ready and unused.init_s > 0
+    engine = RayEngine(actors=3)
+    try:
+        sim = Simulation(tiny_config("static", clients=2, rounds=1, max_batches=1), digits, engine=engine)
+        assert engine.ready and len(engine.pool) == 2  # 3 actors asked for, 2 devices
+        assert 0 <= engine.waited_s <= engine.setup_s and engine.init_s <= engine.setup_s
+        built = ray_local.get([a.__ray_call__.remote(lambda w: sorted(w.clients)) for a in engine.pool])
+        assert built == [[0], [1]]
+        assert len(list(sim.rounds())) == 1
+    finally:
+        engine.close()
+    assert engine.pool == [] and ray_local.is_initialized()
+
+
+@RAY
 @pytest.mark.slow
 def test_a_deadline_undoes_the_steps_run_ahead(ray_local, digits, one_thread) -> None:
     """One virtual second per step and a deadline mid-round: the devices dropped at the deadline had their

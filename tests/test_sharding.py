@@ -8,7 +8,7 @@ import torch
 from fedsga_edge.config import RunConfig, TrainConfig
 from fedsga_edge.coordinator import get_strategy
 from fedsga_edge.coordinator.influence import change_norms, clip_updates
-from fedsga_edge.coordinator.sharding import check_sharding, owner
+from fedsga_edge.coordinator.sharding import check_sharding, deal, expected_work
 from fedsga_edge.serverranks import ServerRanks
 from fedsga_edge.simulation import Simulation
 
@@ -33,13 +33,77 @@ def test_two_ranks_train_what_one_process_trains():
     one = _run(_cfg(), None)
     with ServerRanks(_cfg(), 2, threads=1) as ranks:
         two = _run(_cfg(), ranks)
-        assert {owner(d, list(ranks.server.devices), 2) for d in ranks.server.devices} == {0, 1}
+        assert set(ranks.server.owners.values()) == {0, 1}
     for a, b in zip(one[0], two[0], strict=True):
         assert a["splits"] == b["splits"] and a["failures"] == b["failures"] == {}
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
         assert a.get("test_acc") == pytest.approx(b.get("test_acc"))
     for n, v in one[1].items():
         torch.testing.assert_close(two[1][n], v, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_a_message_travels_as_a_header_and_its_tensors():
+    """Tensors anywhere in a message leave the header as slots, in order, and come back in their places."""
+    import pickle
+
+    from fedsga_edge.coordinator.sharding import _pack, _slots, _unpack
+
+    msg = {"op": "step", "id": 3, "z": torch.randn(2, 3), "y": torch.tensor([1, 0]),
+           "snapshot": {"w": torch.ones(4), "n": torch.tensor(7)}, "pair": (torch.zeros(0), 1.5)}
+    tensors: list[torch.Tensor] = []
+    header = pickle.loads(pickle.dumps(_pack(msg, tensors)))
+    slots = _slots(header)
+    assert [sl.index for sl in slots] == list(range(5)) and len(tensors) == 5
+    assert all(sl.shape == tuple(t.shape) and sl.dtype == t.dtype for sl, t in zip(slots, tensors))
+    back = _unpack(header, [t.clone() for t in tensors])
+    assert back["op"] == "step" and back["id"] == 3 and back["pair"][1] == 1.5 and back["pair"][0].numel() == 0
+    for k in ("z", "y"):
+        assert torch.equal(back[k], msg[k])
+    assert torch.equal(back["snapshot"]["n"], msg["snapshot"]["n"])
+
+
+def test_rank_zero_holds_its_own_steps_until_another_rank_has_work():
+    """Rank 0's own activations wait for the next one sent elsewhere, or for the scheduler's wait; a bad one is
+    refused without costing the others their step; a round closed first drops them."""
+    from fedsga_edge.coordinator.server_side import Activation
+    from fedsga_edge.coordinator.sharding import ShardedServer
+    from fedsga_edge.runbuild import build_coordinator, plan_run
+    from fedsga_edge.wire import Message
+
+    torch.manual_seed(0)
+    co = build_coordinator(plan_run(_cfg())).coordinator
+    old = co.server
+    side = ShardedServer(old.model, old.head, co.cfg, old.weight, owners={d: 0 for d in co.clients}, world=1)
+    snapshot = {n: v.detach().clone() for n, v in co.model.state_dict().items()}
+    shape = co.model.interface_shape(co.model.depth_of(1))
+    a, b, c = list(co.clients)
+
+    def act(d: str, z: torch.Tensor) -> Activation:
+        return Activation(Message("activation", "r", 1, 1, d, {}), 1, z, torch.tensor([0, 1]), None, 0, None, None)
+
+    side.begin_round(snapshot)
+    assert side.submit(act(a, torch.randn(2, *shape)), co.strategy) == []
+    assert side.submit(act(b, torch.full((2, *shape), float("nan"))), co.strategy) == []
+    assert side.wait_held()
+    out = {r.act.msg.sender: r for r in side.release({a, b}, False, co.strategy)}
+    assert out[a].grad is not None and out[a].refused is None
+    assert out[b].refused is not None and out[b].refused.startswith("bad activation")
+    assert not side.wait_held()
+    side.submit(act(c, torch.randn(2, *shape)), co.strategy)
+    [dropped] = side.release(set(), True, co.strategy)
+    assert dropped.act.msg.sender == c and "round closed" in dropped.dropped
+
+
+def test_devices_are_dealt_by_expected_work():
+    """Equal devices go round-robin; uneven ones (a Dirichlet split) come out even by work, not by count."""
+    assert deal({f"d{i}": 10.0 for i in range(5)}, 2) == {"d0": 0, "d1": 1, "d2": 0, "d3": 1, "d4": 0}
+    samples = {"a": 199, "b": 86, "c": 556, "d": 214, "e": 138, "f": 244}
+    ranks = deal(expected_work(samples, _cfg(train=TrainConfig(batch_size=32, max_batches=0))), 2)
+    loads = [sum(n for d, n in samples.items() if ranks[d] == r) for r in (0, 1)]
+    assert sorted(loads) == [694, 743]  # round-robin by count: 893 and 544
+    capped = expected_work(samples, _cfg(train=TrainConfig(batch_size=32, max_batches=3)))
+    assert capped == {d: float(min(n, 96)) for d, n in samples.items()}
+    assert deal(capped, 2) == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 1, "f": 0}
 
 
 @pytest.mark.parametrize("kw, strategy, why", [

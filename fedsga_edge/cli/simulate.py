@@ -81,8 +81,11 @@ def simulate(
         typer.secho(f"error: {exc}", fg="red", err=True)
         raise typer.Exit(2) from None
     finally:
-        if devices is not None and devices.pool:
-            typer.echo(f"ray engine: {len(devices.pool)} actors, started in {devices.init_s:.1f}s", err=True)
+        if devices is not None:
+            if devices.ready:
+                typer.echo(f"ray engine: {len(devices.pool)} actors; Ray and the actors started in "
+                           f"{devices.init_s:.1f}s, holding their devices at {devices.setup_s:.1f}s "
+                           f"(the run waited {devices.waited_s:.1f}s of it)", err=True)
             devices.close()
     bar.close()
     from fedsga_edge.runfiles import fed_text
