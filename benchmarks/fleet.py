@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=None, help="Rounds per run (preset: small 5, cifar 14).")
     ap.add_argument("--width", type=float, default=None, help="ResNet width (preset: small 0.125, cifar 0.25).")
     ap.add_argument("--max-batches", type=int, default=None, help="Cap on batches per local epoch (tests).")
+    ap.add_argument("--train-subset", type=int, default=None,
+                    help="Train on this many samples, stratified (e.g. a CIFAR-10 subset that reaches a target in a "
+                         "few rounds; preset: all).")
     ap.add_argument("--server-copies", choices=("shared", "per-client"), default=None,
                     help="The server side (preset: shared); per-client: a copy per device, where the split is a cost "
                          "choice only (the planner's regime, docs/fleet.md, \"Planning splits\").")
@@ -162,7 +165,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, float, float, dict[str, Any]
             raise SystemExit(f"--methods {DEADLINE_METHOD} needs a round deadline (--deadline SECONDS)")
     else:
         p.methods = split_methods() + ([DEADLINE_METHOD] if deadline else [])
-    for key in ("rounds", "width", "max_batches", "server_copies"):
+    for key in ("rounds", "width", "max_batches", "train_subset", "server_copies"):
         if getattr(args, key) is not None:
             p.run[key] = getattr(args, key)
     if not p.seeds or not p.methods or not p.partitions:
