@@ -13,6 +13,10 @@ FedSGA's deadline-aware variant (``--deadline-aware``, beyond the paper) gets it
     python benchmarks/fleet.py --target 0.95 --deadline 0       # another target; no deadline (no deadline row)
     python benchmarks/fleet.py --preset cifar         # accuracy.py's cifar regime on the same fleet (CPU-hours)
     python benchmarks/fleet.py --tables-only          # the table again from the runs on disk
+    python benchmarks/fleet.py --server-copies per-client --deadline 0 --target 0.5 \
+        --methods static-p1,static,static-pK,resource,planner-auto --wire-formats fp32,fp16,int8,int4
+                                                      # the planner against every (split, fleet-wide format) pair
+    python benchmarks/fleet.py --data npz:PATH --train-subset 2000 --target 0.15   # a CIFAR-10 subset
 
 Runs are planned and run by benchmarks/accuracy.py (``plan``, ``run_one``): ``OUT/<method>/<partition>/seed<s>/``
 with config.json, metrics.jsonl and summary.json; a run whose summary.json exists is skipped (a killed benchmark
