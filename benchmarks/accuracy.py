@@ -34,7 +34,8 @@ refused by name instead: its figures would be tabled as this plan's. Options the
 never reads (``Strategy.ignores_options``: FedAvg has no server side) are not compared.
 ``--wire-formats`` runs every (method, partition, seed) once per format into ``.../seed<s>/<format>``
 (same seed: same partition and initial weights, so the formats are paired) and adds a table of
-each format's accuracy and bytes against fp32's; ``--wire-format`` alone keeps the plain layout.
+each format's accuracy and bytes against fp32's (a method that sets its own format, such as ``planner-auto``, runs
+once in the plain layout); ``--wire-format`` alone keeps the plain layout.
 ``OUT/results.json`` holds every run's summary and diagnostics, ``OUT/tables.md`` the tables.
 ``--jobs N`` runs N of the plan's runs at a time, each in its own process (a run's output is the same
 as with one job); a run's record (config, metrics, summary) is kept in git (.gitignore), the rest not.
