@@ -34,7 +34,8 @@ refused by name instead: its figures would be tabled as this plan's. Options the
 never reads (``Strategy.ignores_options``: FedAvg has no server side) are not compared.
 ``--wire-formats`` runs every (method, partition, seed) once per format into ``.../seed<s>/<format>``
 (same seed: same partition and initial weights, so the formats are paired) and adds a table of
-each format's accuracy and bytes against fp32's; ``--wire-format`` alone keeps the plain layout.
+each format's accuracy and bytes against fp32's (a method that sets its own format, such as ``planner-auto``, runs
+once in the plain layout); ``--wire-format`` alone keeps the plain layout.
 ``OUT/results.json`` holds every run's summary and diagnostics, ``OUT/tables.md`` the tables.
 ``--jobs N`` runs N of the plan's runs at a time, each in its own process (a run's output is the same
 as with one job); a run's record (config, metrics, summary) is kept in git (.gitignore), the rest not.
@@ -317,11 +318,15 @@ def plan(p: Preset, spec: str, data_root: str | None, **flags: Any) -> list[dict
     for seed in p.seeds:  # seed-major: a run stopped half-way still has whole seeds
         for part in p.partitions:
             for method in p.methods:
-                for fmt in p.wire_formats or [None]:  # None: the plain layout (finished runs elsewhere still resume)
+                # None: the plain layout (finished runs elsewhere still resume); a method that sets its own wire
+                # format (planner-auto's per-device formats) runs once, in the plain layout
+                pinned = "wire_format" in all_methods()[method][1].overrides
+                for fmt in (None if pinned else p.wire_formats) or [None]:
                     more = flags if fmt is None else flags | {"wire_format": fmt}
                     cfg = make_config(p, method, part, seed, method_split(method, split, K), spec, data_root, **more)
                     runs.append({"method": method, "partition": part, "seed": seed, "wire_format": cfg.wire_format,
-                                 "dir": f"{method}/{part}/seed{seed}" + (f"/{fmt}" if fmt else ""), "config": cfg})
+                                 "swept": fmt, "dir": f"{method}/{part}/seed{seed}" + (f"/{fmt}" if fmt else ""),
+                                 "config": cfg})
     return runs
 
 
@@ -939,6 +944,17 @@ def add_run_options(ap: argparse.ArgumentParser) -> None:
         group.add_argument(o.first_flag, **kw)
 
 
+def parse_wire_formats(text: str) -> list[str]:
+    """``--wire-formats``' comma-separated list (fleet.py's too), each a known format, in order, once."""
+    from fedsga_edge.config import WIRE_FORMATS
+
+    formats = list(dict.fromkeys(f.strip() for f in text.split(",") if f.strip()))
+    bad = [f for f in formats if f not in WIRE_FORMATS]
+    if bad or not formats:
+        raise SystemExit(f"--wire-formats: unknown {bad}; valid: {', '.join(WIRE_FORMATS)}")
+    return formats
+
+
 def resolve(args: argparse.Namespace) -> Preset:
     p = PRESETS[args.preset]
     p = Preset(**{k: (type(v)(v) if isinstance(v, (list, dict)) else v) for k, v in vars(p).items()})
@@ -958,12 +974,7 @@ def resolve(args: argparse.Namespace) -> Preset:
     if args.threads is not None:
         p.threads = args.threads
     if args.wire_formats is not None:
-        from fedsga_edge.config import WIRE_FORMATS
-
-        p.wire_formats = list(dict.fromkeys(f.strip() for f in args.wire_formats.split(",") if f.strip()))
-        bad = [f for f in p.wire_formats if f not in WIRE_FORMATS]
-        if bad or not p.wire_formats:
-            raise SystemExit(f"--wire-formats: unknown {bad}; valid: {', '.join(WIRE_FORMATS)}")
+        p.wire_formats = parse_wire_formats(args.wire_formats)
         if args.wire_format is not None:
             raise SystemExit("--wire-formats and --wire-format: give one (--wire-formats runs each format)")
     p.run |= {o.param: getattr(args, o.param) for o in bench_options() if getattr(args, o.param) is not None}
@@ -1108,7 +1119,21 @@ def record_differs(run_dir: Path, cfg: Any) -> list[str]:
     if cfg.strategy != "fedsga":  # FedSGA's settings are read by FedSGA's runs alone
         unread |= {k for k in want if k.startswith("fedsga.")}
     return [f"{k} {have.get(k)!r}, plan {want[k]!r}" for k in want
-            if k not in unread and want[k] is not None and have.get(k) != want[k]]
+            if k not in unread and want[k] is not None and have.get(k) != want[k]
+            and not _same_repo_file(have.get(k), want[k])]
+
+
+def _same_repo_file(have: Any, want: Any) -> bool:
+    """Whether a recorded path names the plan's file of this repository from another checkout of it
+    (``/elsewhere/fleets/mixed-bench.toml`` for ``REPO/fleets/mixed-bench.toml``): the records travel with the
+    repository, the absolute paths in them do not."""
+    if not (isinstance(have, str) and isinstance(want, str)):
+        return False
+    try:
+        rel = Path(want).relative_to(REPO)
+    except ValueError:
+        return False
+    return have.endswith("/" + rel.as_posix())
 
 
 def check_records(out: Path, runs: list[dict[str, Any]]) -> None:

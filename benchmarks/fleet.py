@@ -13,6 +13,10 @@ FedSGA's deadline-aware variant (``--deadline-aware``, beyond the paper) gets it
     python benchmarks/fleet.py --target 0.95 --deadline 0       # another target; no deadline (no deadline row)
     python benchmarks/fleet.py --preset cifar         # accuracy.py's cifar regime on the same fleet (CPU-hours)
     python benchmarks/fleet.py --tables-only          # the table again from the runs on disk
+    python benchmarks/fleet.py --server-copies per-client --deadline 0 --target 0.5 \
+        --methods static-p1,static,static-pK,resource,planner-auto --wire-formats fp32,fp16,int8,int4
+                                                      # the planner against every (split, fleet-wide format) pair
+    python benchmarks/fleet.py --data npz:PATH --train-subset 2000 --target 0.15   # a CIFAR-10 subset
 
 Runs are planned and run by benchmarks/accuracy.py (``plan``, ``run_one``): ``OUT/<method>/<partition>/seed<s>/``
 with config.json, metrics.jsonl and summary.json; a run whose summary.json exists is skipped (a killed benchmark
@@ -116,9 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=None, help="Rounds per run (preset: small 5, cifar 14).")
     ap.add_argument("--width", type=float, default=None, help="ResNet width (preset: small 0.125, cifar 0.25).")
     ap.add_argument("--max-batches", type=int, default=None, help="Cap on batches per local epoch (tests).")
+    ap.add_argument("--train-subset", type=int, default=None,
+                    help="Train on this many samples, stratified (e.g. a CIFAR-10 subset that reaches a target in a "
+                         "few rounds; preset: all).")
     ap.add_argument("--server-copies", choices=("shared", "per-client"), default=None,
                     help="The server side (preset: shared); per-client: a copy per device, where the split is a cost "
                          "choice only (the planner's regime, docs/fleet.md, \"Planning splits\").")
+    ap.add_argument("--wire-formats", default=None,
+                    help="Comma-separated wire formats (e.g. fp32,fp16,int8,int4): every method that does not set its "
+                         "own format runs once per format, the whole fleet at it, in .../seed<s>/<format>; the "
+                         "planner's reference is then the best (fixed split, format) pair per seed.")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default).")
     ap.add_argument("--tables-only", action="store_true", help="Run nothing: the table from the runs under --out.")
     ap.add_argument("--no-progress", action="store_true")
@@ -137,6 +148,8 @@ def resolve(args: argparse.Namespace) -> tuple[Any, float, float, dict[str, Any]
         p.data = args.data
     if args.seeds is not None:
         p.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    if args.wire_formats is not None:
+        p.wire_formats = acc.parse_wire_formats(args.wire_formats)
     if args.partitions is not None:
         p.partitions = [s.strip() for s in args.partitions.split(",") if s.strip()]
     for part in p.partitions:
@@ -156,7 +169,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, float, float, dict[str, Any]
             raise SystemExit(f"--methods {DEADLINE_METHOD} needs a round deadline (--deadline SECONDS)")
     else:
         p.methods = split_methods() + ([DEADLINE_METHOD] if deadline else [])
-    for key in ("rounds", "width", "max_batches", "server_copies"):
+    for key in ("rounds", "width", "max_batches", "train_subset", "server_copies"):
         if getattr(args, key) is not None:
             p.run[key] = getattr(args, key)
     if not p.seeds or not p.methods or not p.partitions:
@@ -254,23 +267,24 @@ def table_rows(out: Path, runs: list[dict[str, Any]], target: float) -> list[dic
     from fedsga_edge.report.data import seconds_to_target, time_to_accuracy_curves
     from fedsga_edge.report.runs import load_run
 
-    groups: dict[tuple[str, str], list[Any]] = {}
+    groups: dict[tuple[str, str | None, str], list[Any]] = {}
     for r in runs:
         run_dir = out / r["dir"]
         if not (run_dir / "summary.json").exists():
             continue
         run = load_run(run_dir)
         run.method, run.partition = r["method"], r["partition"]  # the plan's names (config.json may lack them)
-        groups.setdefault((r["method"], r["partition"]), []).append(run)
+        groups.setdefault((r["method"], r.get("swept"), r["partition"]), []).append(run)
     rows = []
-    for (method, part), group in groups.items():
+    for (method, fmt, part), group in groups.items():
         _, hits = seconds_to_target(time_to_accuracy_curves(group), target)
         hit = hits[0] if hits else {"reached": 0, "n": len(group), "seconds": None, "rounds": None}
         records = [row for run in group for row in run.rows if isinstance(row.get("round"), int)]
         summaries = [run.summary or {} for run in group]
         slow = slowest_device(records)
         rows.append({
-            "method": method, "label": acc.LABELS.get(method, method), "partition": part, "seeds": len(group),
+            "method": method, "wire_format": fmt, "partition": part, "seeds": len(group),
+            "label": acc.LABELS.get(method, method) + (f", {fmt} (whole fleet)" if fmt else ""),
             "reached": hit["reached"], "seconds_to_target": hit["seconds"], "rounds_to_target": hit["rounds"],
             "round_s_median": _median([row["fleet_s"] for row in records if "fleet_s" in row]),
             "slowest_device": slow["device"], "slowest_class": slow["class"], "slowest_s_median": slow["median_s"],
@@ -288,49 +302,98 @@ def table_rows(out: Path, runs: list[dict[str, Any]], target: float) -> list[dic
 
 # the planner's rows (with --wire-format auto: its own per-device formats) against the fixed splits and resource
 PLANNERS, FIXED_SPLITS, RESOURCE = ("planner", "planner-auto"), ("static-p1", "static", "static-pK"), "resource"
+SPLITFED = "static"  # static at p_ref: SplitFed, whose accuracy the planner's is compared with (at fp32)
+
+
+def per_seed(out: Path, runs: list[dict[str, Any]], target: float) -> dict[tuple, dict[str, Any]]:
+    """Each finished run, keyed (method, swept format or None, partition, seed): its fleet seconds and round at
+    ``target`` (None when not reached), its accuracy per evaluated round and its final accuracy."""
+    from fedsga_edge.report.data import time_to_accuracy_curves
+    from fedsga_edge.report.runs import load_run
+
+    found = {}
+    for r in runs:
+        if not (out / r["dir"] / "summary.json").exists():
+            continue
+        run = load_run(out / r["dir"])
+        curve = time_to_accuracy_curves([run])[0]["seeds"][0]
+        i = next((i for i, a in enumerate(curve["acc"]) if a >= target - 1e-12), None)
+        found[(r["method"], r.get("swept"), r["partition"], r["seed"])] = {
+            "seconds": None if i is None else curve["seconds"][i], "round": None if i is None else curve["rounds"][i],
+            "acc": dict(zip(curve["rounds"], curve["acc"])), "final_acc": (run.summary or {}).get("final_acc")}
+    return found
+
+
+def _fastest(found: dict[tuple, dict[str, Any]], methods: tuple[str, ...], part: str, seed: int
+             ) -> tuple[float | None, str | None]:
+    """The least seconds to target among ``methods`` at every format run for (part, seed), and which pair it was."""
+    hits = [(v["seconds"], m + (f" {f}" if f else "")) for (m, f, pt, sd), v in found.items()
+            if m in methods and pt == part and sd == seed and v["seconds"] is not None]
+    return min(hits) if hits else (None, None)
 
 
 def paired_planner(out: Path, runs: list[dict[str, Any]], target: float) -> list[dict[str, Any]]:
-    """Per planner method, partition and seed where it ran: its fleet seconds to ``target`` over the best fixed split's
-    (that seed's fastest of static at p_1, p_ref, p_K) and over ``resource``'s, the same seed's runs (None where a
-    run is missing or one of the two did not reach the target)."""
-    from fedsga_edge.report.data import seconds_to_target, time_to_accuracy_curves
-    from fedsga_edge.report.runs import load_run
-
-    secs: dict[tuple[str, str, int], float | None] = {}
-    for r in runs:
-        if (out / r["dir"] / "summary.json").exists():
-            _, hits = seconds_to_target(time_to_accuracy_curves([load_run(out / r["dir"])]), target)
-            secs[(r["method"], r["partition"], r["seed"])] = hits[0]["seconds"] if hits and hits[0]["reached"] else None
+    """Per planner method, partition and seed where it ran: its fleet seconds to ``target`` over the best fixed
+    split's (that seed's fastest (split, fleet-wide format) pair among static at p_1, p_ref, p_K at every format
+    run) and over ``resource``'s (at its fastest format), the same seed's runs (None where a run is missing or
+    did not reach the target); and its accuracy at the round it reached the target and at the end beside SplitFed's
+    (static at p_ref, fp32) at the same rounds."""
+    found = per_seed(out, runs, target)
     rows = []
-    for (method, part, seed), planned in sorted(secs.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
-        if method not in PLANNERS:
+    for (method, fmt, part, seed), mine in sorted(found.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][3])):
+        if method not in PLANNERS or fmt not in (None, "fp32"):
             continue
-        fixed = [v for m in FIXED_SPLITS if (v := secs.get((m, part, seed))) is not None]
-        best, res = (min(fixed) if fixed else None), secs.get((RESOURCE, part, seed))
-        rows.append({"method": method, "partition": part, "seed": seed, "planner_s": planned, "best_fixed_s": best, "resource_s": res,
+        planned = mine["seconds"]
+        best, best_pair = _fastest(found, FIXED_SPLITS, part, seed)
+        res, res_pair = _fastest(found, (RESOURCE,), part, seed)
+        sf = found.get((SPLITFED, None, part, seed)) or found.get((SPLITFED, "fp32", part, seed)) or {}
+        rows.append({"method": method, "partition": part, "seed": seed, "planner_s": planned,
+                     "best_fixed_s": best, "best_fixed": best_pair, "resource_s": res, "resource": res_pair,
                      "vs_best_fixed": planned / best if planned and best else None,
-                     "vs_resource": planned / res if planned and res else None})
+                     "vs_resource": planned / res if planned and res else None,
+                     "target_round": mine["round"], "acc_at_target": mine["acc"].get(mine["round"]),
+                     "splitfed_acc_at_target": (sf.get("acc") or {}).get(mine["round"]),
+                     "final_acc": mine["final_acc"], "splitfed_final_acc": sf.get("final_acc")})
     return rows
 
 
 def paired_markdown(rows: list[dict[str, Any]]) -> str:
-    """The planner's paired ratios, one line per seed and their geometric mean (empty without planner runs)."""
+    """The planner's paired ratios, one line per seed and their geometric mean, then its accuracy beside
+    SplitFed's (empty without planner runs)."""
     if not rows:
         return ""
-    out = ["**The planner against the best fixed split and `resource`** (fleet seconds to target, paired by seed)",
-           "", "| method | partition | seed | planner s | best fixed split s | resource s | planner / best fixed "
-           "| planner / resource |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    out = ["**The planner against the best fixed split and `resource`** (fleet seconds to target, paired by seed; "
+           "the best fixed split is that seed's fastest (split, wire format) pair among the runs, `resource` at its "
+           "fastest format; accuracy (%) at the round the planner reached the target and at the end, beside "
+           "SplitFed's (static p_ref, fp32) at the same rounds)", "",
+           "| method | partition | seed | planner s | best fixed split s (pair) | resource s (format) "
+           "| planner / best fixed | planner / resource | target round | acc there: planner / SplitFed "
+           "| final acc: planner / SplitFed |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def pct(a: float | None, b: float | None) -> str:
+        return f"{_cell(None if a is None else 100 * a, '.1f')} / {_cell(None if b is None else 100 * b, '.1f')}"
+
     for r in rows:
         out.append(f"| {r['method']} | {r['partition']} | {r['seed']} | {_cell(r['planner_s'], '.1f')} "
-                   f"| {_cell(r['best_fixed_s'], '.1f')} | {_cell(r['resource_s'], '.1f')} | {_cell(r['vs_best_fixed'], '.2f')} "
-                   f"| {_cell(r['vs_resource'], '.2f')} |")
+                   f"| {_cell(r['best_fixed_s'], '.1f')} ({r['best_fixed'] or '—'}) "
+                   f"| {_cell(r['resource_s'], '.1f')} ({r['resource'] or '—'}) | {_cell(r['vs_best_fixed'], '.2f')} "
+                   f"| {_cell(r['vs_resource'], '.2f')} | {r['target_round'] or '—'} "
+                   f"| {pct(r['acc_at_target'], r['splitfed_acc_at_target'])} "
+                   f"| {pct(r['final_acc'], r['splitfed_final_acc'])} |")
     for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method]
         for key in ("vs_best_fixed", "vs_resource"):
-            vals = [r[key] for r in rows if r[key] is not None and r["method"] == method]
+            vals = [r[key] for r in mine if r[key] is not None]
             if vals:
                 out.append(f"\n{method} {key.replace('_', ' ')}: geometric mean "
                            f"{float(np.exp(np.mean(np.log(vals)))):.2f} over {len(vals)} seed(s)")
+        diffs = [100 * (r["final_acc"] - r["splitfed_final_acc"]) for r in mine
+                 if r["final_acc"] is not None and r["splitfed_final_acc"] is not None]
+        sf = [100 * r["splitfed_final_acc"] for r in mine if r["splitfed_final_acc"] is not None]
+        if diffs:
+            out.append(f"\n{method} final accuracy minus SplitFed's, paired: {np.mean(diffs):+.1f} points (seeds "
+                       f"{', '.join(f'{d:+.1f}' for d in diffs)}); SplitFed's own spread over these seeds "
+                       f"{min(sf):.1f}-{max(sf):.1f} %")
     return "\n".join(out) + "\n"
 
 

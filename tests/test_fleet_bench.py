@@ -176,3 +176,31 @@ def test_table_from_a_fast_and_a_slowwrite_fleet(bench, tmp_path: Path, digits) 
     # a finished run made with other settings is refused, not mixed in
     with pytest.raises(SystemExit, match="other settings"):
         bench.main(common + ["--fleet", fast, "--out", str(out), "--tables-only"])
+
+
+def test_a_wire_format_sweep_gives_the_planner_the_best_split_and_format_pair(bench, tmp_path: Path, digits) -> None:
+    """--wire-formats runs the fixed splits with the whole fleet at each format; planner-auto, which sets its own
+    formats, runs once; its reference is the fastest (split, format) pair of the seed."""
+    slow = write_fleet(tmp_path / "slow.toml", {"weak": {"count": 10, "gflops": 50.0, "uplink_mbps": 2.0,
+                                                        "downlink_mbps": 4.0, "rtt_ms": 2.0}})
+    res = bench.main(["--methods", "static,planner-auto", "--wire-formats", "fp32,int4", "--rounds", "1",
+                      "--max-batches", "1", "--deadline", "0", "--server-copies", "per-client", "--no-progress",
+                      "--fleet", slow, "--out", str(tmp_path / "out"), "--target", "0.01"])
+    assert res["ran"] == 3
+    out = tmp_path / "out"
+    assert {p.parent.relative_to(out).as_posix() for p in out.rglob("summary.json")} == {
+        "static/iid/seed0/fp32", "static/iid/seed0/int4", "planner-auto/iid/seed0"}
+    secs = {(r["method"], r["wire_format"]): r["seconds_to_target"] for r in res["rows"]}
+    assert secs[("static", "int4")] < secs[("static", "fp32")]  # a quarter of the bytes on a 2 Mbit/s link
+    assert "| Static at p_ref (SplitFed), int4 (whole fleet) |" in res["table"]
+    [paired] = res["paired"]
+    assert paired["method"] == "planner-auto" and paired["best_fixed"] == "static int4"
+    assert paired["best_fixed_s"] == pytest.approx(secs[("static", "int4")])
+    assert paired["splitfed_final_acc"] is not None  # static at p_ref, fp32: SplitFed's accuracy beside it
+
+    # records made in another checkout of the repository name its files by other absolute paths: still the same
+    acc = bench.acc
+    mine = str(acc.REPO / "fleets" / "mixed-bench.toml")
+    assert acc._same_repo_file("/elsewhere/fedsga-edge/fleets/mixed-bench.toml", mine)
+    assert not acc._same_repo_file("/elsewhere/fedsga-edge/fleets/mixed.toml", mine)
+    assert not acc._same_repo_file("/elsewhere/x.toml", "/tmp/x.toml")  # outside the repository: exact paths only
