@@ -40,13 +40,16 @@ DEFENCES = {"off": {"aggregation": "mean", "sample_cap": 0.0, "quarantine": 0.0}
 
 
 def config(scenario: str, defences: str, *, seed: int, clients: int, rounds: int, width: float,
-           max_batches: int, server_copies: str) -> RunConfig:
+           max_batches: int, server_copies: str, momentum: float = 0.0, local_epochs: int = 1,
+           partition: str = "iid", alpha: float = 0.5) -> RunConfig:
     """The run: digits, a narrow resnet18_cifar at split 1 (FedAvg with a held-out slice for ``forged_eval``)."""
     fedavg = scenario == "forged_eval"
     return RunConfig(dataset="digits", clients=clients, rounds=rounds, model="resnet18_cifar", width=width,
                      seed=seed, device="cpu", strategy="fedavg" if fedavg else "static", split=1,
                      server_copies=server_copies, eval_holdout=0.2 if fedavg else 0.0,
-                     train=TrainConfig(local_epochs=1, batch_size=32, max_batches=max_batches),
+                     partition=partition, **({"alpha": alpha} if partition != "iid" else {}),
+                     train=TrainConfig(local_epochs=local_epochs, batch_size=32, max_batches=max_batches,
+                                       momentum=momentum),
                      **DEFENCES[defences])
 
 

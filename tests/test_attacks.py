@@ -95,13 +95,14 @@ def test_quarantine_needs_a_streak_of_rounds_and_survives_a_checkpoint() -> None
     from fedsga_edge.wire import RemoteProtocolError
 
     scores = AnomalyScores(threshold=1.0, rounds=2)
-    honest = {"a": 0.1, "b": -0.2}
-    scores.observe(1, honest | {"evil": 1.5}, {})
-    scores.observe(2, honest | {"evil": 0.3}, {})  # one odd round, then an ordinary one: the streak restarts
-    assert not scores.quarantined
+    honest = {"a": 0.1, "b": -0.2, "c": 0.0}
+    _, held = scores.observe(1, honest | {"evil": 1.5}, {})
+    assert set(held) == {"evil"}  # left out of the round it scored in, before any streak
+    _, held = scores.observe(2, honest | {"evil": 0.3}, {})  # one odd round, then an ordinary one: the streak restarts
+    assert not scores.quarantined and not held
     scores.observe(3, honest, {"evil": -3.0})
-    rec = scores.observe(4, honest, {"evil": 2.0})
-    assert rec["evil"] == {"update": 2.0} and set(scores.quarantined) == {"evil"}
+    rec, held = scores.observe(4, honest, {"evil": 2.0})
+    assert rec["evil"] == {"update": 2.0} and set(scores.quarantined) == {"evil"} and set(held) == {"evil"}
     assert "round 4" in scores.quarantined["evil"] and "update +2.00" in scores.quarantined["evil"]
     restored = AnomalyScores(threshold=1.0, rounds=2)
     restored.load_state_dict(scores.state_dict())
@@ -109,4 +110,9 @@ def test_quarantine_needs_a_streak_of_rounds_and_survives_a_checkpoint() -> None
         restored.check("evil")
     restored.check("a")
     off = AnomalyScores(threshold=0.0, rounds=1)  # off: scores recorded, nobody quarantined
-    assert off.observe(1, {"evil": 9.0}, {}) == {"evil": {"act": 9.0}} and not off.quarantined
+    assert off.observe(1, {"evil": 9.0}, {}) == ({"evil": {"act": 9.0}}, {}) and not off.quarantined
+    few = AnomalyScores(threshold=1.0, rounds=1)  # two others: one of them may be the attacker, nothing acts
+    assert few.observe(1, {"a": 0.0, "b": 0.0, "evil": 9.0}, {})[1] == {} and not few.quarantined
+    loss = AnomalyScores(threshold=1.0, rounds=1)  # a loss counts upwards only
+    _, held = loss.observe(1, {}, {}, honest | {"evil": 3.0, "fits": -3.0})
+    assert set(held) == {"evil"}
