@@ -4,6 +4,8 @@ on a tiny run (digits, a narrow resnet, one batch a round)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from _bench import load_bench
@@ -40,6 +42,7 @@ def test_a_device_whose_activations_stay_off_the_fleets_is_quarantined_and_nobod
     score = records[0]["anomaly"][attacker]["act"]
     assert (score > 1.0) if scenario == "scaled" else (score < -5.0)  # log2 of 2.9 and of 1e-3
     assert all(abs(s.get("act", 0.0)) < 1.0 for d, s in records[0]["anomaly"].items() if d != attacker)
+    assert set(records[0]["held_out"]) == {attacker}  # out of the very round it scored in
     assert set(records[1]["quarantined"]) == {attacker} and "activations" in records[1]["quarantined"][attacker]
     assert attacker not in records[2]["splits"]  # refused from then on
     assert not records[2].get("clipped", {}).get("activations")  # the honest devices' bound was never dragged
@@ -49,7 +52,8 @@ def test_a_device_whose_activations_stay_off_the_fleets_is_quarantined_and_nobod
 def test_median_aggregation_keeps_every_coordinate_within_the_honest_copies(attacks, digits, scenario) -> None:
     from fedsga_edge.simulation import Simulation
 
-    sim = Simulation(attacks.config(scenario, "on", clients=5, rounds=1, **TINY) , digits)
+    cfg = replace(attacks.config(scenario, "off", clients=5, rounds=1, **TINY), aggregation="median")
+    sim = Simulation(cfg, digits)
     attacks.Attacker(sim, scenario)
     seen = _capture_updates(sim)
     rec = sim.run_round(1)
@@ -64,6 +68,26 @@ def test_median_aggregation_keeps_every_coordinate_within_the_honest_copies(atta
         assert (got >= lo - 1e-6).all() and (got <= hi + 1e-6).all(), name
     if scenario == "sign_flip":  # its change is 4.9x the others' the wrong way: the update score says so
         assert rec["anomaly"][attacks.ATTACKER]["update"] > 1.0
+
+
+def test_a_sign_flipped_update_leaves_the_very_round_it_was_sent_in(attacks, digits) -> None:
+    from fedsga_edge.simulation import Simulation
+
+    sim = Simulation(attacks.config("sign_flip", "on", clients=5, rounds=1, **TINY), digits)
+    attacks.Attacker(sim, "sign_flip")
+    seen = _capture_updates(sim)
+    rec = sim.run_round(1)
+    attacker = attacks.ATTACKER
+    assert set(rec["held_out"]) == {attacker} and "direction" in rec["held_out"][attacker]
+    assert rec["anomaly"][attacker]["direction"] < 0 < min(s["direction"] for d, s in rec["anomaly"].items()
+                                                              if d != attacker)
+    new = sim.coordinator.model.state_dict()
+    honest = [d for d in seen if d != attacker]
+    counts = sim.coordinator.clients
+    for name, w in seen[attacker].items():  # the device-side block: the honest copies' weighted mean
+        if w.dtype.kind == "f":
+            mean = sum(counts[d] * seen[d][name].astype(np.float64) for d in honest) / sum(counts[d] for d in honest)
+            assert np.allclose(new[name].numpy(), mean, atol=1e-5), name
 
 
 def test_a_claimed_sample_count_weighs_at_most_the_cap_times_the_fleets_median(attacks, digits) -> None:
@@ -100,10 +124,13 @@ def test_quarantine_needs_a_streak_of_rounds_and_survives_a_checkpoint() -> None
     assert set(held) == {"evil"}  # left out of the round it scored in, before any streak
     _, held = scores.observe(2, honest | {"evil": 0.3}, {})  # one odd round, then an ordinary one: the streak restarts
     assert not scores.quarantined and not held
-    scores.observe(3, honest, {"evil": -3.0})
-    rec, held = scores.observe(4, honest, {"evil": 2.0})
-    assert rec["evil"] == {"update": 2.0} and set(scores.quarantined) == {"evil"} and set(held) == {"evil"}
-    assert "round 4" in scores.quarantined["evil"] and "update +2.00" in scores.quarantined["evil"]
+    _, held = scores.observe(3, honest, {"evil": 3.0})  # an update's norm alone is recorded, it acts on nothing
+    assert not held and not scores.quarantined
+    scores.observe(3, honest, {}, direction={"a": 0.9, "b": 0.8, "c": 0.7, "evil": -0.5})
+    rec, held = scores.observe(4, honest, {"evil": 2.0}, direction={"a": 0.9, "b": 0.8, "c": 0.7, "evil": -0.6})
+    assert rec["evil"] == {"update": 2.0, "direction": -0.6} and set(scores.quarantined) == {"evil"}
+    assert set(held) == {"evil"}
+    assert "round 4" in scores.quarantined["evil"] and "direction -0.60" in scores.quarantined["evil"]
     restored = AnomalyScores(threshold=1.0, rounds=2)
     restored.load_state_dict(scores.state_dict())
     with pytest.raises(RemoteProtocolError, match="quarantined: round 4"):
