@@ -185,7 +185,7 @@ class Coordinator:
         if self.fed_eval.only:  # the final evaluation: the devices' figures, nothing aggregated
             return self.fed_eval.end_final(rs.updates, rs.failures), out
         updates = rs.updates
-        screened = self._screen(updates) if updates else None  # before the server's copies are averaged
+        screened = screen(self, updates) if updates else None  # before the server's copies are averaged
         self.server.end_round(self._snapshot)
         if screened is not None:
             self._aggregate(*screened)
@@ -326,18 +326,6 @@ class Coordinator:
         return "ack", {}
 
     # -- aggregation ------------------------------------------------------------------------------
-    def _screen(self, updates: dict[str, dict[str, Any]]
-                ) -> tuple[dict[str, dict[str, Any]], dict[str, Any], dict[int, dict[str, Tensor]]]:
-        """The round's anomaly scores (coordinator/anomaly.py): the updates, their states by unit and the
-        round's global units that enter aggregation; a device left out leaves the server's copies too."""
-        unit = self.model.unit_of
-        states = {cid: group_by_unit({n: from_numpy(a, self.device) for n, a in u["weights"].items()}, unit)
-                  for cid, u in updates.items()}
-        global_units = group_by_unit(self._snapshot, unit)
-        kept, states = self.anomaly.score(self.round.t, self.bounds, updates, global_units, states)
-        self.server.leave_out(set(updates) - set(kept))
-        return kept, states, global_units
-
     def _aggregate(self, updates: dict[str, dict[str, Any]], states: dict[str, Any],
                    global_units: dict[int, dict[str, Tensor]]) -> None:
         """docs/method.md, "Aggregation": per unit, devices' copies and the server's, weighted by data."""
@@ -381,6 +369,19 @@ class Coordinator:
     def state_dict(self) -> dict[str, Any]:
         """The trained server state (checkpoint.pt's "coordinator"): weights, head, the strategy's own."""
         return {"model": self.model.state_dict(), "head": self.head.state_dict(), "strategy": self.strategy.state_dict()}
+
+
+def screen(co: Coordinator, updates: dict[str, dict[str, Any]]
+           ) -> tuple[dict[str, dict[str, Any]], dict[str, Any], dict[int, dict[str, Tensor]]]:
+    """The round's anomaly scores (coordinator/anomaly.py): the updates, their states by unit and the
+    round's global units that enter aggregation; a device left out leaves the server's copies too."""
+    unit = co.model.unit_of
+    states = {cid: group_by_unit({n: from_numpy(a, co.device) for n, a in u["weights"].items()}, unit)
+              for cid, u in updates.items()}
+    global_units = group_by_unit(co._snapshot, unit)
+    kept, states = co.anomaly.score(co.round.t, co.bounds, updates, global_units, states)
+    co.server.leave_out(set(updates) - set(kept))
+    return kept, states, global_units
 
 
 def checkpoint_state(co: Coordinator) -> dict[str, Any]:
