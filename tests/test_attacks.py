@@ -143,3 +143,30 @@ def test_quarantine_needs_a_streak_of_rounds_and_survives_a_checkpoint() -> None
     loss = AnomalyScores(threshold=1.0, rounds=1)  # a loss counts upwards only
     _, held = loss.observe(1, {}, {}, honest | {"evil": 3.0, "fits": -3.0})
     assert set(held) == {"evil"}
+
+
+def test_the_first_batch_loss_is_the_rounds_and_a_low_loss_never_counts() -> None:
+    from fedsga_edge.coordinator.anomaly import LOSS_FLOOR, AnomalyScores
+
+    scores = AnomalyScores(threshold=1.0, rounds=2)
+    for d, loss in {"a": 0.2, "b": 0.3, "c": 0.25, "flip": 3.0, "fits": 0.0}.items():
+        scores.step_loss(d, loss)
+        scores.step_loss(d, 0.01)  # later steps of the round: the copy has trained on the batch already
+    got = scores.loss_scores(list(scores.losses))
+    assert got["flip"] == pytest.approx(np.log2((3.0 + LOSS_FLOOR) / (0.25 + LOSS_FLOOR)))  # the upper median
+    assert got["fits"] < -0.9 and all(abs(got[d]) < 0.6 for d in "abc")
+    assert set(scores.observe(2, {}, {}, got)[1]) == {"flip"}
+    scores.begin_round()
+    assert not scores.losses
+
+
+@pytest.mark.full("two 6-round runs at the benchmark's regime (about 5 minutes on the shared 2 cores)")
+def test_labels_flipped_are_left_out_while_an_honest_device_with_skewed_labels_is_not(attacks, digits) -> None:
+    regime = dict(seed=100, clients=5, rounds=6, width=0.125, max_batches=0, server_copies="per_client",
+                  momentum=0.9)
+    _, flipped = attacks.simulate("label_flip", "on", digits, **regime)
+    held = [r.get("held_out", {}) for r in flipped]
+    assert any(attacks.ATTACKER in h and "loss" in h[attacks.ATTACKER] for h in held)
+    assert not any(d != attacks.ATTACKER for h in held for d in h)
+    _, skewed = attacks.simulate("clean", "on", digits, partition="dirichlet", alpha=0.1, **regime)
+    assert not any(r.get("held_out") for r in skewed) and not skewed[-1].get("quarantined")
