@@ -141,7 +141,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--on-aggregation", default=DEFENCES["on"]["aggregation"],
                     help="the aggregation rule of the defences-on runs")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--report", type=Path, nargs="+", help="only print the summary of these --json files")
     args = ap.parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return {}
     kw = dict(clients=args.clients, rounds=args.rounds, width=args.width, max_batches=args.max_batches,
               server_copies=args.server_copies, momentum=args.momentum, local_epochs=args.local_epochs,
               partition=args.partition, alpha=args.alpha)
@@ -162,18 +166,57 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return results
 
 
+def _paired() -> Any:
+    """benchmarks/accuracy.py's ``paired`` (mean paired difference, its standard error, wins)."""
+    import importlib.util
+    import sys
+
+    mod = sys.modules.get("accuracy_bench")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("accuracy_bench", Path(__file__).parent / "accuracy.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["accuracy_bench"] = mod  # its dataclasses look their module up here
+        spec.loader.exec_module(mod)
+    return mod.paired
+
+
 def summary(results: dict[str, Any]) -> str:
-    """Per defence setting and scenario: mean final accuracy and the mean paired difference to clean."""
-    rows: dict[tuple[str, str], list[float]] = {}
+    """Per defence setting and scenario: final accuracy per seed, the paired difference to the clean run of
+    the same defences (points, mean ± standard error, seeds under clean / seeds), the seeds on which the
+    attacker was quarantined, and how many honest device-rounds were left out; last the defences' honest
+    cost (clean, on minus off, paired)."""
+    paired = _paired()
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for key, r in results["runs"].items():
         d, sc, seed = key.split("/")
-        rows.setdefault((d, sc), []).append(r["final_acc"])
-    lines = ["| defences | scenario | final acc (mean) | vs clean (points, mean) |", "|---|---|---:|---:|"]
-    for (d, sc), accs in rows.items():
-        clean = rows.get((d, "clean"))
-        diff = f"{100 * (np.mean(accs) - np.mean(clean)):+.1f}" if clean and len(clean) == len(accs) else "-"
-        lines.append(f"| {d} | {sc} | {np.mean(accs):.3f} | {diff} |")
+        runs.setdefault((d, sc), []).append({"_seed": int(seed), "acc": r["final_acc"], **r})
+    acc = lambda s: s["acc"]
+    lines = ["| defences | scenario | final acc per seed | vs clean, points (mean ± SE; seeds not above clean / seeds) | quarantined "
+             "| honest device-rounds left out |", "|---|---|---|---|---|---|"]
+    for (d, sc), rs in sorted(runs.items()):
+        rs = sorted(rs, key=lambda s: s["_seed"])
+        pr = paired(rs, runs[(d, "clean")], acc) if sc != "clean" and (d, "clean") in runs else None
+        vs = "-" if pr is None else (f"{100 * pr['mean']:+.1f} ± {100 * (pr['se'] or 0):.1f} "
+                                     f"({pr['n'] - pr['wins']}/{pr['n']})")
+        quarantined = sum(ATTACKER in s.get("quarantined", {}) for s in rs)
+        per_seed = ", ".join(f"{s['acc']:.3f}" for s in rs)
+        lines.append(f"| {d} | {sc} | {per_seed} | {vs} "
+                     f"| {quarantined}/{len(rs)} | {sum(s.get('honest_held_rounds', 0) for s in rs)} |")
+    if ("on", "clean") in runs and ("off", "clean") in runs:
+        pr = paired(runs[("on", "clean")], runs[("off", "clean")], acc)
+        if pr is not None:
+            lines.append(f"\nHonest cost (clean, on minus off, paired over {pr['n']} seeds): "
+                         f"{100 * pr['mean']:+.2f} ± {100 * (pr['se'] or 0):.2f} points")
     return "\n".join(lines)
+
+
+def report(paths: list[Path]) -> str:
+    """``summary`` over the runs of several ``--json`` files (one grid run in pieces)."""
+    merged: dict[str, Any] = {"runs": {}}
+    for p in paths:
+        merged["runs"].update(json.loads(p.read_text())["runs"])
+    return summary(merged)
 
 
 if __name__ == "__main__":
