@@ -170,3 +170,14 @@ def test_labels_flipped_are_left_out_while_an_honest_device_with_skewed_labels_i
     assert not any(d != attacks.ATTACKER for h in held for d in h)
     _, skewed = attacks.simulate("clean", "on", digits, partition="dirichlet", alpha=0.1, **regime)
     assert not any(r.get("held_out") for r in skewed) and not skewed[-1].get("quarantined")
+
+
+def test_the_summary_pairs_each_attack_with_the_clean_run_of_its_seed(attacks) -> None:
+    runs = {f"{d}/{sc}/{seed}": {"final_acc": acc, "quarantined": {attacks.ATTACKER: "x"} if sc != "clean" else {},
+                                 "honest_held_rounds": 0}
+            for d, sc, seed, acc in [("on", "clean", 0, 0.90), ("on", "clean", 1, 0.95), ("off", "clean", 0, 0.91),
+                                     ("off", "clean", 1, 0.95), ("on", "scaled", 1, 0.94), ("on", "scaled", 0, 0.92)]}
+    text = attacks.summary({"runs": runs})
+    # seed 0: +2 points, seed 1: -1 point: mean +0.5, SE = std([2, -1]) / sqrt 2 = 1.5
+    assert "| on | scaled | 0.920, 0.940 | +0.5 ± 1.5 (1/2) | 2/2 | 0 |" in text
+    assert "on minus off, paired over 2 seeds): -0.50 ± 0.50 points" in text
