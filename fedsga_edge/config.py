@@ -235,10 +235,11 @@ class RunConfig:
         "fraction of copies assumed hostile (at least one).", ge=0, lt=0.5,
         when=lambda c: c.aggregation in ("trimmed_mean", "krum"))
     quarantine: float = opt(
-        0.0, "Quarantine a device whose activation or update norm stays more than 2^S times (or less than 2^-S "
-        "times) the other devices' for --quarantine-rounds rounds in a row: its updates leave aggregation and its "
-        "activations are refused for the rest of the run; 0 = off (scores are recorded either way; "
-        "docs/protocol.md, \"Anomaly scores and quarantine\").", ge=0, finite=True)
+        0.0, "Anomaly scores act: an activation batch whose median norm is more than 2^S times (or less than 2^-S "
+        "times) the other devices' is refused before it steps the server; a device whose round scores beyond S "
+        "(activations, server-side loss) or whose update points against the others' is left out of that round's "
+        "aggregation; --quarantine-rounds such rounds in a row quarantine it for the rest of the run; 0 = off "
+        "(scores are recorded either way; docs/protocol.md, \"Anomaly scores and quarantine\").", ge=0, finite=True)
     quarantine_rounds: int = opt(
         2, "--quarantine: consecutive rounds beyond the threshold before a device is quarantined.", ge=1)
     sample_cap: float = opt(
