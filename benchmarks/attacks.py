@@ -10,7 +10,9 @@ on the transport, which benchmarks/hostile.py covers):
 * ``drag``: its activations x 1e-3 (dragging the activation bound of the others down);
 * ``sample_lie``: it claims 10^9 samples, the fleet bringing its own data (counts unverified),
   with its update sign-flipped as above (the claim is what makes one update weigh);
-* ``forged_eval``: it reports ``eval_acc = 1.0`` for its held-out slice (whole-model devices, FedAvg).
+* ``forged_eval``: it reports ``eval_acc = 1.0`` for its held-out slice (whole-model devices, FedAvg);
+* ``absent``: no attack, the device quarantined before round 1 (its data never trains): what a defence
+  that catches the attacker at once, and leaves its data out with it, ends at.
 
 "off" is the bounds alone (``--aggregation mean --sample-cap 0 --quarantine 0``); "on" adds
 ``--sample-cap 3 --quarantine 1`` (the anomaly scores leave a device out within the round, quarantine
@@ -37,7 +39,7 @@ from fedsga_edge.config import RunConfig, TrainConfig
 from fedsga_edge.simulation import Simulation
 
 ATTACKER = "client-001"
-SCENARIOS = ("clean", "scaled", "label_flip", "label_flip_scaled", "sign_flip", "drag", "sample_lie", "forged_eval")
+SCENARIOS = ("clean", "absent", "scaled", "label_flip", "label_flip_scaled", "sign_flip", "drag", "sample_lie", "forged_eval")
 DEFENCES = {"off": {"aggregation": "mean", "sample_cap": 0.0, "quarantine": 0.0},
             "on": {"aggregation": "mean", "sample_cap": 3.0, "quarantine": 1.0}}
 
@@ -63,6 +65,8 @@ class Attacker:
     def __init__(self, sim: Simulation, scenario: str, num_classes: int = 10) -> None:
         self.sim, self.scenario, self.num_classes = sim, scenario, num_classes
         co = sim.coordinator
+        if scenario == "absent":  # the reference of a perfect catch: the device is out from the start
+            co.anomaly.quarantined[ATTACKER] = "absent: the benchmark's reference"
         if scenario == "sample_lie":  # the fleet brings its own data: every count is a claim
             co.unverified = set(co.clients)
             co.clients[ATTACKER] = 10**9
