@@ -181,3 +181,25 @@ def test_the_summary_pairs_each_attack_with_the_clean_run_of_its_seed(attacks) -
     # seed 0: +2 points, seed 1: -1 point: mean +0.5, SE = std([2, -1]) / sqrt 2 = 1.5
     assert "| on | scaled | 0.920, 0.940 | +0.5 ± 1.5 (1/2) | 2/2 | 0 |" in text
     assert "on minus off, paired over 2 seeds): -0.50 ± 0.50 points" in text
+
+
+def test_a_batch_off_the_fleets_norms_is_refused_before_it_steps_the_server() -> None:
+    import torch
+
+    from fedsga_edge.coordinator.anomaly import AnomalyScores
+    from fedsga_edge.coordinator.influence import ActivationBound
+    from fedsga_edge.wire import RemoteProtocolError
+
+    bounds, scores = ActivationBound(3.0), AnomalyScores(threshold=1.0, rounds=2)
+    for d, m in (("a", 1.0), ("b", 1.1)):
+        bounds.accept(d, 1, torch.full((8,), m))
+    scores.check_batch(bounds, 1, "evil", torch.full((8,), 2.9))  # two others: one of them may be the liar
+    bounds.accept("c", 1, torch.full((8,), 0.9))
+    scores.check_batch(bounds, 1, "d", torch.full((8,), 1.2))  # honest spread passes
+    with pytest.raises(RemoteProtocolError, match="refused as anomalous"):
+        scores.check_batch(bounds, 1, "evil", torch.full((8,), 2.9))
+    assert bounds.median(1, "evil") == pytest.approx(2.9)  # remembered as sent: its round score says the same
+    _, held = scores.observe(1, {}, {})
+    assert set(held) == {"evil"} and scores.streak["evil"] == 1
+    off = AnomalyScores(threshold=0.0, rounds=2)  # off: nothing refused
+    off.check_batch(bounds, 1, "evil", torch.full((8,), 1e-3))
