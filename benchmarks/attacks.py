@@ -200,13 +200,21 @@ def summary(results: dict[str, Any]) -> str:
              "| honest device-rounds left out |", "|---|---|---|---|---|---|"]
     for (d, sc), rs in sorted(runs.items()):
         rs = sorted(rs, key=lambda s: s["_seed"])
-        pr = paired(rs, runs[(d, "clean")], acc) if sc != "clean" and (d, "clean") in runs else None
+        # forged_eval runs FedAvg: its clean run is another strategy's, its figures are the claims (below)
+        pr = paired(rs, runs[(d, "clean")], acc) if sc not in ("clean", "forged_eval") and (d, "clean") in runs \
+            else None
         vs = "-" if pr is None else (f"{100 * pr['mean']:+.1f} ± {100 * (pr['se'] or 0):.1f} "
                                      f"({pr['n'] - pr['wins']}/{pr['n']})")
         quarantined = sum(ATTACKER in s.get("quarantined", {}) for s in rs)
         per_seed = ", ".join(f"{s['acc']:.3f}" for s in rs)
         lines.append(f"| {d} | {sc} | {per_seed} | {vs} "
                      f"| {quarantined}/{len(rs)} | {sum(s.get('honest_held_rounds', 0) for s in rs)} |")
+    for (d, sc), rs in sorted(runs.items()):
+        if sc == "forged_eval":
+            lines.append(f"\n{d}/forged_eval per seed, fed_acc (weighted) / fed_acc_median (device-claimed) / "
+                         "test_acc of the same model: " + ", ".join(
+                             f"{s.get('fed_acc', 0):.3f} / {s.get('fed_acc_median', 0):.3f} / "
+                             f"{s.get('test_acc_then') or 0:.3f}" for s in sorted(rs, key=lambda s: s["_seed"])))
     if ("on", "clean") in runs and ("off", "clean") in runs:
         pr = paired(runs[("on", "clean")], runs[("off", "clean")], acc)
         if pr is not None:
