@@ -51,6 +51,10 @@ class ActivationBound:
             return None
         return self.factor * upper_median(others)
 
+    def devices(self, k: int) -> list[str]:
+        """The devices heard at split k."""
+        return list(self._medians.get(k, {}))
+
     def median(self, k: int, device: str) -> float | None:
         """The median norm ``device`` has sent at split k (None: nothing yet)."""
         return self._medians.get(k, {}).get(device)

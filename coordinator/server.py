@@ -137,6 +137,7 @@ class Coordinator:
         self.round.begin(t, assigned, calibrate, now + timeout if timeout > 0 else None)
         self._snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.fed_eval.begin_round(t, evaluate_only)
+        self.anomaly.begin_round()
         self.server.work.begin_round()
         if not evaluate_only:
             self.server.set_lr_scale(self.strategy.lr_scale(t))
@@ -184,9 +185,10 @@ class Coordinator:
         if self.fed_eval.only:  # the final evaluation: the devices' figures, nothing aggregated
             return self.fed_eval.end_final(rs.updates, rs.failures), out
         updates = rs.updates
+        screened = screen(self, updates) if updates else None  # before the server's copies are averaged
         self.server.end_round(self._snapshot)
-        if updates:
-            self._aggregate(updates)
+        if screened is not None:
+            self._aggregate(*screened)
         record: dict[str, Any] = {
             "round": rs.t,
             "splits": {cid: int(u["split"]) for cid, u in updates.items()},
@@ -269,6 +271,7 @@ class Coordinator:
         z, y = self.check_activation(msg.body, "z", k)
         extra = self.strategy.check_activation(msg.body, len(y))
         z, scale, clipped, norms = self.bounds.clip(k, z, msg.sender)
+        self.anomaly.check_batch(self.bounds, k, msg.sender, norms)  # --quarantine: off the fleet's, never stepped
         # validated whole: stepped now, or held by a side that merges (its reply comes with its step)
         return self._answers(self.server.submit(Activation(msg, k, z, y, scale, clipped, norms, extra), self.strategy))
 
@@ -295,6 +298,7 @@ class Coordinator:
         """After an accepted server step: the bookkeeping, and the gradient reply's body."""
         a, device = r.act, r.act.msg.sender
         self.bounds.accept(device, a.k, a.norms)
+        self.anomaly.step_loss(device, r.loss)
         self.strategy.after_step(r.Z, a.y, a.extra)
         self._stats["server_samples"][a.k] = self._stats["server_samples"].get(a.k, 0) + len(a.y)
         if a.clipped:
@@ -322,13 +326,10 @@ class Coordinator:
         return "ack", {}
 
     # -- aggregation ------------------------------------------------------------------------------
-    def _aggregate(self, updates: dict[str, dict[str, Any]]) -> None:
+    def _aggregate(self, updates: dict[str, dict[str, Any]], states: dict[str, Any],
+                   global_units: dict[int, dict[str, Tensor]]) -> None:
         """docs/method.md, "Aggregation": per unit, devices' copies and the server's, weighted by data."""
         unit = self.model.unit_of
-        states = {cid: group_by_unit({n: from_numpy(a, self.device) for n, a in u["weights"].items()}, unit)
-                  for cid, u in updates.items()}
-        global_units = group_by_unit(self._snapshot, unit)
-        updates, states = self.anomaly.score(self.round.t, self.bounds, updates, global_units, states)
         states = self.fronts.keep(states)  # --fronts private: a device's front stays its own, the rest is aggregated
         self._stats["clipped"]["updates"] = clip_updates(global_units, states, self.cfg.clip_updates)
         weight = self.strategy.aggregation_weight  # the strategy's weight(n) unless it weighs otherwise (FedAS)
@@ -368,6 +369,19 @@ class Coordinator:
     def state_dict(self) -> dict[str, Any]:
         """The trained server state (checkpoint.pt's "coordinator"): weights, head, the strategy's own."""
         return {"model": self.model.state_dict(), "head": self.head.state_dict(), "strategy": self.strategy.state_dict()}
+
+
+def screen(co: Coordinator, updates: dict[str, dict[str, Any]]
+           ) -> tuple[dict[str, dict[str, Any]], dict[str, Any], dict[int, dict[str, Tensor]]]:
+    """The round's anomaly scores (coordinator/anomaly.py): the updates, their states by unit and the
+    round's global units that enter aggregation; a device left out leaves the server's copies too."""
+    unit = co.model.unit_of
+    states = {cid: group_by_unit({n: from_numpy(a, co.device) for n, a in u["weights"].items()}, unit)
+              for cid, u in updates.items()}
+    global_units = group_by_unit(co._snapshot, unit)
+    kept, states = co.anomaly.score(co.round.t, co.bounds, updates, global_units, states)
+    co.server.leave_out(set(updates) - set(kept))
+    return kept, states, global_units
 
 
 def checkpoint_state(co: Coordinator) -> dict[str, Any]:

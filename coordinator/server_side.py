@@ -217,6 +217,11 @@ class ServerSide:
     def finish_device(self, device: str, depth: int) -> None:
         """The device's update was accepted: its training on this side is over for the round."""
 
+    def leave_out(self, devices: set[str]) -> None:
+        """Devices whose round the anomaly scores left out (coordinator/anomaly.py): what of theirs this side
+        can still take back. A shared copy has taken their steps already; their batches that scored off the
+        fleet's were refused before stepping it."""
+
     def end_round(self, snapshot: dict[str, Tensor]) -> None:
         """Before aggregation: leave the server's result of the round in ``self.model`` / ``self.head``."""
 
@@ -296,6 +301,11 @@ class PerClientServer(ServerSide):
         trained = {n: v.clone() for n, v in side.model.state_dict().items() if side.model.unit_of(n) >= depth}
         trained |= {"head:" + n: v.clone() for n, v in side.head.state_dict().items()}
         self._done[device] = (self.weight(device), trained)
+
+    def leave_out(self, devices: set[str]) -> None:
+        """Their copies leave the round's average (on this rank: a copy another rank holds stays in)."""
+        for d in devices:
+            self._done.pop(d, None)
 
     def _unit(self, name: str) -> int | str:
         return "head" if name.startswith("head:") else self.model.unit_of(name)

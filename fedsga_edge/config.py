@@ -27,7 +27,7 @@ WIRE_FORMATS = ("fp32", "fp16", "int8", "int4")
 WIRE_CODECS: dict[str, str] = {"fp32": "raw", "fp16": "fp16", "int8": "int8", "int4": "int4"}
 AUTO_WIRE = "auto"
 # How the copies of one unit become its new global value (fedsga_edge/method/aggregation.py ``RULES``).
-AGGREGATIONS = ("mean", "trimmed_mean", "median", "norm_bounded")
+AGGREGATIONS = ("mean", "trimmed_mean", "median", "norm_bounded", "krum")
 # Options whose default changed after runs were recorded: a run record (config.json, a checkpoint) that lacks
 # the key ran with this value, not today's default (docs/method.md, "Batches": every run before the option cut
 # its epochs with the tail rule). ``RunConfig.from_record`` applies it; so does the benchmark's record check.
@@ -237,15 +237,19 @@ class RunConfig:
         "mean", "How the copies of a unit are combined, whatever the strategy: mean (weighted by data) | "
         "trimmed-mean (coordinate-wise, the --trim-fraction largest and smallest values left out) | median "
         "(coordinate-wise) | norm-bounded (each copy's change scaled to at most the median change, then the "
-        "weighted mean); docs/protocol.md, \"Robust aggregation\".", choices=AGGREGATIONS, dashed=True)
+        "weighted mean) | krum (multi-Krum: the --trim-fraction of copies farthest from their nearest neighbours "
+        "left out whole, the rest averaged); docs/protocol.md, \"Robust aggregation\".", choices=AGGREGATIONS,
+        dashed=True)
     trim_fraction: float = opt(
-        0.2, "--aggregation trimmed-mean: the fraction of copies cut at each end of every coordinate.", ge=0,
-        lt=0.5, when=lambda c: c.aggregation == "trimmed_mean")
+        0.2, "--aggregation trimmed-mean: the fraction of copies cut at each end of every coordinate; krum: the "
+        "fraction of copies assumed hostile (at least one).", ge=0, lt=0.5,
+        when=lambda c: c.aggregation in ("trimmed_mean", "krum"))
     quarantine: float = opt(
-        0.0, "Quarantine a device whose activation or update norm stays more than 2^S times (or less than 2^-S "
-        "times) the other devices' for --quarantine-rounds rounds in a row: its updates leave aggregation and its "
-        "activations are refused for the rest of the run; 0 = off (scores are recorded either way; "
-        "docs/protocol.md, \"Anomaly scores and quarantine\").", ge=0, finite=True)
+        0.0, "Anomaly scores act: an activation batch whose median norm is more than 2^S times (or less than 2^-S "
+        "times) the other devices' is refused before it steps the server; a device whose round scores beyond S "
+        "(activations, server-side loss) or whose update points against the others' is left out of that round's "
+        "aggregation; --quarantine-rounds such rounds in a row quarantine it for the rest of the run; 0 = off "
+        "(scores are recorded either way; docs/protocol.md, \"Anomaly scores and quarantine\").", ge=0, finite=True)
     quarantine_rounds: int = opt(
         2, "--quarantine: consecutive rounds beyond the threshold before a device is quarantined.", ge=1)
     sample_cap: float = opt(

@@ -196,6 +196,22 @@ def test_robust_rules_leave_one_hostile_copy_out_and_keep_the_counters_rule() ->
     assert all(robust_average(copies, ones, r, ref=ref)["n"].item() == 3 for r in ("median", "trimmed_mean"))
 
 
+def test_multi_krum_leaves_the_copies_far_from_their_neighbours_out_whole() -> None:
+    from fedsga_edge.method.aggregation import krum_keep, robust_average
+
+    honest = [{"w": torch.tensor([1.0 + 0.1 * i, -1.0]), "n": torch.tensor(i)} for i in range(4)]
+    evil = {"w": torch.tensor([1.2, 3.0]), "n": torch.tensor(9)}  # each coordinate inside a trimmed mean's reach
+    copies = honest[:2] + [evil] + honest[2:]
+    assert krum_keep(copies, 0.2) == [0, 1, 3, 4]  # f = 1 of 5: the farthest copy leaves
+    kept = robust_average(copies, [1.0, 1.0, 1.0, 1.0, 4.0], "krum", 0.2)
+    assert kept["w"].tolist() == pytest.approx([(1.0 + 1.1 + 1.2 + 4 * 1.3) / 7, -1.0])  # the rest, by weight
+    assert kept["n"].item() == 3  # counters: the maximum over the kept copies
+    ten = [{"w": torch.tensor([float(i % 3), 0.0])} for i in range(8)] + [{"w": torch.tensor([0.0, 50.0 + i])}
+                                                                            for i in range(2)]
+    assert krum_keep(ten, 0.2) == list(range(8))  # f = 2 of 10
+    assert krum_keep(copies[:3], 0.2) == [0, 1, 2]  # fewer than f + 3: no neighbours to score by, all kept
+
+
 def test_robust_rules_are_weighted_so_the_servers_copy_counts_for_its_devices() -> None:
     from fedsga_edge.method.aggregation import robust_average
 
@@ -205,6 +221,6 @@ def test_robust_rules_are_weighted_so_the_servers_copy_counts_for_its_devices() 
     # trim 0.2 of 10: cuts 2 units of weight from each end
     assert robust_average(copies, [8.0, 1.0, 1.0], "trimmed_mean", 0.2)["w"].item() == pytest.approx(0.0)
     with pytest.raises(ValueError, match="not one of"):
-        robust_average(copies, [1.0] * 3, "krum")
+        robust_average(copies, [1.0] * 3, "bulyan")
     with pytest.raises(ValueError, match="reference"):
         robust_average(copies, [1.0] * 3, "norm_bounded")

@@ -12,7 +12,9 @@ tensors into one matrix and does one matrix-vector product. Tests check they agr
 ``robust_average`` is the same average under a rule one device cannot steer (``--aggregation``,
 docs/protocol.md "Robust aggregation"): a coordinate-wise weighted trimmed mean or median (Flower's
 FedTrimmedAvg / FedMedian, weighted so that the server's copy still counts for the devices whose data
-it trained), or norm-bounded averaging (each copy's change scaled to at most the median change).
+it trained), norm-bounded averaging (each copy's change scaled to at most the median change), or
+multi-Krum (Blanchard et al. 2017, Flower's Krum: the copies closest to their nearest neighbours, the
+farthest ``f`` left out whole, the rest averaged by weight).
 
 ``round_contributions`` / ``aggregate_round`` turn one round's device updates (plus the server's
 copy) into that rule, so the coordinator's aggregation can be tested without a coordinator. Units:
@@ -36,6 +38,7 @@ __all__ = [
     "aggregate_blocks",
     "aggregate_round",
     "group_by_unit",
+    "krum_keep",
     "robust_average",
     "round_contributions",
     "weighted_average",
@@ -44,7 +47,7 @@ __all__ = [
 
 State = Mapping[str, Tensor]
 # fedsga_edge/config.py AGGREGATIONS: how the copies of one unit are combined
-RULES = ("mean", "trimmed_mean", "median", "norm_bounded")
+RULES = ("mean", "trimmed_mean", "median", "norm_bounded", "krum")
 
 
 def _check(states: Sequence[State], weights: Sequence[float]) -> float:
@@ -101,7 +104,8 @@ def robust_average(states: Sequence[State], weights: Sequence[float], rule: str 
 
     ``trimmed_mean`` cuts ``trim`` of the total weight at each end of every coordinate's sorted values;
     ``median`` is every coordinate's weighted median (of two equal weights, their mean); ``norm_bounded``
-    scales each copy's change from ``ref`` (required) down to the weighted median change first.
+    scales each copy's change from ``ref`` (required) down to the weighted median change first; ``krum``
+    averages the copies multi-Krum keeps (``krum_keep``, ``trim`` of the copies assumed hostile).
     """
     if rule not in RULES:
         raise ValueError(f"aggregation rule {rule!r} is not one of {', '.join(RULES)}")
@@ -111,6 +115,9 @@ def robust_average(states: Sequence[State], weights: Sequence[float], rule: str 
         if ref is None:
             raise ValueError("norm_bounded aggregation needs the reference state the changes are measured from")
         return weighted_average_fast(_norm_bounded(states, weights, ref), weights)
+    if rule == "krum":
+        kept = krum_keep(states, trim)
+        return weighted_average_fast([states[i] for i in kept], [weights[i] for i in kept])
     _check(states, weights)
     ref0 = states[0]
     float_keys = [k for k, v in ref0.items() if v.is_floating_point()]
@@ -126,6 +133,22 @@ def robust_average(states: Sequence[State], weights: Sequence[float], rule: str 
         out[k] = flat[offset: offset + n].view_as(ref0[k]).to(ref0[k].dtype)
         offset += n
     return out
+
+
+def krum_keep(states: Sequence[State], trim: float) -> list[int]:
+    """Multi-Krum's choice: with f = round(``trim`` x n) copies assumed hostile (at least 1), each copy's score
+    is the summed squared distance to its n - f - 2 nearest others (floating tensors, flattened); the n - f
+    lowest scores are kept, in their order. Fewer than f + 3 copies give no neighbours to score by: all kept."""
+    n = len(states)
+    f = max(1, round(trim * n))
+    if n < f + 3:
+        return list(range(n))
+    keys = [k for k, v in states[0].items() if v.is_floating_point()]
+    mat = torch.stack([torch.cat([s[k].reshape(-1).to(torch.float64) for k in keys]) for s in states])
+    dist = torch.cdist(mat, mat) ** 2
+    dist.fill_diagonal_(float("inf"))
+    scores = dist.sort(dim=1).values[:, : n - f - 2].sum(dim=1)
+    return sorted(scores.argsort()[: n - f].tolist())
 
 
 def _sorted(mat: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
