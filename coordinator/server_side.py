@@ -303,7 +303,7 @@ class PerClientServer(ServerSide):
         self._done[device] = (self.weight(device), trained)
 
     def leave_out(self, devices: set[str]) -> None:
-        """Their copies leave the round's average (on this rank: a copy another rank holds stays in)."""
+        """Their copies leave the round's average (coordinator/sharding.py tells the rank that holds one)."""
         for d in devices:
             self._done.pop(d, None)
 

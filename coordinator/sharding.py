@@ -314,6 +314,13 @@ class ShardedServer(PerClientServer):
         else:
             self.links[r].send({"op": "finish", "device": device, "depth": depth, "weight": self.weight(device)})
 
+    def leave_out(self, devices: set[str]) -> None:
+        """Their copies leave the round's average on whichever rank holds them."""
+        super().leave_out({d for d in devices if self.owners.get(d, 0) == 0})
+        for d in devices:
+            if (r := self.owners.get(d, 0)) != 0:
+                self.links[r].send({"op": "leave_out", "device": d})
+
     def end_round(self, snapshot: dict[str, Tensor]) -> None:
         while self._flight or self._dropped:  # every step out must be back before the copies are averaged
             self._read(block=True)
@@ -400,6 +407,8 @@ def serve_shard(server: PerClientServer, strategy: Any, reduce_group: Any = None
         elif op == "finish":
             weights[msg["device"]] = msg["weight"]
             server.finish_device(msg["device"], msg["depth"])
+        elif op == "leave_out":
+            server.leave_out({msg["device"]})
         elif op == "end":
             link.flush()
             reduce_copies(server, snapshot, reduce_group)

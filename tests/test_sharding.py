@@ -42,6 +42,39 @@ def test_two_ranks_train_what_one_process_trains():
         torch.testing.assert_close(two[1][n], v, rtol=1e-5, atol=1e-6, msg=n)
 
 
+def _leaving_out(sim: Simulation, device: str) -> None:
+    """Every round, ``device``'s server copy is left out just before the copies are averaged (as an anomaly
+    score would leave it out, coordinator/anomaly.py)."""
+    server = sim.coordinator.server
+    end = server.end_round
+
+    def end_round(snapshot):
+        server.leave_out({device})
+        end(snapshot)
+
+    server.end_round = end_round
+
+
+def test_a_copy_left_out_on_another_rank_leaves_the_average_as_on_one_rank():
+    torch.set_num_threads(1)
+    with ServerRanks(_cfg(), 2, threads=1) as ranks:
+        sim = Simulation(_cfg())
+        ranks.shard(sim.coordinator)
+        device = next(d for d, r in ranks.server.owners.items() if r == 1)
+        _leaving_out(sim, device)
+        for _ in sim.rounds():
+            pass
+        two = {n: v.clone() for n, v in sim.model.state_dict().items()}
+    one_sim = Simulation(_cfg())
+    _leaving_out(one_sim, device)
+    for _ in one_sim.rounds():
+        pass
+    kept = _run(_cfg(), None)[1]
+    for n, v in one_sim.model.state_dict().items():
+        torch.testing.assert_close(two[n], v, rtol=1e-5, atol=1e-6, msg=n)
+    assert any(not torch.equal(kept[n], v) for n, v in one_sim.model.state_dict().items())
+
+
 def test_a_message_travels_as_a_header_and_its_tensors():
     """Tensors anywhere in a message leave the header as slots, in order, and come back in their places."""
     import pickle
