@@ -12,6 +12,7 @@ import torch
 from _coordinator import bodies
 from _runs import tiny_config
 
+from fedsga_edge.coordinator.server import screen
 from fedsga_edge.device.methods import FedASDevice, FedGHDevice
 from fedsga_edge.simulation import Simulation
 from fedsga_edge.wire import RemoteProtocolError
@@ -190,7 +191,7 @@ def test_fedas_aggregation_is_the_fisher_weighted_average(digits) -> None:
                      "method": {"fisher": f}} for cid, f in fisher.items()}
     for u in updates.values():
         c.strategy.check_update(u)
-    c._aggregate(updates)
+    c._aggregate(*screen(c, updates))
     new = c.model.state_dict()
     for n, v in snap.items():
         if v.is_floating_point():

@@ -310,10 +310,10 @@ def test_mixed_depths_aggregate_through_the_coordinator(digits) -> None:
     seen = {}
     aggregate = co._aggregate
 
-    def spy(updates):
+    def spy(updates, *screened):
         seen["updates"] = {c: dict(u) for c, u in updates.items()}
         seen["server"] = {k: v.clone() for k, v in co.model.state_dict().items()}
-        return aggregate(updates)
+        return aggregate(updates, *screened)
 
     co._aggregate = spy
     rec = next(sim.rounds())
