@@ -143,8 +143,7 @@ class CoordinatorService:
         return self.registry.registered
 
     def _handle(self, msg: Message) -> Message | Outgoing | None:
-        """Every message for the coordinator's address; hello/bye are the service's, the rest the round's
-        (what the coordinator returns goes to the Peer: the reply, and the answers to held requests)."""
+        """hello/bye are the service's, the rest the round's (the reply and held requests' answers to the Peer)."""
         if msg.kind == "hello":
             return self._on_hello(msg)
         if msg.kind == "describe":
