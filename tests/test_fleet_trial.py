@@ -27,6 +27,7 @@ def _leftovers(prefix: str) -> list[str]:
     return [line for line in ns.splitlines() if line.startswith(prefix)] + groups
 
 
+@pytest.mark.full("a 2-class trial --fleet under cgroup quotas and tbf links (about 40 s on the shared 2 cores)")
 @pytest.mark.skipif(PROBLEM is not None, reason=f"trial --fleet under real limits cannot run here: {PROBLEM}")
 def test_slow_class_steps_follow_its_quota_and_its_transfers_its_link(tmp_path: Path) -> None:
     out = tmp_path / "trial"
