@@ -51,7 +51,7 @@ __all__ = ["AnomalyScores", "ACT_WITH", "AGAINST", "LOSS_FLOOR"]
 
 ACT_WITH = 3  # other devices a score must be measured against before it may leave a device out
 LOSS_FLOOR = 0.3  # nats added to every loss before the ratio: near-zero losses differ a lot, but mean nothing
-AGAINST = -0.2  # an update whose cosine with the other devices' summed change is below this points against them
+AGAINST = -0.2  # below this cosine with the others' coordinate-wise median change, an update points against them
 
 
 def _log_ratio(value: float, others: list[float]) -> float | None:
