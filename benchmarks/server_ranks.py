@@ -69,6 +69,39 @@ def server_round(co: Any, t: int, acts: dict[str, list[tuple[torch.Tensor, torch
     return time.perf_counter() - started, time.process_time() - cpu
 
 
+def _probe(args: argparse.Namespace, rounds: int, ready: Any = None, go: Any = None, out: Any = None) -> float:
+    """Seconds per one-rank server round of this process (``ready``/``go``: start together with another)."""
+    torch.set_num_threads(1)
+    co = build_coordinator(plan_run(config(args))).coordinator
+    acts = activations(co, args)
+    server_round(co, 0, acts, args.split)  # warm
+    if ready is not None:
+        ready.set()
+        go.wait()
+    took = sum(server_round(co, t, acts, args.split)[0] for t in range(1, rounds + 1)) / rounds
+    if out is not None:
+        out.put(took)
+    return took
+
+
+def co_run(args: argparse.Namespace, rounds: int = 2) -> tuple[float, float]:
+    """The machine's own limit on two ranks: a one-rank round alone, then while another process runs the same
+    rounds (memory bandwidth and caches are shared; on a virtual machine the cores may be too)."""
+    import multiprocessing as mp
+
+    alone = _probe(args, rounds)
+    ctx = mp.get_context("spawn")
+    ready, go, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    other = ctx.Process(target=_probe, args=(args, rounds + 1, ready, go, out), daemon=True)
+    other.start()
+    ready.wait()
+    go.set()
+    together = _probe(args, rounds)
+    out.get()
+    other.join()
+    return alone, together
+
+
 def _cpu(pids: list[int]) -> float:
     """The CPU seconds (user and system) the processes ``pids`` have used so far."""
     tick, total = os.sysconf("SC_CLK_TCK"), 0.0
@@ -87,10 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", type=int, default=1)
     p.add_argument("--width", type=float, default=0.25)
     p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--co-run", action="store_true", help="first measure a one-rank round alone and beside another "
+                   "process running the same: the slowdown of sharing the machine, so 2 ranks can do no better "
+                   "than half of it")
     p.add_argument("--own-session", action="store_true", help="each other rank in a session of its own: on a "
                    "machine busy with other jobs, Linux's autogroup scheduling then gives it its own CPU share")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    floor = co_run(args) if args.co_run else None
     cfg = config(args)
     ranks = ServerRanks(cfg, args.world_size, threads=1, own_session=args.own_session)
     try:
@@ -101,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for t in range(1, args.rounds + 1):  # the two side by side, round after round: the same load on both
             a, ca = server_round(one, t, acts, args.split)
-            before = _cpu(others)
+            before, dealt = _cpu(others), [list(many.server.owners.values()).count(r) for r in range(args.world_size)]
             b, cb = server_round(many, t, acts, args.split)
-            rows.append((a, ca, b, cb, (_cpu(others) - before) / max(1, len(others))))
+            rows.append((a, ca, b, cb, (_cpu(others) - before) / max(1, len(others)), dealt))
         st1, st2 = one.model.state_dict(), many.model.state_dict()
     finally:
         ranks.close()
@@ -112,14 +149,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.devices} devices, per-client copies, {args.batches} activations of {args.batch_size} each per "
           f"round at split {args.split}, resnet18_cifar width {args.width}; load average {os.getloadavg()[0]:.1f}"
           + ("; other ranks in sessions of their own" if args.own_session else ""))
-    for t, (a, ca, b, cb, co) in enumerate(rows, 1):
+    for t, (a, ca, b, cb, co, dealt) in enumerate(rows, 1):
         print(f"  round {t}: 1 rank {a:.2f} s, {w} ranks {b:.2f} s ({b / a:.2f}x); CPU: 1 rank {ca:.2f} s, "
-              f"rank 0 {cb:.2f} s, other ranks {co:.2f} s each")
+              f"rank 0 {cb:.2f} s, other ranks {co:.2f} s each; devices per rank {'/'.join(map(str, dealt))}")
     w1, w2 = sum(r[0] for r in rows), sum(r[2] for r in rows)
     c1, c0, co = (sum(r[i] for r in rows) for i in (1, 3, 4))
     print(f"mean per round: 1 rank {w1 / len(rows):.2f} s, {w} ranks {w2 / len(rows):.2f} s: {w2 / w1:.2f}x; "
           f"CPU over one rank's: rank 0 {c0 / c1:.2f}x, other ranks {co / c1:.2f}x each; "
           f"weights' largest difference {diff:.2e}")
+    if floor is not None:
+        alone, together = floor
+        print(f"sharing the machine: a one-rank round {alone:.2f} s alone, {together:.2f} s beside another process "
+              f"running the same ({together / alone:.2f}x): {w} ranks can do no better than "
+              f"{together / alone / w:.2f}x one rank's")
     return 0
 
 

@@ -337,6 +337,7 @@ class ShardedServer(PerClientServer):
         for link in self.links.values():
             try:
                 link.send({"op": "stop"})
+                link.send(None)  # ends the rank's listening thread
                 while link.poll(timeout=None) is not None:  # the rank's last word: None
                     pass
                 link.flush()
@@ -382,13 +383,13 @@ def reduce_copies(side: PerClientServer, snapshot: dict[str, Tensor], group: Any
 def serve_shard(server: PerClientServer, strategy: Any, reduce_group: Any = None) -> None:
     """Rank r > 0: train the copies of the devices rank 0 sends steps for, round after round, until ``stop``
     (``reduce_group``: the group of the average's ``all_reduce``, the one rank 0's ``ShardedServer`` has)."""
-    link = _Link(0, _TO_ZERO, _TO_RANK)
+    link = _Link(0, _TO_ZERO, _TO_RANK, listen=True)  # a receive always posted: the next step's bytes land at once
     weights: dict[str, float] = {}
     server.weight = weights.__getitem__
     snapshot: dict[str, Tensor] = {}
     where = next(server.model.parameters()).device
     while True:
-        msg = link.recv()
+        msg = link.poll(timeout=None)
         op = msg["op"]
         if op == "begin":
             snapshot = {n: v.to(where) for n, v in msg["snapshot"].items()}
