@@ -203,3 +203,19 @@ def test_a_batch_off_the_fleets_norms_is_refused_before_it_steps_the_server() ->
     assert set(held) == {"evil"} and scores.streak["evil"] == 1
     off = AnomalyScores(threshold=0.0, rounds=2)  # off: nothing refused
     off.check_batch(bounds, 1, "evil", torch.full((8,), 1e-3))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7, 10])
+def test_each_devices_others_median_is_the_median_of_the_others_from_one_sort(n) -> None:
+    """The direction score's reference (coordinator/anomaly.py): per device the coordinate-wise median of every
+    other device's change, from one sort of all of them; equal to a median taken without each row, ties too."""
+    import torch
+
+    from fedsga_edge.coordinator.anomaly import _leave_one_out_medians
+
+    g = torch.Generator().manual_seed(n)
+    rows = [torch.randint(-3, 4, (257,), generator=g).double() for _ in range(n)]  # small ints: many ties
+    others = _leave_one_out_medians(rows)
+    for i in range(n):
+        want = torch.stack([r for j, r in enumerate(rows) if j != i]).median(dim=0).values
+        assert torch.equal(others(i), want), i
