@@ -418,4 +418,6 @@ def serve_shard(server: PerClientServer, strategy: Any, reduce_group: Any = None
         elif op == "stop":
             link.send(None)
             link.flush()
+            while link.poll(timeout=None) is not None:  # rank 0's None: the listening thread is out of gloo
+                pass
             return
