@@ -317,6 +317,7 @@ def test_subset_evaluations_record_the_prediction_share(bench, digits):
     assert out == bench.subset_eval(sim, subset, digits)  # evaluating changes nothing
 
 
+@pytest.mark.full("runs in processes beside in-process runs (about 30 s on the shared 2 cores)")
 @pytest.mark.slow
 def test_jobs_run_the_plan_in_processes_with_the_same_results_and_name_a_failed_run(bench, tmp_path, capsys):
     """--jobs 2: every run in its own process (its log in run.log), the same summaries as one job makes, one table;

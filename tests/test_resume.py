@@ -106,6 +106,7 @@ def faults():
     return load_bench("faults", needs_mosquitto=True)
 
 
+@pytest.mark.full("kill -9 of a coordinator process and its resume beside simulate (about 30 s on the shared 2 cores)")
 @pytest.mark.slow
 @pytest.mark.integration
 def test_kill_9_the_coordinator_and_resume_matches_simulate(faults, tmp_path) -> None:

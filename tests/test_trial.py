@@ -134,6 +134,7 @@ def test_trial_runs_every_device_in_every_round_on_the_embedded_broker(tmp_path,
     assert any(e["event"] == "round_end" for e in log)  # machine-readable JSON lines
 
 
+@pytest.mark.full("a trial on an external Mosquitto beside simulate (about 30 s on the shared 2 cores); the embedded broker's trial and the Mosquitto login test stay in the default run")
 @pytest.mark.skipif(MOSQUITTO is None, reason="no mosquitto binary (apt-get install mosquitto)")
 def test_one_device_trial_on_an_external_mosquitto_matches_simulate(tmp_path) -> None:
     """One device: the same computation in one process and over MQTT between three processes."""
