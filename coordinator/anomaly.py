@@ -66,16 +66,16 @@ def _log_ratio(value: float, others: list[float]) -> float | None:
 
 
 def _leave_one_out_medians(rows: list[Tensor]) -> Callable[[int], Tensor]:
-    """``i`` -> the coordinate-wise (lower) median of every row but row i, as ``torch.median`` gives it, from one
-    sort of all the rows: O(n P log n) for n rows of P coordinates, where a median per left-out row would be
-    O(n^2 P) (a 1,000-device round would spend minutes here). Without row i, the others' median is the whole
+    """``i`` -> the coordinate-wise (lower) median of every row but row i (two rows or more), as ``torch.median``
+    gives it, from one sort of all the rows: O(n P log n) for n rows of P coordinates, where a median per
+    left-out row would be O(n^2 P) (a 1,000-device round would spend minutes here). Without row i, the others' median is the whole
     sorted column's entry m = (n - 2) // 2 where row i sorts above m, else entry m + 1."""
     stacked = torch.stack(rows)
     ordered, order = stacked.sort(dim=0)
     rank = torch.empty_like(order)
     rank.scatter_(0, order, torch.arange(len(rows)).unsqueeze(1).expand_as(order))
     m = (len(rows) - 2) // 2
-    return lambda i: torch.where(rank[i] > m, ordered[m], ordered[min(m + 1, len(rows) - 1)])
+    return lambda i: torch.where(rank[i] > m, ordered[m], ordered[m + 1])
 
 
 class AnomalyScores:
@@ -168,6 +168,8 @@ class AnomalyScores:
         per_device: dict[str, list[float]] = {}
         cosines: dict[str, list[float]] = {}
         for by_device in deltas.values():
+            if len(by_device) < 3:  # a score needs two others (``_log_ratio``): nothing to sort for
+                continue
             norms = {d: float(v.norm()) for d, v in by_device.items()}
             others_median = _leave_one_out_medians(list(by_device.values()))
             for i, (d, v) in enumerate(by_device.items()):
