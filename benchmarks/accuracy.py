@@ -778,49 +778,60 @@ FRONTIER_STRATEGY = "static"  # its variants at p_1 .. p_K are the fixed cuts th
 def _frontier_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:
     """Per partition whose records hold two or more fixed cuts and an adaptive method: the static frontier (the best
     accuracy a fixed cut or mix of cuts reaches at no more client FLOPs, fedsga_edge/report/frontier.py), each seed's
-    from its own cuts, and every method's distance to it at its own client FLOPs, paired by seed."""
+    from its own cuts, and every method's distance to it at its own client FLOPs, paired by seed. Once on the
+    headline (test) accuracy, and once more on the devices' own held-out data where the runs scored it
+    (``--eval-holdout``): with private fronts that is the figure a device lives with, and the two frontiers can
+    disagree on which cut is best."""
+    out = _frontier_by(g, parts, methods, acc_of, "headline accuracy", "")
+    return out + _frontier_by(g, parts, methods, own_data_acc, "own-data accuracy",
+                              ", on the devices' own held-out data (the final model, each device scoring the model it "
+                              "runs)")
+
+
+def _frontier_by(g: dict, parts: list[str], methods: list[str], acc: Any, what: str, where: str) -> list[str]:
+    """``_frontier_table`` for one accuracy (``acc``: a summary's figure, None where the run lacks it)."""
     from fedsga_edge.coordinator.strategy import get_strategy
-    from fedsga_edge.report.frontier import frontier_at, paired_distance
+    from fedsga_edge.report.frontier import Point, frontier_at, paired_distance
 
     cuts = [m for m in methods if m in REGISTERED and REGISTERED[m][0] == FRONTIER_STRATEGY and REGISTERED[m][1].split]
     adaptive = [m for m in methods if m in REGISTERED and REGISTERED[m][1].split is None
                 and get_strategy(REGISTERED[m][0]).adaptive]
+
+    def point(s: dict[str, Any], m: str) -> Point:
+        return Point(float(s["client_flops_per_sample"]), acc(s), m)
+
     out: list[str] = []
     for p in parts:
         have = [m for m in cuts if (m, p) in g]
         rows = have + [m for m in adaptive if (m, p) in g]
         if len(have) < 2 or len(rows) == len(have):
             continue
-        seeds = set.intersection(*({s["_seed"] for s in g[(m, p)] if acc_of(s) is not None} for m in have))
-        front = {seed: [_point(s, m) for m in have for s in g[(m, p)] if s["_seed"] == seed] for seed in seeds}
-        out.append(f"**The static frontier under {partition_label(p)}** — the best accuracy any fixed cut "
+        seeds = set.intersection(*({s["_seed"] for s in g[(m, p)] if acc(s) is not None} for m in have))
+        scored = [m for m in rows if any(s["_seed"] in seeds and acc(s) is not None for s in g[(m, p)])]
+        if not seeds or len(scored) == len(have):
+            continue
+        front = {seed: [point(s, m) for m in have for s in g[(m, p)] if s["_seed"] == seed] for seed in seeds}
+        out.append(f"**The static frontier under {partition_label(p)}{where}** — the best {what} any fixed cut "
                    f"({', '.join(LABELS.get(m, m) for m in have)}) or mix of them reaches at no more client FLOPs, each "
-                   f"seed's from its own cuts ({len(seeds)} seeds with every cut); Δ frontier: a method's headline "
-                   "accuracy minus the frontier at its own client FLOPs/sample, paired by seed, mean ± standard error "
+                   f"seed's from its own cuts ({len(seeds)} seeds with every cut); Δ frontier: a method's {what} "
+                   "minus the frontier at its own client FLOPs/sample, paired by seed, mean ± standard error "
                    "(wins: seeds above it, k/n)")
         out.append("")
-        out.append("| Method | client MFLOPs/sample | headline accuracy (%) | frontier at its FLOPs (%) "
+        out.append(f"| Method | client MFLOPs/sample | {what} (%) | frontier at its FLOPs (%) "
                    "| Δ frontier, paired (wins) | seeds |")
         out.append("|---|---:|---:|---:|---:|---:|")
-        for m in rows:
-            ss = [s for s in g[(m, p)] if s["_seed"] in seeds and acc_of(s) is not None]
-            mine = {s["_seed"]: _point(s, m) for s in ss}
+        for m in scored:
+            ss = [s for s in g[(m, p)] if s["_seed"] in seeds and acc(s) is not None]
+            mine = {s["_seed"]: point(s, m) for s in ss}
             pr = paired_distance(front, mine)
             at = [frontier_at(front[k], q.flops) for k, q in mine.items()]
             below = f"; cheaper than every cut on seeds {pr['below_cheapest']}" if pr and pr["below_cheapest"] else ""
             cell = _paired_cell(pr) if pr and pr["n"] else "—"
             out.append(f"| {LABELS.get(m, m)} | {np.mean([q.flops for q in mine.values()]) / 1e6:.2f} "
-                       f"| {_ms([acc_of(s) for s in ss])} | {_ms([a for a in at if a is not None])} "
+                       f"| {_ms([acc(s) for s in ss])} | {_ms([a for a in at if a is not None])} "
                        f"| {cell}{below} | {len(ss)} |")
         out.append("")
     return out
-
-
-def _point(s: dict[str, Any], method: str) -> Any:
-    """A run's (client FLOPs per sample, headline accuracy) for the frontier."""
-    from fedsga_edge.report.frontier import Point
-
-    return Point(float(s["client_flops_per_sample"]), acc_of(s), method)
 
 
 def _wire_formats_table(by_format: dict[str, dict], parts: list[str], methods: list[str]) -> list[str]:

@@ -144,3 +144,66 @@ def test_the_report_keeps_each_regimes_frontier_apart(tmp_path):
     assert set(groups) == {"iid · server_copies=shared", "iid · server_copies=per_client"}
     assert groups["iid · server_copies=shared"]["methods"][0]["delta"]["mean"] == pytest.approx(0.35 - 0.3)
     assert groups["iid · server_copies=per_client"]["methods"][0]["delta"]["mean"] == pytest.approx(0.4 - 0.5)
+
+
+def test_the_benchmark_tables_a_second_frontier_on_the_devices_own_data():
+    """Private fronts: the test figure and the devices' own data can rank the cuts the other way round."""
+    from _bench import load_bench
+
+    bench = load_bench("accuracy")
+    methods = ["static-p1", "static-pK", "fedsga"]
+
+    def runs(method: str, flops: float, test: dict[int, float], own: dict[int, float | None]) -> list[dict]:
+        out = _runs(method, flops, test)
+        for r in out:
+            if own.get(r["seed"]) is not None:
+                r["summary"]["final_own_acc"] = own[r["seed"]]
+        return out
+
+    recs = (runs("static-p1", 10e6, {0: 0.30, 1: 0.32}, {0: 0.40, 1: 0.42})
+            + runs("static-pK", 40e6, {0: 0.20, 1: 0.22}, {0: 0.60, 1: 0.62})
+            + runs("fedsga", 25e6, {0: 0.31, 1: 0.33}, {0: 0.45, 1: 0.49}))
+    md = bench.tables(recs, ["dir0.1"], methods)
+    own = md.split("**The static frontier under Dirichlet(0.1), on the devices' own held-out data")[1]
+    row = next(line for line in own.splitlines() if line.startswith("| **FedSGA**"))
+    # own data: p_K is the better cut, the frontier at 25 MFLOPs is halfway: 0.50 and 0.52 -> -5.0 and -3.0
+    assert "-4.00 ± 1.00 (0/2)" in row
+    test = md.split("**The static frontier under Dirichlet(0.1)**")[1].split("**The static frontier")[0]
+    row = next(line for line in test.splitlines() if line.startswith("| **FedSGA**"))
+    assert "+1.00 ± 0.00 (2/2)" in row  # on the test set p_1 dominates: flat at 0.30 / 0.32 from 10 MFLOPs
+    # a cut without the own-data figure on a seed drops that seed; none on any seed: no own-data table
+    md = bench.tables(runs("static-p1", 10e6, {0: 0.3, 1: 0.3}, {0: 0.4})
+                      + runs("static-pK", 40e6, {0: 0.2, 1: 0.2}, {0: 0.6, 1: 0.6})
+                      + runs("fedsga", 25e6, {0: 0.3, 1: 0.3}, {0: 0.45, 1: 0.45}), ["dir0.1"], methods)
+    own = md.split("own held-out data")[1]
+    assert "(1 seeds with every cut)" in own
+    assert "own held-out data" not in bench.tables(recs[:2] + _runs("fedsga", 25e6, {0: 0.3}), ["dir0.1"],
+                                                   ["static-p1", "static-pK", "fedsga"])
+
+
+def test_the_report_draws_an_own_data_frontier_apart_from_the_test_one(tmp_path):
+    from test_report import write_run
+
+    from fedsga_edge.report import discover
+    from fedsga_edge.report import plots as P
+    from fedsga_edge.report.frontier import frontier_groups, run_point
+
+    root = tmp_path / "bench"
+    for method, split, flops, test, own in (("static-p1", 1, 10e6, 0.30, 0.40), ("static-pK", 3, 40e6, 0.20, 0.60),
+                                            ("fedsga", None, 25e6, 0.31, 0.45)):
+        run = write_run(root / method / "seed0", "static" if split else "fedsga", 0, [test], split=split or 2,
+                        flops=flops)
+        summary = json.loads((run / "summary.json").read_text()) | {"final_own_acc": own}
+        (run / "summary.json").write_text(json.dumps(summary))
+        config = json.loads((run / "config.json").read_text()) | {"fronts": "private", "eval_holdout": 0.2}
+        (run / "config.json").write_text(json.dumps(config))
+    runs = discover([root])[0]
+    groups = {g["score"]: g for g in frontier_groups(runs)}
+    assert set(groups) == {"test", "own data"} and groups["own data"]["partition"] == "iid · own data"
+    assert groups["test"]["methods"][0]["delta"]["mean"] == pytest.approx(0.01)
+    assert groups["own data"]["methods"][0]["delta"]["mean"] == pytest.approx(0.45 - 0.50)
+    assert [p[0] for p in groups["own data"]["envelope"]] == [10e6, 40e6]
+    fig = P.plot_frontier(list(groups.values()))
+    assert [ax.get_ylabel() for ax in fig.axes] == ["accuracy (%)", "own-data accuracy (%)"]
+    with pytest.raises(ValueError, match="score"):
+        run_point(runs[0], "train")

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Point", "distance", "envelope", "frontier_at", "frontier_groups", "paired_distance", "run_point"]
+__all__ = ["SCORES", "Point", "distance", "envelope", "frontier_at", "frontier_groups", "paired_distance", "run_point"]
 
 
 @dataclass(frozen=True)
@@ -94,38 +94,55 @@ def paired_distance(cuts: Mapping[int, Sequence[Point]], method: Mapping[int, Po
 
 
 # -- the report's frontier section: from loaded runs (fedsga_edge/report/runs.py) ------------------------------
-def run_point(run: Any) -> Point | None:
-    """A run's (client FLOPs per sample, accuracy) from its summary.json: the benchmark's headline accuracy where it
-    has one (the mean of its last full-test evaluations), else the final round's; None without both."""
+# The accuracies a frontier is drawn on: the benchmark's headline on the test set, and each device's accuracy on
+# its own held-out data (``--eval-holdout``; the final model, each device scoring the model it runs, its own front
+# under ``--fronts private``). The two can disagree on which cut is best, so each gets a frontier of its own.
+SCORES = ("test", "own data")
+
+
+def run_point(run: Any, score: str = "test") -> Point | None:
+    """A run's (client FLOPs per sample, accuracy) from its summary.json; None without both. ``test``: the
+    benchmark's headline accuracy where it has one (the mean of its last full-test evaluations), else the final
+    round's; ``own data``: the final model's accuracy on the devices' held-out data (``final_own_acc``)."""
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
     s = run.summary or {}
-    acc = s.get("headline_acc") if isinstance(s.get("headline_acc"), (int, float)) else s.get("final_acc")
+    if score == "own data":
+        acc = s.get("final_own_acc")
+    else:
+        acc = s.get("headline_acc") if isinstance(s.get("headline_acc"), (int, float)) else s.get("final_acc")
     flops = s.get("client_flops_per_sample")
     if not isinstance(acc, (int, float)) or not isinstance(flops, (int, float)):
         return None
     return Point(float(flops), float(acc), run.method)
 
 
-# What makes two runs of one partition different regimes (one shared server copy or a copy per device ...): each
-# regime gets a frontier of its own, never a frontier of one regime's cuts for another regime's methods.
-REGIME_KEYS = ("dataset", "model", "width", "clients", "rounds", "server_copies", "server_lr")
+# What makes two runs of one partition different regimes (one shared server copy or a copy per device, shared or
+# private fronts, a held-out slice or not ...): each regime gets a frontier of its own, never a frontier of one
+# regime's cuts for another regime's methods.
+REGIME_KEYS = ("dataset", "model", "width", "clients", "rounds", "server_copies", "fronts", "server_lr",
+               "eval_holdout")
 
 
 def frontier_groups(runs: Sequence[Any]) -> list[dict[str, Any]]:
-    """Per partition and regime with two or more fixed cuts (``--strategy static`` at different splits) and an
-    adaptive method: the cuts' mean points and the envelope through them, and each adaptive method's mean point
-    with its distance to its own seeds' frontiers (``paired_distance``). Only seeds every cut ran on count."""
-    regimes: dict[tuple[str, tuple], list[tuple[Any, Point]]] = {}
-    for r in runs:
-        if r.seed is not None and (q := run_point(r)) is not None:
-            key = (r.partition, tuple((k, r.config.get(k)) for k in REGIME_KEYS))
-            regimes.setdefault(key, []).append((r, q))
-    differ = [k for i, k in enumerate(REGIME_KEYS) if len({key[1][i][1] for key in regimes}) > 1]
+    """Per partition, regime and score (``SCORES``) with two or more fixed cuts (``--strategy static`` at different
+    splits) and an adaptive method: the cuts' mean points and the envelope through them, and each adaptive method's
+    mean point with its distance to its own seeds' frontiers (``paired_distance``). Only seeds every cut ran on
+    count; the own-data score only where the runs have it."""
     out = []
-    for (part, regime), mine in sorted(regimes.items(), key=lambda kv: (kv[0][0] != "iid", repr(kv[0]))):
-        group = _frontier_group(mine)
-        if group:
-            label = " · ".join([part] + [f"{k}={v}" for k, v in regime if k in differ])
-            out.append({"partition": label} | group)
+    for score in SCORES:
+        regimes: dict[tuple[str, tuple], list[tuple[Any, Point]]] = {}
+        for r in runs:
+            if r.seed is not None and (q := run_point(r, score)) is not None:
+                key = (r.partition, tuple((k, r.config.get(k)) for k in REGIME_KEYS))
+                regimes.setdefault(key, []).append((r, q))
+        differ = [k for i, k in enumerate(REGIME_KEYS) if len({key[1][i][1] for key in regimes}) > 1]
+        for (part, regime), mine in sorted(regimes.items(), key=lambda kv: (kv[0][0] != "iid", repr(kv[0]))):
+            group = _frontier_group(mine)
+            if group:
+                label = " · ".join([part] + [f"{k}={v}" for k, v in regime if k in differ]
+                                   + ([score] if score != "test" else []))
+                out.append({"partition": label, "score": score} | group)
     return out
 
 

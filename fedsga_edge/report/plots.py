@@ -396,7 +396,7 @@ def plot_timeline(timelines: list[dict[str, Any]]):
 
 
 def plot_frontier(groups: list[dict[str, Any]]):
-    """Accuracy against client MFLOPs per sample, one panel per partition: the fixed cuts (squares) and the
+    """Accuracy against client MFLOPs per sample, one panel per partition and score (test, own data): the fixed cuts (squares) and the
     envelope through them (the static frontier, dashed past the last vertex), each adaptive method a point
     labelled with its paired distance to the frontier."""
     plt = _plt()
@@ -417,7 +417,8 @@ def plot_frontier(groups: list[dict[str, Any]]):
                 f" ± {100 * d['se']:.2f}" if d.get("se") is not None else "")
             ax.plot(m["flops"] / 1e6, m["acc"] * 100, "o", color=_color(m["method"], i), ms=7,
                     label=f"{m['method']}{gap} (n={m['n']})")
-        _cost_axes(ax, f"static frontier: {g['partition'] or 'runs'} (seeds {len(g['seeds'])})", "accuracy (%)")
+        _cost_axes(ax, f"static frontier: {g['partition'] or 'runs'} (seeds {len(g['seeds'])})",
+                   "own-data accuracy (%)" if g.get("score") == "own data" else "accuracy (%)")
     fig.tight_layout()
     return fig
 
