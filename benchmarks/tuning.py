@@ -1,0 +1,222 @@
+"""The tuning budget: every Table 2 method gets the same chance to be tuned, and the choice is made in one place.
+
+Each method's one or two main options (``BUDGET``), three settings of each, the preset's value among them, varied
+one at a time (so at most five settings a method), each run on the tuning seeds (0 and 1; never a seed a table
+reports, which start at 10) under every partition of the preset. The setting with the best mean headline over
+those runs is the method's value for that preset; docs/method.md, "The tuning budget per method", says why and
+what has been run.
+
+    python benchmarks/tuning.py --preset office-v1 --jobs 2                 # every method's budget, then the choice
+    python benchmarks/tuning.py --preset office-v1 --methods fedmut,fedprox --jobs 2
+    python benchmarks/tuning.py --preset cifar-v1 --dry-run                 # the settings and how many runs
+    python benchmarks/tuning.py --preset office-v1 --tables-only            # the choice from the records there are
+
+Every setting is one ``benchmarks/accuracy.py`` invocation (same runs, same records, same refusal of a record made
+with other settings) into ``benchmarks/records/<preset>/tuning/<method>/<setting>/``, so a killed sweep continues
+where it stopped and ``--tables-only`` chooses from whatever has finished (a setting short of a run is shown, never
+chosen). The choice is printed and written to ``tuning/tuning.md`` and ``tuning/tuning.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import accuracy as A  # noqa: E402  (the benchmark this drives: its presets, plan, records and headline)
+
+TUNING_SEEDS = [0, 1]
+REPORTED_FROM = 10  # the tables report seeds 10 and up
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One main option of a method: its ``accuracy.py`` flag and the three settings tried (the preset's value is
+    expected among them; ``values`` may depend on the preset's settings, e.g. a rate relative to the devices')."""
+
+    option: str  # the run option's name, as the preset and accuracy.py's parser spell it (``server_lr``)
+    values: tuple[Any, ...] | Callable[[dict[str, Any]], tuple[Any, ...]]
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.option.replace("_", "-")
+
+    def settings(self, preset: dict[str, Any]) -> tuple[Any, ...]:
+        vals = self.values(preset) if callable(self.values) else self.values
+        return tuple(round(v, 6) if isinstance(v, float) else v for v in vals)
+
+
+def _server_rates(s: dict[str, Any]) -> tuple[float, ...]:
+    """A split method's server rate: the devices' rate x 0.075 (one shared copy's rate at the ``cifar`` preset),
+    x 0.5 and x 1 (a per-client copy at the devices' rate)."""
+    lr = float(s["lr"])
+    return (lr * 0.075, lr * 0.5, lr)
+
+
+def _device_rates(s: dict[str, Any]) -> tuple[float, ...]:
+    lr = float(s["lr"])
+    return (lr / 2, lr, lr * 2)
+
+
+# Every Table 2 method and its one or two main options; docs/method.md tables the same, with the reasons.
+BUDGET: dict[str, tuple[Knob, ...]] = {
+    "fedavg": (Knob("lr", _device_rates),),  # the devices' rate, then shared by every method
+    "fedprox": (Knob("mu", (0.001, 0.01, 0.1)),),
+    "fedbabu": (Knob("fedbabu_finetune_epochs", (1, 5, 10)),),
+    "fedgh": (Knob("fedgh_server_lr", (0.001, 0.01, 0.1)),),
+    "fedas": (Knob("fedas_align_lr", (0.001, 0.01, 0.1)), Knob("fedas_align_epochs", (1, 2, 5))),
+    "static": (Knob("server_lr", _server_rates),),
+    "mergesfl": (Knob("server_lr", _server_rates),),
+    "fedmut": (Knob("fedmut_alpha", (1.0, 2.0, 4.0)),),
+    "musplitfed": (Knob("musplitfed_tau", (1, 2, 4)), Knob("server_lr", _server_rates)),
+    "multisfl": (Knob("multisfl_replay", (0.01, 0.05, 0.2)),
+                 Knob("multisfl_mix", lambda s: (None, 0.25, 0.5))),  # None: the reference's 1 / (branches + 1)
+    "fedsga": (Knob("harmonizer_lr", (0.002, 0.015, 0.05)), Knob("harmonizer_form", ("residual", "mlp"))),
+}
+MAX_SETTINGS = 5  # the preset's value, then two others for each of at most two options
+
+
+def _slug(option: str, value: Any) -> str:
+    return option.replace("_", "-") + (f"{value:g}" if isinstance(value, float) else str(value))
+
+
+def settings(method: str, preset: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """A method's budget: ``("preset", {})`` first (the preset's values), then each other value of each knob alone,
+    as (folder name, {option: value}). The preset's value of a knob need not be among the three (a preset tuned
+    elsewhere); then all three are run and the budget says so by its length."""
+    if method not in BUDGET:
+        raise SystemExit(f"--methods: {method!r} has no tuning budget; methods with one: {', '.join(BUDGET)}")
+    out: list[tuple[str, dict[str, Any]]] = [("preset", {})]
+    for knob in BUDGET[method]:
+        have = preset.get(knob.option)
+        for v in knob.settings(preset):
+            if v != have and not (isinstance(v, float) and isinstance(have, (int, float)) and np.isclose(v, have)):
+                out.append((_slug(knob.option, v), {knob.option: v}))
+    return out
+
+
+def tuning_dir(preset: str, out: Path | None = None) -> Path:
+    return (out or A.records_dir(preset)) / "tuning"
+
+
+def accuracy_argv(preset: str, method: str, values: dict[str, Any], seeds: list[int], folder: Path,
+                  passthrough: list[str]) -> list[str]:
+    """The ``accuracy.py`` command line of one setting."""
+    argv = ["--preset", preset, "--methods", method, "--seeds", ",".join(map(str, seeds)), "--out", str(folder)]
+    for option, v in values.items():
+        if v is not None:  # None: the option's own default (MultiSFL's 1 / (branches + 1)), which no flag spells
+            argv += ["--" + option.replace("_", "-"), f"{v:g}" if isinstance(v, float) else str(v)]
+    return argv + passthrough
+
+
+def collect(folder: Path, method: str, partitions: list[str], seeds: list[int]) -> dict[str, dict[int, float]]:
+    """The headline of every finished run of one setting: {partition: {seed: accuracy}}."""
+    out: dict[str, dict[int, float]] = {}
+    for p in partitions:
+        for s in seeds:
+            f = folder / method / p / f"seed{s}" / "summary.json"
+            if f.exists() and (acc := A.acc_of(json.loads(f.read_text()))) is not None:
+                out.setdefault(p, {})[s] = float(acc)
+    return out
+
+
+def choose(table: dict[str, dict[str, dict[int, float]]], partitions: list[str], seeds: list[int]) -> str | None:
+    """The setting with the best mean headline over every (partition, tuning seed); only settings with all their
+    runs take part (a half-run setting is never chosen over a finished one); ties go to the preset's value."""
+    full = {name: [acc for p in partitions for acc in by_part.get(p, {}).values()] for name, by_part in table.items()
+            if all(len(by_part.get(p, {})) == len(seeds) for p in partitions)}
+    if not full:
+        return None
+    best = max(np.mean(v) for v in full.values())
+    ties = [n for n, v in full.items() if np.isclose(np.mean(v), best)]
+    return "preset" if "preset" in ties else ties[0]
+
+
+def report(preset: str, methods: list[str], partitions: list[str], seeds: list[int], root: Path,
+           budgets: dict[str, list[tuple[str, dict[str, Any]]]]) -> tuple[str, dict[str, Any]]:
+    """The tuning table (markdown) and the choice per method (JSON-ready)."""
+    labels = [A.partition_label(p) for p in partitions]
+    lines = [f"**Tuning at `{preset}`** — headline accuracy (%) on tuning seeds {','.join(map(str, seeds))}, mean ± "
+             "std over the seeds, per partition; mean: over every partition and seed; chosen: the best mean among "
+             "settings with all their runs (ties: the preset's value)", "",
+             "| Method | setting | " + " | ".join(labels) + " | mean | runs | chosen |",
+             "|---|---|" + "---:|" * len(labels) + "---:|---:|---|"]
+    choice: dict[str, Any] = {}
+    for m in methods:
+        table = {name: collect(root / m / name, m, partitions, seeds) for name, _ in budgets[m]}
+        pick = choose(table, partitions, seeds)
+        values = dict(budgets[m])
+        choice[m] = {"chosen": pick, "values": values.get(pick) if pick else None,
+                     "settings": {n: {p: table[n].get(p, {}) for p in partitions} for n in table}}
+        for name, vals in budgets[m]:
+            by_part = table[name]
+            cells = [A._ms(list(by_part.get(p, {}).values())) if by_part.get(p) else "—" for p in partitions]
+            every = [a for p in partitions for a in by_part.get(p, {}).values()]
+            what = "preset's values" if not vals else ", ".join(
+                f"{'--' + k.replace('_', '-')} {'default' if v is None else v}" for k, v in vals.items())
+            mean = f"{100 * np.mean(every):.2f}" if every else "—"
+            lines.append(f"| {A.LABELS.get(m, m)} | {what} | " + " | ".join(cells)
+                         + f" | {mean} | {len(every)}/{len(seeds) * len(partitions)} | "
+                         + ("**chosen**" if name == pick else "") + " |")
+    return "\n".join(lines) + "\n", choice
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=sorted(A.PRESETS), required=True)
+    ap.add_argument("--methods", default=None, help=f"Comma-separated (default: all): {','.join(BUDGET)}.")
+    ap.add_argument("--seeds", default=",".join(map(str, TUNING_SEEDS)),
+                    help="Tuning seeds (default 0,1); a seed the preset reports is refused.")
+    ap.add_argument("--out", type=Path, default=None, help="Records root (default: benchmarks/records/<preset>); "
+                                                           "the settings go under OUT/tuning/.")
+    ap.add_argument("--jobs", type=int, default=1, help="Runs at a time (accuracy.py's --jobs).")
+    ap.add_argument("--dry-run", action="store_true", help="Print the settings and the number of runs, run nothing.")
+    ap.add_argument("--tables-only", action="store_true", help="Run nothing: the choice from the finished runs.")
+    ap.add_argument("--data", default=None, help="accuracy.py's --data (e.g. npz:PATH), passed to every run.")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    p = A.PRESETS[args.preset]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else list(BUDGET)
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    if not seeds:
+        raise SystemExit("--seeds: give at least one tuning seed")
+    if reported := sorted(s for s in seeds if s in p.seeds or s >= REPORTED_FROM):
+        raise SystemExit(f"--seeds {reported}: reported seeds (the {args.preset} preset's, or {REPORTED_FROM} and up); "
+                         "a value tuned on some seeds is judged on others")
+    preset_values = p.settings()
+    budgets = {m: settings(m, preset_values) for m in methods}
+    root = tuning_dir(args.preset, args.out)
+    partitions = list(p.partitions)
+    n_runs = sum(len(b) for b in budgets.values()) * len(seeds) * len(partitions)
+    print(f"tuning at {args.preset}: {len(methods)} methods, {n_runs} runs (seeds {seeds}, partitions {partitions})"
+          f" into {root}")
+    passthrough = ["--data", args.data] if args.data else []
+    for m in methods:
+        for name, vals in budgets[m]:
+            a = accuracy_argv(args.preset, m, vals, seeds, root / m / name, passthrough)
+            print(f"  {m:<11} {name:<24} python benchmarks/accuracy.py {' '.join(a)}")
+            if not (args.dry_run or args.tables_only):
+                A.main(a + ["--jobs", str(args.jobs), "--no-progress"])
+    if args.dry_run:
+        return {"runs": n_runs, "budgets": budgets}
+    md, choice = report(args.preset, methods, partitions, seeds, root, budgets)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "tuning.md").write_text(md)
+    (root / "tuning.json").write_text(json.dumps({"preset": args.preset, "seeds": seeds, "partitions": partitions,
+                                                  "methods": choice}, indent=1, default=str))
+    print(md)
+    return {"runs": n_runs, "choice": choice, "markdown": md}
+
+
+if __name__ == "__main__":
+    main()
