@@ -186,8 +186,8 @@ def frontier(i: Inputs) -> Plot:
                         "dominated cut does not shape it), and each adaptive method's legend entry, like the table, "
                         "gives its distance to that frontier at its own client FLOPs, paired by seed (each seed's "
                         "frontier from its own cuts), mean ± standard error in points. Accuracy: the benchmark's "
-                        "headline where recorded, else the final round's; where the runs scored the devices' held-out data "
-                        "(<code>--eval-holdout</code>), a second panel per partition draws the frontier on that "
+                        "headline where recorded, else the final round's; where the runs scored the devices' "
+                        "held-out data (<code>--eval-holdout</code>), a second panel per partition draws the frontier on that "
                         "(\"own data\"): the final model, each device scoring the model it runs.",
                         extra_html=_frontier_table(groups)),
                 lambda: groups, P.plot_frontier,
