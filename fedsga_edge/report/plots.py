@@ -397,8 +397,8 @@ def plot_timeline(timelines: list[dict[str, Any]]):
 
 def plot_frontier(groups: list[dict[str, Any]]):
     """Accuracy against client MFLOPs per sample, one panel per partition and score (test, own data): the fixed
-    cuts (squares) and the envelope through them (the static frontier, dashed past the last vertex), each adaptive method a point
-    labelled with its paired distance to the frontier."""
+    cuts (squares) and the envelope through them (the static frontier, dashed past the last vertex), each adaptive
+    method a point labelled with its paired distance to the frontier."""
     plt = _plt()
     fig, axes = plt.subplots(1, len(groups), figsize=(5.8 * len(groups), 4.4), squeeze=False)
     for ax, g in zip(axes[0], groups):
