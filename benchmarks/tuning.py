@@ -44,10 +44,6 @@ class Knob:
     option: str  # the run option's name, as the preset and accuracy.py's parser spell it (``server_lr``)
     values: tuple[Any, ...] | Callable[[dict[str, Any]], tuple[Any, ...]]
 
-    @property
-    def flag(self) -> str:
-        return "--" + self.option.replace("_", "-")
-
     def settings(self, preset: dict[str, Any]) -> tuple[Any, ...]:
         vals = self.values(preset) if callable(self.values) else self.values
         return tuple(round(v, 6) if isinstance(v, float) else v for v in vals)
