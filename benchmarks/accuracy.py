@@ -77,6 +77,7 @@ OFFICE31_NPZ = REPO.parent / "shared" / "data" / "office31" / "office31_32.npz"
 # split to p_1, "fedsga-no-adapt" switches FedSGA's adaptation channel off). A new strategy appears
 # here, in the tables and in the report with no edit of this file.
 from fedsga_edge.coordinator.strategy import all_methods  # noqa: E402  (torch-free)
+from fedsga_edge.report.frontier import summary_score  # noqa: E402  (torch-free)
 
 REGISTERED = all_methods()  # method -> (strategy, Method), in registration order
 METHODS: list[str] = list(REGISTERED)
@@ -437,8 +438,7 @@ def headline(records: list[dict[str, Any]], window: list[int]) -> dict[str, Any]
 
 def acc_of(summary: dict[str, Any]) -> float | None:
     """A run's headline accuracy; runs from before the headline window have only their final round's."""
-    value = summary.get("headline_acc")
-    return summary.get("final_acc") if value is None else value
+    return summary_score(summary, "test")
 
 
 def subset_eval(sim: Any, eval_set: Any, bundle: Any) -> dict[str, Any]:
@@ -597,7 +597,7 @@ OWN_DATA_MISSING = ("these records have no devices' evaluation of the final mode
 def own_data_acc(summary: dict[str, Any]) -> float | None:
     """A run's own-data accuracy of its final model (``summarize``'s ``final_own_acc``), None where its
     records predate the final evaluation or the run had no ``--eval-holdout``: never an earlier model's."""
-    return summary.get("final_own_acc")
+    return summary_score(summary, "own data")
 
 
 def _own_data_cell(ss: list[dict[str, Any]]) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SCORES", "Point", "distance", "envelope", "frontier_at", "frontier_groups", "paired_distance", "run_point"]
+__all__ = ["SCORES", "Point", "distance", "envelope", "frontier_at", "frontier_groups", "paired_distance", "run_point", "summary_score"]
 
 
 @dataclass(frozen=True)
@@ -100,17 +100,24 @@ def paired_distance(cuts: Mapping[int, Sequence[Point]], method: Mapping[int, Po
 SCORES = ("test", "own data")
 
 
+def summary_score(summary: Mapping[str, Any], score: str = "test") -> Any:
+    """One ``SCORES`` figure of a summary.json (the benchmark's tables read the same): ``test``, the headline where
+    recorded (runs from before the headline window have only their final round's); ``own data``, the final model's
+    ``final_own_acc`` (None without ``--eval-holdout``: never an earlier model's)."""
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    if score == "own data":
+        return summary.get("final_own_acc")
+    value = summary.get("headline_acc")
+    return summary.get("final_acc") if value is None else value
+
+
 def run_point(run: Any, score: str = "test") -> Point | None:
     """A run's (client FLOPs per sample, accuracy) from its summary.json; None without both. ``test``: the
     benchmark's headline accuracy where it has one (the mean of its last full-test evaluations), else the final
     round's; ``own data``: the final model's accuracy on the devices' held-out data (``final_own_acc``)."""
-    if score not in SCORES:
-        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
     s = run.summary or {}
-    if score == "own data":
-        acc = s.get("final_own_acc")
-    else:
-        acc = s.get("headline_acc") if isinstance(s.get("headline_acc"), (int, float)) else s.get("final_acc")
+    acc = summary_score(s, score)
     flops = s.get("client_flops_per_sample")
     if not isinstance(acc, (int, float)) or not isinstance(flops, (int, float)):
         return None
