@@ -121,6 +121,7 @@ def test_a_new_strategy_appears_in_help_benchmark_and_report(throwaway, digits, 
     ("static", dict(split=7), "--split must be in 1..3"),
     ("musplitfed", dict(split=0), "--split must be in 1..3"),
     ("mergesfl", dict(server_copies="per_client"), "MergeSFL merges into the one shared server copy"),
+    ("mix", dict(strategy_args={"cuts": "1,7"}), "--mix-cuts: cut 7 is outside 1..3"),
 ])
 def test_a_config_the_strategy_cannot_run_is_refused_before_the_cost_table(name, bad, message, digits, tmp_path,
                                                                            monkeypatch) -> None:
