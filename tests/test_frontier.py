@@ -207,3 +207,12 @@ def test_the_report_draws_an_own_data_frontier_apart_from_the_test_one(tmp_path)
     assert [ax.get_ylabel() for ax in fig.axes] == ["accuracy (%)", "own-data accuracy (%)"]
     with pytest.raises(ValueError, match="score"):
         run_point(runs[0], "train")
+
+
+def test_the_frontier_plot_never_draws_two_methods_alike() -> None:
+    """Methods outside the report's order take colours by position; none of them may take FedSGA's red or another's."""
+    from fedsga_edge.report.plots import _distinct_colors
+
+    methods = ["fedsga", "mix-p1-pK", "mix-pK-p1", "mix-shuffled", "random"]
+    colors = _distinct_colors(methods)
+    assert len(set(colors)) == len(methods) and colors[0] == "C3" and "C3" not in colors[1:]

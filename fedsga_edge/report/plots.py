@@ -50,7 +50,18 @@ def _color(method: str, index: int | None = None) -> str:
         i = METHOD_ORDER.index(method)
         i = i if i < 3 else i + 1  # skip C3
         return f"C{i % 10}"
-    return f"C{(index or 0) % 10}"
+    i = (index or 0) % 9
+    return f"C{i if i < 3 else i + 1}"  # never FedSGA's red
+
+
+def _distinct_colors(methods: list[str]) -> list[str]:
+    """Each method's usual colour where those are all different, else one colour each by position (FedSGA still
+    red): a panel with methods outside METHOD_ORDER must not draw two of them alike."""
+    usual = [_color(m, i) for i, m in enumerate(methods)]
+    if len(set(usual)) == len(usual):
+        return usual
+    others = iter(f"C{i}" for i in (0, 1, 2, 4, 5, 6, 7, 8, 9, 0, 1, 2, 4, 5, 6, 7, 8, 9))
+    return ["C3" if m == "fedsga" else next(others, "0.5") for m in methods]
 
 
 class _Styler:
@@ -411,11 +422,12 @@ def plot_frontier(groups: list[dict[str, Any]]):
             ax.plot(c["flops"] / 1e6, c["acc"] * 100, "s", color="0.45", ms=6)
             ax.annotate(c["method"], (c["flops"] / 1e6, c["acc"] * 100), textcoords="offset points",
                         xytext=(5, -10), fontsize=7, color="0.3")
-        for i, m in enumerate(g["methods"]):
+        colors = _distinct_colors([m["method"] for m in g["methods"]])
+        for m, color in zip(g["methods"], colors):
             d = m["delta"] or {}
             gap = "" if d.get("mean") is None else f" {100 * d['mean']:+.2f}" + (
                 f" ± {100 * d['se']:.2f}" if d.get("se") is not None else "")
-            ax.plot(m["flops"] / 1e6, m["acc"] * 100, "o", color=_color(m["method"], i), ms=7,
+            ax.plot(m["flops"] / 1e6, m["acc"] * 100, "o", color=color, ms=7,
                     label=f"{m['method']}{gap} (n={m['n']})")
         _cost_axes(ax, f"static frontier: {g['partition'] or 'runs'} (seeds {len(g['seeds'])})",
                    "own-data accuracy (%)" if g.get("score") == "own data" else "accuracy (%)")
