@@ -15,7 +15,7 @@ import numpy as np
 
 from fedsga_edge.config import RunConfig
 from fedsga_edge.method.policy import reference_index
-from fedsga_edge.options import Opt
+from fedsga_edge.options import Opt, class_options, resolve_args
 
 from ..strategy import Method, Strategy, register_strategy
 
@@ -24,7 +24,7 @@ __all__ = ["Mix", "parse_cuts"]
 
 def parse_cuts(spec: str, num_splits: int) -> list[int]:
     """``"1,K"`` -> [1, K]: a comma-separated list of cuts, each ``1``..``K``, ``ref`` (p_ref) or ``K`` (p_K)."""
-    names = {"ref": reference_index(num_splits), "K": num_splits, "k": num_splits}
+    names = {"ref": reference_index(num_splits), "K": num_splits}
     cuts = []
     for part in (p.strip() for p in str(spec).split(",")):
         if part in names:
@@ -57,8 +57,6 @@ class Mix(Strategy):
 
     @classmethod
     def check_config(cls, cfg: RunConfig, num_splits: int) -> None:
-        from fedsga_edge.options import class_options, resolve_args
-
         parse_cuts(resolve_args(class_options(cls), cfg.strategy_args)["cuts"], num_splits)
 
     @classmethod
@@ -76,8 +74,6 @@ class Mix(Strategy):
 
     @classmethod
     def method_name(cls, cfg: RunConfig, num_splits: int) -> str:
-        from fedsga_edge.options import class_options, resolve_args
-
         args = resolve_args(class_options(cls), cfg.strategy_args)
         cuts = parse_cuts(args["cuts"], num_splits)
         if sorted(cuts) == [1, num_splits]:
