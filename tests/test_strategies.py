@@ -122,6 +122,7 @@ def test_a_new_strategy_appears_in_help_benchmark_and_report(throwaway, digits, 
     ("musplitfed", dict(split=0), "--split must be in 1..3"),
     ("mergesfl", dict(server_copies="per_client"), "MergeSFL merges into the one shared server copy"),
     ("mix", dict(strategy_args={"cuts": "1,7"}), "--mix-cuts: cut 7 is outside 1..3"),
+    ("phased", dict(strategy_args={"cuts": "ref:5,7"}), "--phased-cuts: cut 7 is outside 1..3"),
 ])
 def test_a_config_the_strategy_cannot_run_is_refused_before_the_cost_table(name, bad, message, digits, tmp_path,
                                                                            monkeypatch) -> None:

@@ -5,4 +5,4 @@ the order of the benchmark's and the report's tables.
 """
 
 # isort: off
-from . import fedavg, fedprox, static, mix, random_split, resource, planner, fedsga, musplitfed, fedmut, fedbabu, fedgh, fedas, multisfl, mergesfl  # noqa: F401  (registration)
+from . import fedavg, fedprox, static, mix, phased, random_split, resource, planner, fedsga, musplitfed, fedmut, fedbabu, fedgh, fedas, multisfl, mergesfl  # noqa: F401  (registration)

@@ -19,24 +19,28 @@ from fedsga_edge.options import Opt, class_options, resolve_args
 
 from ..strategy import Method, Strategy, register_strategy
 
-__all__ = ["Mix", "parse_cuts"]
+__all__ = ["Mix", "parse_cut", "parse_cuts"]
+
+
+def parse_cut(token: str, num_splits: int, flag: str) -> int:
+    """One cut as the fixed-cut strategies spell it: ``1``..``K``, ``ref`` (p_ref) or ``K`` (p_K)."""
+    token = token.strip()
+    if token == "ref":
+        return reference_index(num_splits)
+    if token == "K":
+        return num_splits
+    try:
+        k = int(token)
+    except ValueError:
+        raise ValueError(f"{flag}: {token!r} is not a cut (1..{num_splits}, ref or K)") from None
+    if not 1 <= k <= num_splits:
+        raise ValueError(f"{flag}: cut {k} is outside 1..{num_splits}")
+    return k
 
 
 def parse_cuts(spec: str, num_splits: int) -> list[int]:
     """``"1,K"`` -> [1, K]: a comma-separated list of cuts, each ``1``..``K``, ``ref`` (p_ref) or ``K`` (p_K)."""
-    names = {"ref": reference_index(num_splits), "K": num_splits}
-    cuts = []
-    for part in (p.strip() for p in str(spec).split(",")):
-        if part in names:
-            cuts.append(names[part])
-            continue
-        try:
-            k = int(part)
-        except ValueError:
-            raise ValueError(f"--mix-cuts: {part!r} is not a cut (1..{num_splits}, ref or K)") from None
-        if not 1 <= k <= num_splits:
-            raise ValueError(f"--mix-cuts: cut {k} is outside 1..{num_splits}")
-        cuts.append(k)
+    cuts = [parse_cut(part, num_splits, "--mix-cuts") for part in str(spec).split(",")]
     if len(cuts) < 2:
         raise ValueError(f"--mix-cuts needs two or more cuts to mix, got {spec!r}")
     return cuts
