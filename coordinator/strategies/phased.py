@@ -65,9 +65,10 @@ class Phased(Strategy):
     def methods(cls) -> dict[str, Method]:
         return {
             "phased-pref-pK": Method("Phased: p_ref for 5 rounds, then p_K (FedSGA's under Dir(0.1))",
-                                       group="extension", overrides={"strategy_args.cuts": "ref:5,K"}, default=False),
-            "phased-pK-pref": Method("Phased: p_K for 9 rounds, then p_ref (the same cost, reversed)",
-                                       group="extension", overrides={"strategy_args.cuts": "K:9,ref"}, default=False),
+                                     group="extension", overrides={"strategy_args.cuts": "ref:5,K"}, default=False),
+            # over 14 rounds (the cifar preset's) the same device-rounds at each cut as ref:5,K, in the other order
+            "phased-pK-pref": Method("Phased: p_K for 9 rounds, then p_ref (the other order, over 14 rounds)",
+                                     group="extension", overrides={"strategy_args.cuts": "K:9,ref"}, default=False),
         }
 
     @classmethod
