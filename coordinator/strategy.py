@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fedsga_edge.config import RunConfig
+from fedsga_edge.method.policy import reference_index
 from fedsga_edge.options import Opt, class_options, resolve_args
 from fedsga_edge.wire import RemoteProtocolError
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = ["Method", "Strategy", "register_strategy", "unregister_strategy", "get_strategy", "create_strategy",
-           "list_strategies", "all_methods", "method_of", "check_split", "split_suffix", "head_state"]
+           "list_strategies", "all_methods", "method_of", "check_split", "parse_cut", "split_suffix", "head_state"]
 
 _REGISTRY: dict[str, type["Strategy"]] = {}
 
@@ -119,6 +120,22 @@ def check_split(cfg: RunConfig, num_splits: int) -> None:
     """For the strategies that put every device at ``--split`` (SplitFed and the baselines built on it)."""
     if not 1 <= cfg.split <= num_splits:
         raise ValueError(f"--split must be in 1..{num_splits} for {cfg.model}")
+
+
+def parse_cut(token: str, num_splits: int, flag: str) -> int:
+    """One cut as the fixed-cut strategies (mix, phased) spell it: ``1``..``K``, ``ref`` (p_ref) or ``K`` (p_K)."""
+    token = token.strip()
+    if token == "ref":
+        return reference_index(num_splits)
+    if token == "K":
+        return num_splits
+    try:
+        k = int(token)
+    except ValueError:
+        raise ValueError(f"{flag}: {token!r} is not a cut (1..{num_splits}, ref or K)") from None
+    if not 1 <= k <= num_splits:
+        raise ValueError(f"{flag}: cut {k} is outside 1..{num_splits}")
+    return k
 
 
 def head_state(model: Any) -> dict[str, "Tensor"]:

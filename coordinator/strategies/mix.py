@@ -14,28 +14,11 @@ from __future__ import annotations
 import numpy as np
 
 from fedsga_edge.config import RunConfig
-from fedsga_edge.method.policy import reference_index
 from fedsga_edge.options import Opt, class_options, resolve_args
 
-from ..strategy import Method, Strategy, register_strategy
+from ..strategy import Method, Strategy, parse_cut, register_strategy
 
-__all__ = ["Mix", "parse_cut", "parse_cuts"]
-
-
-def parse_cut(token: str, num_splits: int, flag: str) -> int:
-    """One cut as the fixed-cut strategies spell it: ``1``..``K``, ``ref`` (p_ref) or ``K`` (p_K)."""
-    token = token.strip()
-    if token == "ref":
-        return reference_index(num_splits)
-    if token == "K":
-        return num_splits
-    try:
-        k = int(token)
-    except ValueError:
-        raise ValueError(f"{flag}: {token!r} is not a cut (1..{num_splits}, ref or K)") from None
-    if not 1 <= k <= num_splits:
-        raise ValueError(f"{flag}: cut {k} is outside 1..{num_splits}")
-    return k
+__all__ = ["Mix", "parse_cuts"]
 
 
 def parse_cuts(spec: str, num_splits: int) -> list[int]:

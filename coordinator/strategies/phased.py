@@ -13,8 +13,7 @@ from __future__ import annotations
 from fedsga_edge.config import RunConfig
 from fedsga_edge.options import Opt, class_options, resolve_args
 
-from ..strategy import Method, Strategy, register_strategy
-from .mix import parse_cut
+from ..strategy import Method, Strategy, parse_cut, register_strategy
 
 __all__ = ["Phased", "parse_phases"]
 
