@@ -1018,9 +1018,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             c = r["config"]
             done = (out / r["dir"] / "summary.json").exists()
             other = record_differs(out / r["dir"], c) if done else []
-            spec = REGISTERED[r["method"]][1]
-            print(f"  {r['dir']:<40} strategy={c.strategy} split={c.split if spec.split else '-'} "
-                  f"{f'overrides={spec.overrides} ' if spec.overrides else ''}"
+            method = REGISTERED[r["method"]][1]
+            print(f"  {r['dir']:<40} strategy={c.strategy} split={c.split if method.split else '-'} "
+                  f"{f'overrides={method.overrides} ' if method.overrides else ''}"
                   f"partition={c.partition}{'' if c.partition == 'iid' else f'({c.alpha:g})'}{'  [done]' if done else ''}"
                   f"{'  made with other settings: ' + ', '.join(other) if other else ''}")
         print("per-run config (first run): " + json.dumps(runs[0]["config"].to_dict()))
@@ -1030,6 +1030,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--jobs must be at least 1")
     failed: list[str] = []
     if args.jobs > 1 and not args.tables_only and args.only is None:
+        if any(not (out / r["dir"] / "summary.json").exists() for r in runs):
+            ensure_data(spec)  # once, here: workers that each materialised the npz raced on its temporary file
         failed = run_parallel(argv, out, runs, args.jobs, progress=not args.no_progress)
         args.tables_only = True  # every run that finished is on disk now: the tables in one pass
 

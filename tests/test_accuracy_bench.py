@@ -337,3 +337,22 @@ def test_jobs_run_the_plan_in_processes_with_the_same_results_and_name_a_failed_
     assert "run static/iid/seed1 failed" in capsys.readouterr().err
     tabled = json.loads((bad / "results.json").read_text())["runs"]
     assert [r["dir"] for r in tabled] == ["static/iid/seed0"]  # the run that finished is in the tables
+
+
+def test_jobs_materialise_the_data_once_before_the_workers_start(bench, tmp_path, monkeypatch):
+    """Workers that each materialised a missing npz raced on one temporary file (a run failed at its first step):
+    the parent makes it once, before any worker starts, and not at all when every run is done."""
+    calls: list[str] = []
+    monkeypatch.setattr(bench, "ensure_data", lambda spec: calls.append("data"))
+    monkeypatch.setattr(bench, "run_parallel", lambda *a, **k: calls.append("workers") or [])
+    argv = ["--preset", "smoke", "--methods", "static", "--no-progress", "--out", str(tmp_path), "--jobs", "2"]
+    bench.main(argv)
+    assert calls == ["data", "workers"]
+    for seed in (0, 1):  # every run done: nothing to materialise
+        d = tmp_path / "static" / "iid" / f"seed{seed}"
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text("{}")
+    calls.clear()
+    monkeypatch.setattr(bench, "_run_all", lambda *a, **k: {})
+    bench.main(argv)
+    assert calls == ["workers"]
