@@ -45,7 +45,8 @@ intermediate evaluations (every ``eval_every`` rounds) use a fixed, class-strati
 of ``eval_subset`` images and are stored as ``test_acc_subset`` (and ``test_loss_subset``,
 ``test_pred_share_subset``) in metrics.jsonl, for curves only.
 Nothing is tuned here: every hyperparameter is the paper's default or a stated scale choice, so
-the test set selects nothing (``best_acc`` is not reported).
+the test set selects nothing (``best_acc`` is not reported). ``--tuned`` runs every method at the values the
+tuning budget chose on tuning seeds (benchmarks/tuning.py's ``tuning.json``), never on the seeds it reports.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ class Preset:
     threads: int = 1
     # --wire-formats: each run once per format, in its own folder; None: one format (the run's wire_format)
     wire_formats: list[str] | None = None
+    # --tuned: run options per strategy from the tuning budget's choice ("*": the devices' rate, every method's)
+    tuned: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def settings(self) -> dict[str, Any]:
         """Every run option the plan does not set: declared default < BENCH_RUN < the preset's."""
@@ -310,6 +313,37 @@ def make_config(p: Preset, method: str, partition: str, seed: int, split: int, s
     return override(cfg, {"train.mu": 0.0} | variant.overrides)
 
 
+def tuned_options(p: Preset, method: str) -> dict[str, Any]:
+    """What ``--tuned`` sets for one method: the devices' rate FedAvg's budget chose, then the values its
+    strategy's budget chose (a variant runs at its strategy's values; its own overrides still win)."""
+    return p.tuned.get("*", {}) | p.tuned.get(all_methods()[method][0], {})
+
+
+def load_tuned(path: Path, preset: str, methods: list[str], explicit: set[str]) -> dict[str, dict[str, Any]]:
+    """The tuning budget's choice (benchmarks/tuning.py's tuning.json) as run options per strategy. A method whose
+    budget is unfinished is refused by name (a table at tuned values with one method at its preset's would be a
+    difference of tuning); options given on the command line win over the choice."""
+    if not path.exists():
+        raise SystemExit(f"--tuned: {path} does not exist; the tuning budget writes it: "
+                         f"python benchmarks/tuning.py --preset {preset} --jobs 2")
+    try:
+        saved = json.loads(path.read_text())
+        shared, choice = saved["shared"], saved["methods"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise SystemExit(f"--tuned: {path} is not a tuning choice (benchmarks/tuning.py's tuning.json): {exc}")
+    if saved.get("preset") != preset:
+        raise SystemExit(f"--tuned: {path} holds the choice at preset {saved.get('preset')!r}, not {preset!r}")
+    strategies = {all_methods()[m][0] for m in methods}
+    missing = sorted(s for s in strategies if s in choice and choice[s].get("chosen") is None)
+    if shared is None:
+        missing = sorted(set(missing) | {"fedavg"})
+    if missing:
+        raise SystemExit(f"--tuned: no choice yet for {', '.join(missing)} (unfinished budgets in {path.parent}): "
+                         f"python benchmarks/tuning.py --preset {preset} --methods {','.join(missing)} --jobs 2")
+    keep = lambda values: {k: v for k, v in (values or {}).items() if k not in explicit}  # noqa: E731
+    return {"*": keep(shared)} | {s: keep(c["values"]) for s, c in choice.items() if s in strategies and s != "fedavg"}
+
+
 def plan(p: Preset, spec: str, data_root: str | None, **flags: Any) -> list[dict[str, Any]]:
     """Every (seed, partition, method) run; ``flags`` override the preset's run options (simulate's names)."""
     run = p.settings() | flags
@@ -323,7 +357,7 @@ def plan(p: Preset, spec: str, data_root: str | None, **flags: Any) -> list[dict
                 # format (planner-auto's per-device formats) runs once, in the plain layout
                 pinned = "wire_format" in all_methods()[method][1].overrides
                 for fmt in (None if pinned else p.wire_formats) or [None]:
-                    more = flags if fmt is None else flags | {"wire_format": fmt}
+                    more = tuned_options(p, method) | (flags if fmt is None else flags | {"wire_format": fmt})
                     cfg = make_config(p, method, part, seed, method_split(method, split, K), spec, data_root, **more)
                     runs.append({"method": method, "partition": part, "seed": seed, "wire_format": cfg.wire_format,
                                  "swept": fmt, "dir": f"{method}/{part}/seed{seed}" + (f"/{fmt}" if fmt else ""),
@@ -929,6 +963,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=int, default=1,
                     help="Runs at a time, each in its own process (its log: RUN/run.log); one per core is what the "
                          "presets are sized for (each run uses --threads threads).")
+    ap.add_argument("--tuned", nargs="?", const="", default=None, metavar="TUNING_JSON",
+                    help="Run every method at the values the tuning budget chose (benchmarks/tuning.py; default file "
+                         "benchmarks/records/<preset>/tuning/tuning.json): FedAvg's devices' rate for all, each "
+                         "strategy's own knobs for its methods. A run option given here wins over the choice.")
     ap.add_argument("--only", default=None, help=argparse.SUPPRESS)  # one run of the plan (a --jobs worker's)
     ap.add_argument("--no-progress", action="store_true")
     add_run_options(ap)
@@ -988,9 +1026,13 @@ def resolve(args: argparse.Namespace) -> Preset:
         p.wire_formats = parse_wire_formats(args.wire_formats)
         if args.wire_format is not None:
             raise SystemExit("--wire-formats and --wire-format: give one (--wire-formats runs each format)")
-    p.run |= {o.param: getattr(args, o.param) for o in bench_options() if getattr(args, o.param) is not None}
+    explicit = {o.param: getattr(args, o.param) for o in bench_options() if getattr(args, o.param) is not None}
+    p.run |= explicit
     if not p.seeds or not p.methods or not p.partitions:
         raise SystemExit("need at least one seed, one method and one partition")
+    if args.tuned is not None:
+        path = Path(args.tuned) if args.tuned else records_dir(args.preset) / "tuning" / "tuning.json"
+        p.tuned = load_tuned(path, args.preset, p.methods, set(explicit))
     return p
 
 

@@ -14,7 +14,12 @@ what has been run.
 Every setting is one ``benchmarks/accuracy.py`` invocation (same runs, same records, same refusal of a record made
 with other settings) into ``benchmarks/records/<preset>/tuning/<method>/<setting>/``, so a killed sweep continues
 where it stopped and ``--tables-only`` chooses from whatever has finished (a setting short of a run is shown, never
-chosen). The choice is printed and written to ``tuning/tuning.md`` and ``tuning/tuning.json``.
+chosen). The choice of every method (from all the records there, whichever ``--methods`` ran) is printed and
+written to ``tuning/tuning.md`` and ``tuning/tuning.json``, which ``accuracy.py --tuned`` applies to a table's runs.
+
+FedAvg's knob is the devices' rate, which every method shares: its budget runs first, and every other method's
+settings (a server rate relative to the devices' included) run at the rate it chose; tuning another method
+before FedAvg's budget has finished is refused.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ import accuracy as A  # noqa: E402  (the benchmark this drives: its presets, pla
 
 TUNING_SEEDS = [0, 1]
 REPORTED_FROM = 10  # the tables report seeds 10 and up
+# FedAvg's knob, the devices' rate, is every method's (a rate chosen for one method's devices and not another's
+# would be a difference of tuning): its budget runs first, and every other method's settings run at its choice.
+SHARED = "fedavg"
 
 
 @dataclass(frozen=True)
@@ -103,24 +111,47 @@ def tuning_dir(preset: str, out: Path | None = None) -> Path:
 
 
 def accuracy_argv(preset: str, method: str, values: dict[str, Any], seeds: list[int], folder: Path,
-                  passthrough: list[str]) -> list[str]:
-    """The ``accuracy.py`` command line of one setting."""
+                  passthrough: list[str], shared: dict[str, Any] | None = None) -> list[str]:
+    """The ``accuracy.py`` command line of one setting (``shared``: FedAvg's chosen devices' rate, for the others)."""
     argv = ["--preset", preset, "--methods", method, "--seeds", ",".join(map(str, seeds)), "--out", str(folder)]
-    for option, v in values.items():
+    for option, v in ((shared or {}) | values).items():
         if v is not None:  # None: the option's own default (MultiSFL's 1 / (branches + 1)), which no flag spells
             argv += ["--" + option.replace("_", "-"), f"{v:g}" if isinstance(v, float) else str(v)]
     return argv + passthrough
 
 
-def collect(folder: Path, method: str, partitions: list[str], seeds: list[int]) -> dict[str, dict[int, float]]:
-    """The headline of every finished run of one setting: {partition: {seed: accuracy}}."""
-    out: dict[str, dict[int, float]] = {}
-    for p in partitions:
-        for s in seeds:
-            f = folder / method / p / f"seed{s}" / "summary.json"
-            if f.exists() and (acc := A.acc_of(json.loads(f.read_text()))) is not None:
-                out.setdefault(p, {})[s] = float(acc)
-    return out
+@dataclass(frozen=True)
+class Sweep:
+    """Where and how one invocation's settings run: the preset, tuning seeds, records root, accuracy.py's extra
+    flags; a setting's records are read back through accuracy.py's own plan, so a record made with other settings
+    (another devices' rate, a changed default) is never counted for it."""
+
+    preset: str
+    seeds: list[int]
+    root: Path
+    passthrough: list[str]
+
+    def argv(self, method: str, values: dict[str, Any], name: str, shared: dict[str, Any] | None = None) -> list[str]:
+        return accuracy_argv(self.preset, method, values, self.seeds, self.root / method / name, self.passthrough,
+                             shared)
+
+    def collect(self, method: str, values: dict[str, Any], name: str,
+                shared: dict[str, Any] | None = None) -> tuple[dict[str, dict[int, float]], int]:
+        """The headline of every finished run of one setting, {partition: {seed: accuracy}}, and how many finished
+        runs there were made with other settings (stale: not counted; the sweep refuses to resume over them)."""
+        p = A.resolve(A.build_parser().parse_args(self.argv(method, values, name, shared)))
+        folder = self.root / method / name
+        out: dict[str, dict[int, float]] = {}
+        stale = 0
+        for r in A.plan(p, A.data_spec(p.data), None):
+            f = folder / r["dir"] / "summary.json"
+            if not f.exists():
+                continue
+            if A.record_differs(folder / r["dir"], r["config"]):
+                stale += 1
+            elif (acc := A.acc_of(json.loads(f.read_text()))) is not None:
+                out.setdefault(r["partition"], {})[r["seed"]] = float(acc)
+        return out, stale
 
 
 def choose(table: dict[str, dict[str, dict[int, float]]], partitions: list[str], seeds: list[int]) -> str | None:
@@ -135,18 +166,33 @@ def choose(table: dict[str, dict[str, dict[int, float]]], partitions: list[str],
     return "preset" if "preset" in ties else ties[0]
 
 
-def report(preset: str, methods: list[str], partitions: list[str], seeds: list[int], root: Path,
-           budgets: dict[str, list[tuple[str, dict[str, Any]]]]) -> tuple[str, dict[str, Any]]:
+def shared_choice(sweep: Sweep, preset_values: dict[str, Any], partitions: list[str]) -> dict[str, Any] | None:
+    """The devices' rate FedAvg's budget chose, as run options ({} where the preset's value won); None while that
+    budget has unfinished runs (no other method can be tuned yet: its settings run at this rate)."""
+    budget = settings(SHARED, preset_values)
+    table = {name: sweep.collect(SHARED, vals, name)[0] for name, vals in budget}
+    pick = choose(table, partitions, sweep.seeds)
+    return None if pick is None else dict(budget)[pick]
+
+
+def report(sweep: Sweep, methods: list[str], partitions: list[str],
+           budgets: dict[str, list[tuple[str, dict[str, Any]]]],
+           shared: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
     """The tuning table (markdown) and the choice per method (JSON-ready)."""
+    preset, seeds = sweep.preset, sweep.seeds
     labels = [A.partition_label(p) for p in partitions]
+    at = ("" if shared is None else "; every method but FedAvg at the devices' rate FedAvg's budget chose ("
+          + (", ".join(f"--{k.replace('_', '-')} {v}" for k, v in shared.items()) or "the preset's") + ")")
     lines = [f"**Tuning at `{preset}`** — headline accuracy (%) on tuning seeds {','.join(map(str, seeds))}, mean ± "
              "std over the seeds, per partition; mean: over every partition and seed; chosen: the best mean among "
-             "settings with all their runs (ties: the preset's value)", "",
+             f"settings with all their runs (ties: the preset's value){at}", "",
              "| Method | setting | " + " | ".join(labels) + " | mean | runs | chosen |",
              "|---|---|" + "---:|" * len(labels) + "---:|---:|---|"]
     choice: dict[str, Any] = {}
     for m in methods:
-        table = {name: collect(root / m / name, m, partitions, seeds) for name, _ in budgets[m]}
+        at = {} if m == SHARED else shared
+        found = {name: sweep.collect(m, vals, name, at) for name, vals in budgets[m]}
+        table = {name: runs for name, (runs, _) in found.items()}
         pick = choose(table, partitions, seeds)
         values = dict(budgets[m])
         choice[m] = {"chosen": pick, "values": values.get(pick) if pick else None,
@@ -158,8 +204,10 @@ def report(preset: str, methods: list[str], partitions: list[str], seeds: list[i
             what = "preset's values" if not vals else ", ".join(
                 f"{'--' + k.replace('_', '-')} {'default' if v is None else v}" for k, v in vals.items())
             mean = f"{100 * np.mean(every):.2f}" if every else "—"
+            stale = found[name][1]
             lines.append(f"| {A.LABELS.get(m, m)} | {what} | " + " | ".join(cells)
-                         + f" | {mean} | {len(every)}/{len(seeds) * len(partitions)} | "
+                         + f" | {mean} | {len(every)}/{len(seeds) * len(partitions)}"
+                         + (f" ({stale} made with other settings)" if stale else "") + " | "
                          + ("**chosen**" if name == pick else "") + " |")
     return "\n".join(lines) + "\n", choice
 
@@ -189,29 +237,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if reported := sorted(s for s in seeds if s in p.seeds or s >= REPORTED_FROM):
         raise SystemExit(f"--seeds {reported}: reported seeds (the {args.preset} preset's, or {REPORTED_FROM} and up); "
                          "a value tuned on some seeds is judged on others")
+    methods.sort(key=lambda m: m != SHARED)  # the devices' rate first: the others' settings run at its choice
     preset_values = p.settings()
-    budgets = {m: settings(m, preset_values) for m in methods}
     root = tuning_dir(args.preset, args.out)
     partitions = list(p.partitions)
-    n_runs = sum(len(b) for b in budgets.values()) * len(seeds) * len(partitions)
-    print(f"tuning at {args.preset}: {len(methods)} methods, {n_runs} runs (seeds {seeds}, partitions {partitions})"
-          f" into {root}")
-    passthrough = ["--data", args.data] if args.data else []
+    run = not (args.dry_run or args.tables_only)
+    sweep = Sweep(args.preset, seeds, root, ["--data", args.data] if args.data else [])
+    print(f"tuning at {args.preset}: {len(methods)} methods (seeds {seeds}, partitions {partitions}) into {root}")
+    budgets: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    shared: dict[str, Any] | None = None
     for m in methods:
+        if m != SHARED and shared is None:
+            shared = shared_choice(sweep, preset_values, partitions)
+            if shared is None and run:
+                raise SystemExit(f"--methods {m}: FedAvg's budget has unfinished runs, and every other method is tuned "
+                                 f"at the devices' rate it chooses: python benchmarks/tuning.py --preset {args.preset} "
+                                 f"--methods {SHARED}")
+            if shared is None:
+                print("  (FedAvg's budget is unfinished: the others below at the preset's devices' rate)")
+        at = {} if m == SHARED else (shared or {})
+        budgets[m] = settings(m, preset_values | at)
         for name, vals in budgets[m]:
-            a = accuracy_argv(args.preset, m, vals, seeds, root / m / name, passthrough)
+            a = sweep.argv(m, vals, name, at)
             print(f"  {m:<11} {name:<24} python benchmarks/accuracy.py {' '.join(a)}")
-            if not (args.dry_run or args.tables_only):
+            if run:
                 A.main(a + ["--jobs", str(args.jobs), "--no-progress"])
+    n_runs = sum(len(b) for b in budgets.values()) * len(seeds) * len(partitions)
+    print(f"{n_runs} runs in the budget")
     if args.dry_run:
         return {"runs": n_runs, "budgets": budgets}
-    md, choice = report(args.preset, methods, partitions, seeds, root, budgets)
+    # the choice of every method from the records (not only this invocation's): tuning.json is what
+    # ``accuracy.py --tuned`` applies, so one file holds the whole preset's choice
+    shared = shared_choice(sweep, preset_values, partitions)
+    budgets = {m: settings(m, preset_values | ({} if m == SHARED else shared or {})) for m in BUDGET}
+    md, choice = report(sweep, list(BUDGET), partitions, budgets, shared)
     root.mkdir(parents=True, exist_ok=True)
     (root / "tuning.md").write_text(md)
     (root / "tuning.json").write_text(json.dumps({"preset": args.preset, "seeds": seeds, "partitions": partitions,
-                                                  "methods": choice}, indent=1, default=str))
+                                                  "shared": shared, "methods": choice}, indent=1, default=str))
     print(md)
-    return {"runs": n_runs, "choice": choice, "markdown": md}
+    return {"runs": n_runs, "choice": choice, "shared": shared, "markdown": md}
 
 
 if __name__ == "__main__":

@@ -55,15 +55,93 @@ def test_tuning_refuses_a_reported_seed(T):
 
 
 def test_a_small_sweep_runs_records_and_chooses(T, tmp_path):
-    """FedProx's three settings on digits, one tuning seed: three real runs, the choice from their records, and
-    the same choice again from the records alone."""
-    out = T.main(["--preset", "smoke", "--methods", "fedprox", "--seeds", "2", "--out", str(tmp_path)])
-    runs = sorted(p.parent.parent.parent.parent.name for p in (tmp_path / "tuning").rglob("summary.json"))
-    assert runs == ["mu0.001", "mu0.1", "preset"]
-    saved = json.loads((tmp_path / "tuning" / "tuning.json").read_text())["methods"]["fedprox"]
-    accs = {n: by_part["iid"]["2"] for n, by_part in saved["settings"].items()}
-    assert saved["chosen"] == max(accs, key=lambda n: (accs[n], n == "preset"))
-    assert "**chosen**" in out["markdown"] and out["markdown"].count("| 1/1 |") == 3
-    again = T.main(["--preset", "smoke", "--methods", "fedprox", "--seeds", "2", "--out", str(tmp_path),
-                    "--tables-only"])
-    assert again["choice"]["fedprox"]["chosen"] == saved["chosen"]
+    """FedAvg's and FedProx's three settings on digits, one tuning seed: six real runs, FedProx's at the devices'
+    rate FedAvg's chose, the choice from their records, and the same choice again from the records alone."""
+    argv = ["--preset", "smoke", "--seeds", "2", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match="FedAvg's budget has unfinished runs.*--methods fedavg"):
+        T.main(argv + ["--methods", "fedprox"])  # the devices' rate is every method's: FedAvg's budget first
+    assert not list(tmp_path.rglob("summary.json"))
+    out = T.main(argv + ["--methods", "fedprox,fedavg"])
+    runs = sorted(str(p.relative_to(tmp_path / "tuning")).split("/")[:2] for p in tmp_path.rglob("summary.json"))
+    lr0 = T.A.PRESETS["smoke"].settings()["lr"]
+    rate = {"preset": lr0, f"lr{lr0 / 2:g}": lr0 / 2, f"lr{lr0 * 2:g}": lr0 * 2}
+    assert runs == sorted([["fedavg", n] for n in rate] + [["fedprox", n] for n in ("mu0.001", "mu0.1", "preset")])
+    saved = json.loads((tmp_path / "tuning" / "tuning.json").read_text())
+    rates = {n: by_part["iid"]["2"] for n, by_part in saved["methods"]["fedavg"]["settings"].items()}
+    assert saved["methods"]["fedavg"]["chosen"] == max(rates, key=lambda n: (rates[n], n == "preset"))
+    lr = rate[saved["methods"]["fedavg"]["chosen"]]
+    assert saved["shared"] == ({} if lr == lr0 else {"lr": lr})
+    for f in (tmp_path / "tuning" / "fedprox").rglob("config.json"):  # FedProx ran at FedAvg's chosen rate
+        assert json.loads(f.read_text())["train"]["lr"] == pytest.approx(lr)
+    fedprox = saved["methods"]["fedprox"]
+    accs = {n: by_part["iid"]["2"] for n, by_part in fedprox["settings"].items()}
+    assert fedprox["chosen"] == max(accs, key=lambda n: (accs[n], n == "preset"))
+    # every method's choice is in the file (those with no runs: none yet), whichever --methods ran
+    assert set(saved["methods"]) == set(T.BUDGET) and saved["methods"]["fedgh"]["chosen"] is None
+    assert out["markdown"].count("**chosen**") == 2 and out["markdown"].count("| 1/1 |") == 6
+    again = T.main(argv + ["--methods", "fedprox", "--tables-only"])
+    assert again["choice"]["fedprox"]["chosen"] == fedprox["chosen"] and again["shared"] == saved["shared"]
+    # a record made at another devices' rate is not this setting's run: shown as such, never counted
+    cfg = tmp_path / "tuning" / "fedprox" / "mu0.1" / "fedprox" / "iid" / "seed2" / "config.json"
+    cfg.write_text(json.dumps(json.loads(cfg.read_text()) | {"train": {"lr": 0.777}}))
+    stale = T.main(argv + ["--methods", "fedprox", "--tables-only"])
+    assert "mu0.1" not in {n for n, runs in stale["choice"]["fedprox"]["settings"].items() if runs["iid"]}
+    assert stale["markdown"].count("0/1 (1 made with other settings)") == 1
+
+
+def _tuning_json(path, preset="smoke", shared=None, **chosen):
+    methods = {m: {"chosen": None, "values": None, "settings": {}} for m in ("fedavg", "static", "fedprox")}
+    for m, values in chosen.items():
+        methods[m] = {"chosen": "x", "values": values, "settings": {}}
+    path.write_text(json.dumps({"preset": preset, "seeds": [0, 1], "partitions": ["iid"], "shared": shared,
+                                "methods": methods}))
+    return path
+
+
+def test_tuned_runs_every_method_at_the_budgets_choice(T, tmp_path):
+    """--tuned: FedAvg's devices' rate for every method, each strategy's own choice for its methods (a variant at
+    its strategy's), an option on the command line over the choice; an unfinished budget or another preset's
+    file refused by name."""
+    A = T.A
+    path = _tuning_json(tmp_path / "tuning.json", shared={"lr": 0.3}, fedavg={"lr": 0.3},
+                        static={"server_lr": 0.07})
+
+    def configs(*extra):
+        p = A.resolve(A.build_parser().parse_args(["--preset", "smoke", "--methods", "static,static-p1,fedavg,random",
+                                                   "--tuned", str(path), *extra]))
+        return {r["method"]: r["config"] for r in A.plan(p, A.data_spec(p.data), None) if r["seed"] == 0}
+
+    c = configs()
+    assert {m: (cfg.train.lr, cfg.server_lr) for m, cfg in c.items()} == {
+        "static": (0.3, 0.07), "static-p1": (0.3, 0.07), "fedavg": (0.3, c["fedavg"].server_lr),
+        "random": (0.3, c["random"].server_lr)}
+    assert c["random"].server_lr == A.PRESETS["smoke"].settings()["server_lr"]  # random's strategy: none tuned
+    assert configs("--server-lr", "0.01")["static"].server_lr == 0.01  # the command line wins
+    _tuning_json(path, shared={"lr": 0.3}, fedavg={"lr": 0.3})  # static's budget unfinished
+    with pytest.raises(SystemExit, match="no choice yet for static"):
+        configs()
+    _tuning_json(path, shared=None)
+    with pytest.raises(SystemExit, match="no choice yet for fedavg, static"):
+        configs()
+    _tuning_json(path, preset="office-v1", shared={}, fedavg={}, static={})
+    with pytest.raises(SystemExit, match="choice at preset 'office-v1', not 'smoke'"):
+        configs()
+    with pytest.raises(SystemExit, match="does not exist.*tuning.py --preset smoke"):
+        A.resolve(A.build_parser().parse_args(["--preset", "smoke", "--tuned", str(tmp_path / "none.json")]))
+
+
+def test_the_others_settings_run_at_the_devices_rate_fedavg_chose(T, tmp_path, capsys):
+    """FedAvg's records choose a devices' rate other than the preset's: every other method's settings (a server
+    rate relative to the devices' included) are planned at it, and the choice file says so."""
+    lr0 = T.A.PRESETS["office-v1"].settings()["lr"]
+    for name, acc in (("preset", 0.20), (f"lr{lr0 / 2:g}", 0.10), (f"lr{lr0 * 2:g}", 0.30)):
+        for seed in (0, 1):
+            d = tmp_path / "tuning" / "fedavg" / name / "fedavg" / "domain0.5" / f"seed{seed}"
+            d.mkdir(parents=True)
+            (d / "summary.json").write_text(json.dumps({"final_acc": acc, "headline_acc": acc}))
+    out = T.main(["--preset", "office-v1", "--methods", "static", "--out", str(tmp_path), "--dry-run"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "accuracy.py" in ln]
+    assert lines and all(f"--lr {lr0 * 2:g}" in ln for ln in lines)
+    assert [v for _, v in out["budgets"]["static"]] == [{}, {"server_lr": lr0 * 2 * 0.075}, {"server_lr": lr0 * 2}]
+    done = T.main(["--preset", "office-v1", "--methods", "static", "--out", str(tmp_path), "--tables-only"])
+    assert done["shared"] == {"lr": lr0 * 2} and "--lr " + f"{lr0 * 2:g}" in done["markdown"]
