@@ -181,11 +181,11 @@ def report(sweep: Sweep, methods: list[str], partitions: list[str],
     """The tuning table (markdown) and the choice per method (JSON-ready)."""
     preset, seeds = sweep.preset, sweep.seeds
     labels = [A.partition_label(p) for p in partitions]
-    at = ("" if shared is None else "; every method but FedAvg at the devices' rate FedAvg's budget chose ("
-          + (", ".join(f"--{k.replace('_', '-')} {v}" for k, v in shared.items()) or "the preset's") + ")")
+    rate = ("" if shared is None else "; every method but FedAvg at the devices' rate FedAvg's budget chose ("
+            + (", ".join(f"--{k.replace('_', '-')} {v}" for k, v in shared.items()) or "the preset's") + ")")
     lines = [f"**Tuning at `{preset}`** — headline accuracy (%) on tuning seeds {','.join(map(str, seeds))}, mean ± "
              "std over the seeds, per partition; mean: over every partition and seed; chosen: the best mean among "
-             f"settings with all their runs (ties: the preset's value){at}", "",
+             f"settings with all their runs (ties: the preset's value){rate}", "",
              "| Method | setting | " + " | ".join(labels) + " | mean | runs | chosen |",
              "|---|---|" + "---:|" * len(labels) + "---:|---:|---|"]
     choice: dict[str, Any] = {}
@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if reported := sorted(s for s in seeds if s in p.seeds or s >= REPORTED_FROM):
         raise SystemExit(f"--seeds {reported}: reported seeds (the {args.preset} preset's, or {REPORTED_FROM} and up); "
                          "a value tuned on some seeds is judged on others")
+    if unknown := [m for m in methods if m not in BUDGET]:  # before any run: a typo found after FedAvg's runs costs hours
+        raise SystemExit(f"--methods: {', '.join(map(repr, unknown))} have no tuning budget; methods with one: "
+                         f"{', '.join(BUDGET)}")
     methods.sort(key=lambda m: m != SHARED)  # the devices' rate first: the others' settings run at its choice
     preset_values = p.settings()
     root = tuning_dir(args.preset, args.out)

@@ -52,6 +52,8 @@ def test_tuning_refuses_a_reported_seed(T):
     for seeds in ("10", "0,12", "3,11"):
         with pytest.raises(SystemExit, match="reported seeds"):
             T.main(["--preset", "office-v1", "--seeds", seeds, "--dry-run"])
+    with pytest.raises(SystemExit, match="'random' have no tuning budget"):  # named before FedAvg's runs start
+        T.main(["--preset", "office-v1", "--methods", "fedavg,random"])
 
 
 def test_a_small_sweep_runs_records_and_chooses(T, tmp_path):
