@@ -216,3 +216,42 @@ def test_the_frontier_plot_never_draws_two_methods_alike() -> None:
     methods = ["fedsga", "mix-p1-pK", "mix-pK-p1", "mix-shuffled", "random"]
     colors = _distinct_colors(methods)
     assert len(set(colors)) == len(methods) and colors[0] == "C3" and "C3" not in colors[1:]
+
+
+def test_a_record_made_before_an_option_shares_the_frontier_of_runs_at_its_default(tmp_path):
+    """Cuts recorded before ``--fronts`` existed trained with shared fronts: an adaptive run that records
+    ``fronts=shared`` is drawn against them, one that records private fronts is not."""
+    from test_report import write_run
+
+    from fedsga_edge.report import discover
+    from fedsga_edge.report.frontier import frontier_groups
+
+    root = tmp_path / "bench"
+    write_run(root / "static-p1/iid/seed0", "static", 0, [0.2], split=1, flops=10e6)  # no "fronts" in config.json
+    write_run(root / "static-pK/iid/seed0", "static", 0, [0.4], split=3, flops=40e6)
+    for method, fronts, acc in (("fedsga", "shared", 0.35), ("random", "private", 0.5)):
+        run = write_run(root / f"{method}/iid/seed0", method, 0, [acc], flops=25e6)
+        (run / "config.json").write_text(json.dumps(json.loads((run / "config.json").read_text()) | {"fronts": fronts}))
+    [g] = frontier_groups(discover([root])[0])
+    assert g["partition"] == "iid · fronts=shared" and [m["method"] for m in g["methods"]] == ["fedsga"]
+    assert g["methods"][0]["delta"]["mean"] == pytest.approx(0.35 - 0.3)
+
+
+def test_one_methods_runs_from_two_benchmark_folders_are_never_one_point(tmp_path):
+    """FedSGA at its defaults beside an earlier setting's FedSGA kept under ``options/``: the same method and seed
+    twice in one regime, so each benchmark folder is a frontier of its own (one without cuts draws none)."""
+    from test_report import write_run
+
+    from fedsga_edge.report import discover
+    from fedsga_edge.report.frontier import frontier_groups
+
+    root = tmp_path / "bench"
+    write_run(root / "static-p1/iid/seed0", "static", 0, [0.2], split=1, flops=10e6)
+    write_run(root / "static-pK/iid/seed0", "static", 0, [0.4], split=3, flops=40e6)
+    write_run(root / "fedsga/iid/seed0", "fedsga", 0, [0.35], flops=25e6)
+    write_run(root / "options/earlier/fedsga/iid/seed0", "fedsga", 0, [0.10], flops=25e6)
+    [g] = frontier_groups(discover([root])[0])
+    assert g["partition"] == "iid · bench" and g["methods"][0]["delta"]["mean"] == pytest.approx(0.35 - 0.3)
+    (root / "options").rename(tmp_path / "elsewhere")  # the earlier runs alone: one folder, one frontier
+    [g] = frontier_groups(discover([root])[0])
+    assert g["partition"] == "iid" and g["methods"][0]["n"] == 1

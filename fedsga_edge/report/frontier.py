@@ -5,13 +5,15 @@ reaches any convex combination of their (client FLOPs, accuracy) points. So the 
 best accuracy any fixed cut or fixed mix of cuts reaches with no more than ``c`` FLOPs: the upper envelope of
 the cuts' points, never falling as the cost grows. A cut that another matches or beats in accuracy at no more
 FLOPs never shapes it, and a line between two dominated cuts is not part of it. An adaptive split policy earns
-its keep only by sitting above that envelope at its own client FLOPs (issue 37). Torch-free.
+its keep only by sitting above that envelope at its own client FLOPs. Torch-free.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -131,6 +133,26 @@ REGIME_KEYS = ("dataset", "model", "width", "clients", "rounds", "server_copies"
                "eval_holdout")
 
 
+def _regime(config: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A run's ``REGIME_KEYS``. A key its record lacks was added after the run, which then had the option's
+    default (or ``config.RECORD_BEFORE``'s value where the default changed): runs made before ``--fronts`` existed
+    trained with shared fronts, and share a frontier with the runs that say so."""
+    from fedsga_edge.config import RECORD_BEFORE, RunConfig
+
+    before = RunConfig().to_dict() | RECORD_BEFORE
+    return tuple((k, config[k] if k in config else before.get(k)) for k in REGIME_KEYS)
+
+
+def _plan_root(run: Any) -> str:
+    """The benchmark folder a run belongs to (``OUT`` of ``OUT/<method>/<partition>/seed<s>[/<format>]``), or the
+    run's own folder outside that layout."""
+    path = Path(run.path)
+    for at in (path, *path.parents):
+        if run.seed is not None and at.name == f"seed{run.seed}":
+            return str(at.parents[2]) if len(at.parents) > 2 else str(at.parent)
+    return str(path)
+
+
 def frontier_groups(runs: Sequence[Any]) -> list[dict[str, Any]]:
     """Per partition, regime and score (``SCORES``) with two or more fixed cuts (``--strategy static`` at different
     splits) and an adaptive method: the cuts' mean points and the envelope through them, and each adaptive method's
@@ -141,16 +163,33 @@ def frontier_groups(runs: Sequence[Any]) -> list[dict[str, Any]]:
         regimes: dict[tuple[str, tuple], list[tuple[Any, Point]]] = {}
         for r in runs:
             if r.seed is not None and (q := run_point(r, score)) is not None:
-                key = (r.partition, tuple((k, r.config.get(k)) for k in REGIME_KEYS))
-                regimes.setdefault(key, []).append((r, q))
+                regimes.setdefault((r.partition, _regime(r.config)), []).append((r, q))
         differ = [k for i, k in enumerate(REGIME_KEYS) if len({key[1][i][1] for key in regimes}) > 1]
         for (part, regime), mine in sorted(regimes.items(), key=lambda kv: (kv[0][0] != "iid", repr(kv[0]))):
-            group = _frontier_group(mine)
-            if group:
-                label = " · ".join([part] + [f"{k}={v}" for k, v in regime if k in differ]
-                                   + ([score] if score != "test" else []))
-                out.append({"partition": label, "score": score} | group)
+            for plan, runs_of_plan in _by_plan(mine):
+                group = _frontier_group(runs_of_plan)
+                if group:
+                    label = " · ".join([part] + [f"{k}={v}" for k, v in regime if k in differ] + ([plan] if plan else [])
+                                       + ([score] if score != "test" else []))
+                    out.append({"partition": label, "score": score} | group)
     return out
+
+
+def _by_plan(mine: list[tuple[Any, Point]]) -> list[tuple[str, list[tuple[Any, Point]]]]:
+    """One regime's runs as one frontier, unless two runs of one method and seed come from different benchmark
+    folders (FedSGA's runs at its defaults beside an earlier setting's kept under ``options/``): then each folder
+    is a frontier of its own, named by its path, since a method's point per seed must be one run."""
+    roots = {id(r): _plan_root(r) for r, _ in mine}
+    seen: dict[tuple[str, int], str] = {}
+    for r, _ in mine:
+        if seen.setdefault((r.method, r.seed), roots[id(r)]) != roots[id(r)]:
+            break
+    else:
+        return [("", mine)]
+    plans = sorted(set(roots.values()))
+    common = os.path.commonpath(plans) if len(plans) > 1 else ""
+    return [(os.path.relpath(root, os.path.dirname(common)) if common else root,
+             [(r, q) for r, q in mine if roots[id(r)] == root]) for root in plans]
 
 
 def _frontier_group(mine: list[tuple[Any, Point]]) -> dict[str, Any] | None:
