@@ -5,7 +5,7 @@ reaches any convex combination of their (client FLOPs, accuracy) points. So the 
 best accuracy any fixed cut or fixed mix of cuts reaches with no more than ``c`` FLOPs: the upper envelope of
 the cuts' points, never falling as the cost grows. A cut that another matches or beats in accuracy at no more
 FLOPs never shapes it, and a line between two dominated cuts is not part of it. An adaptive split policy earns
-its keep only by sitting above that envelope at its own client FLOPs (issue 37). Torch-free.
+its keep only by sitting above that envelope at its own client FLOPs. Torch-free.
 """
 
 from __future__ import annotations
