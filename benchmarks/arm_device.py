@@ -1,4 +1,4 @@
-"""The torch-free device agent on aarch64 against the same run on x86 (issue 41): the runs and the check.
+"""The torch-free device agent on aarch64 against the same run on x86: the runs and the check.
 
 benchmarks/arm_device.sh prepares an arm64 root file system with the project's ``[device]`` extra and calls
 this with ``--enter`` (its own command that runs a program inside that system under qemu-user). Here, on the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The torch-free device agent on aarch64 (issue 41), on an x86 Linux host under qemu-user emulation.
+# The torch-free device agent on aarch64, on an x86 Linux host under qemu-user emulation.
 #
 #   benchmarks/arm_device.sh                 build or reuse the arm64 system, install the checkout's wheel with
 #                                            its [device] extra into it, run the 2-round check (arm_device.py)

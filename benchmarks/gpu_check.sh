@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The coordinator on a GPU (issue 41), for a machine with one CUDA device and the checkout installed
+# The coordinator on a GPU, for a machine with one CUDA device and the checkout installed
 # (pip install -e ".[all]"): first tests/test_gpu.py (the server side and the estimator's calibration with
 # --device cuda, against the CPU), then the accuracy benchmark's `--preset gpu` (FedSGA against static at p_ref,
 # Dirichlet(0.1), all of CIFAR-10 at width 1.0, sized by estimate to ~8 minutes), then the figures to record

@@ -851,7 +851,7 @@ def run_pair(out: Path, *, clients: int = 2, rounds: int = 2, examples: int = 15
             "checks": checks(runs["clean"], runs["hostile"], cmp, out / "hostile")}
 
 
-# -- a device's own login against the other devices and the coordinator (issue 39, items 3 and 4) ------------
+# -- a device's own login against the other devices and the coordinator --------------------------------------
 
 LOGIN_RUN = "sim-0"
 
@@ -914,7 +914,7 @@ def _spy(broker: RunningBroker, login: str, password: str,
 
 
 def login_attacks(out: Path, kind: str, *, sealed: bool = True, encrypt: bool = False) -> dict[str, Any]:
-    """One scenario of issue 39 on broker ``kind`` (embedded | mosquitto): client-000's own login (and, when
+    """One login scenario on broker ``kind`` (embedded | mosquitto): client-000's own login (and, when
     the run seals, its own key) against client-001 and the coordinator. Figures:
 
     * ``tensors_read``: messages heard on ``#`` that hold the bytes of client-001's activation or of its

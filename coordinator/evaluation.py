@@ -109,7 +109,7 @@ def evaluate_models(model: Any, models: list[tuple[float, dict[str, torch.Tensor
 
 
 class FederatedEvaluation:
-    """The coordinator's side of federated evaluation (issue 18; docs/protocol.md, "Federated evaluation").
+    """The coordinator's side of federated evaluation (docs/protocol.md, "Federated evaluation").
 
     With ``--eval-holdout`` above 0, round 1 and every round after an evaluation round tell the devices
     to evaluate (``round_start`` field ``evaluate``) the model the round starts from: the global model

@@ -163,7 +163,7 @@ class MessageScheduler:
             self._cond.wait(self.poll_s)
 
 
-# -- a fleet on a virtual clock (issue 20; docs/fleet.md) ---------------------------------------------------
+# -- a fleet on a virtual clock (docs/fleet.md) -------------------------------------------------------------
 
 # The availability draws' own random stream: np.random.default_rng([seed, t, FLEET_STREAM]).
 FLEET_STREAM = 20

@@ -111,7 +111,7 @@ class Coordinator:
         self._handlers = {"activation": self._on_activation, "fetch": self._on_fetch, "update": self._on_update}
         # --fronts private: each device's own copy of the blocks it may run, out of aggregation (coordinator/fronts.py)
         self.fronts = PrivateFronts(self.model, cfg.fronts == "private")
-        self.fed_eval = FederatedEvaluation(self)  # the devices' evaluation on their held-out data (issue 18)
+        self.fed_eval = FederatedEvaluation(self)  # the devices' evaluation on their held-out data
         self._handlers["evaluate"] = self.fed_eval.on_request
         for kind, method in strategy.requests.items():
             handler = getattr(strategy, method)

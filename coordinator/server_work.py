@@ -2,7 +2,7 @@
 
 Methods differ in how much the server trains per round (MU-SplitFed's tau steps per activation, MultiSFL's
 branches and replay, MergeSFL's one step per merged batch, FedSGA's phi_s, FedGH's head on the class
-means), so a comparison of methods needs that work beside the clients' (issue 36). Nothing here is a
+means), so a comparison of methods needs that work beside the clients'. Nothing here is a
 formula per method: every place that takes a server optimizer step calls ``ServerWork.add`` once per step
 (coordinator/server_side.py for the server blocks, the strategies' own server hooks for what they train).
 

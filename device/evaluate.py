@@ -1,4 +1,4 @@
-"""Federated evaluation on the device: the global model on the device's held-out slice (issue 18).
+"""Federated evaluation on the device: the global model on the device's held-out slice.
 
 A device keeps a slice of its own data out of training (``--eval-holdout``, ``ClientData.eval_indices``;
 drawn once from the run's seed and the device id, so the same share gives the same slice whether it came

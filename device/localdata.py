@@ -1,4 +1,4 @@
-"""A device that brings its own data (``fedsga-edge device --data PATH``; issue 18).
+"""A device that brings its own data (``fedsga-edge device --data PATH``).
 
 Before its ``hello`` the device reads its data and asks the coordinator what the run's data is
 (``describe`` -> ``description``: the class names in class-id order, the input size, the normalisation),

@@ -7,7 +7,7 @@ coordinator's block weights map onto them one to one) and a state file:
   The forward in training mode: BatchNorm normalises with batch statistics and returns the
   updated running mean / var (momentum update, unbiased variance, as torch does); ``h1`` is the
   model's ``interface_pool`` of the p_1 activation (docs/method.md "Observation"); ``saved.*`` are
-  the activations the backward needs (issue 8: it used to recompute the whole forward).
+  the activations the backward needs (the backward used to recompute the whole forward).
 * ``prefix_kK.train_bwd.onnx``: (x, dz, prompts, some params, *saved) -> (grad.prompts, *grad.params).
   Gradients of ``sum(prefix(x, prompts) * dz)``, i.e. of the server's loss once the server sends
   ``dz = dL/dz``, from the same batch's ``saved.*`` (it recomputes only views and ReLUs, so its
@@ -23,7 +23,7 @@ whose inputs are (x, dz, prompts, *params, *bn_stats), export it again with a dy
 the decompositions below, and split it (:func:`_split_joint`): the forward is what z, h1 and the
 statistics need, the backward the rest of what the gradients need, and each forward value the
 backward reads is a ``saved.*`` output / input. Decompositions (what ONNX lacks or what
-onnxruntime's CPU kernels run slowly, issue 8):
+onnxruntime's CPU kernels run slowly):
 
 * ``aten.convolution_backward`` has no ONNX translation: input gradient as a convolution with the
   flipped kernel (stride 1) or a transposed convolution, weight gradient as batched matmuls over
@@ -81,7 +81,7 @@ def convolution_backward(
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """aten.convolution_backward for plain 2-D convolutions (groups 1), from ops ONNX has.
 
-    Arranged for onnxruntime's CPU kernels (issue 8): the weight gradient is one batched matrix
+    Arranged for onnxruntime's CPU kernels: the weight gradient is one batched matrix
     product over shifted copies of the input and dy (:func:`_weight_grad`; a convolution over the
     batch axis with dy as a 32x32 kernel ran at ~5 GFLOP/s there), the input gradient of a stride-1
     convolution is a convolution with the flipped kernel (ConvTranspose is slower there).
@@ -115,8 +115,8 @@ def convolution_backward(
     return grad_in, grad_w, grad_b
 
 
-# Relative costs behind the weight-gradient arrangement, measured with onnxruntime on one x86 core
-# (issue 8): a multiply-add in a large matmul ~0.04 ns (~50 GFLOP/s), an element copied by
+# Relative costs behind the weight-gradient arrangement, measured with onnxruntime on one x86 core:
+# a multiply-add in a large matmul ~0.04 ns (~50 GFLOP/s), an element copied by
 # Pad / Slice / Concat / Transpose ~5 ns (~1.5 GB/s read + write): one copy ~ 130 multiply-adds.
 _COPY_IN_MACS = 130
 
@@ -216,7 +216,7 @@ def batch_norm_train(
     Without a decomposition it is exported as an inference BatchNormalization over the running
     statistics (gradients 79% wrong, silently). torch's own decomposition normalises in four
     elementwise passes; here the batch mean and (biased) variance are computed first and the
-    normalisation is one inference BatchNormalization over *them* (one pass, issue 8). Returns
+    normalisation is one inference BatchNormalization over *them* (one pass). Returns
     (out, mean, 1/std, new running mean, new running var) like the op; the running variance takes
     the unbiased batch variance, as torch does.
     """
@@ -249,7 +249,7 @@ def batch_norm_backward(
     output_mask: list[bool],
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``native_batch_norm_backward`` in training mode, in fewer full-size passes than torch's own
-    decomposition (issue 8): with c = x - mean (the forward's centred input, shared with it by
+    decomposition: with c = x - mean (the forward's centred input, shared with it by
     :func:`_cse`), dx = k1 dy + k2 c + k3 per channel, the last two terms one inference
     BatchNormalization, from the per-channel sums of dy and dy c."""
     if not train or save_mean is None or save_invstd is None:
@@ -277,7 +277,7 @@ def batch_norm_backward(
 
 def threshold_backward(grad_out: Tensor, inp: Tensor, threshold: float) -> Tensor:
     """where(x <= t, 0, dy) (the ReLU backward) as dy * float(x > t): Where with a scalar branch ran
-    ~8x slower than Greater + Cast + Mul in onnxruntime's CPU kernels (issue 8). (A NaN in x now
+    ~8x slower than Greater + Cast + Mul in onnxruntime's CPU kernels. (A NaN in x now
     gives 0 instead of dy, an inf in dy NaN instead of 0: training has failed by then anyway.)"""
     return grad_out * (inp > threshold).to(grad_out.dtype)
 
@@ -312,7 +312,7 @@ def _joint_decompositions() -> Any:
 
 
 def _simplify(gm: torch.fx.GraphModule) -> int:
-    """Two full-size elementwise passes the joint graph spends for nothing (issue 8):
+    """Two full-size elementwise passes the joint graph spends for nothing:
 
     * dL/dz = expand(1) * dz for L = sum(z * dz): the multiplication by a broadcast one goes;
     * a mean's backward, expand(g) / n, divides the small g before expanding it.
@@ -461,7 +461,7 @@ class _Surrogate(nn.Module):
 
 
 # -- splitting the joint graph into a forward that keeps what the backward needs, and that backward --
-# (issue 8: the backward used to recompute the whole forward)
+# (the backward used to recompute the whole forward)
 
 _VIEWS = {
     aten.view.default,

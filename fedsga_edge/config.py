@@ -125,7 +125,7 @@ class FedSGAConfig:
         0.3, "SGD learning rate of the shallow head phi_s on the server (docs/method.md, \"Observation\": its "
         "loss fell fastest at 0.3-1 and the alignment a swung at 1).",
         gt=0, le=100, finite=True)
-    # Beyond the paper (issues 20 and 16): off by default; the coordinator's alone (they never travel to a device:
+    # Beyond the paper: off by default; the coordinator's alone (they never travel to a device:
     # a device reads their effect from its round start's "deadline" and "margin").
     deadline_aware: bool = opt(
         False, "Deadline-aware split policy, beyond the paper: a device never trains at a split whose predicted round "

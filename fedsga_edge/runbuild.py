@@ -118,7 +118,7 @@ class RunPlan:
     client_ids: list[str]
     # each client's held-out slice for federated evaluation (--eval-holdout), never trained on; None: none
     eval_parts: list[np.ndarray] | None = None
-    # the devices bring their own data (issue 18): this side holds none of it; sizes come with each hello
+    # the devices bring their own data: this side holds none of it; sizes come with each hello
     local: bool = False
 
     @property
@@ -206,7 +206,7 @@ def _data_only_bundle(run: RunData, train: Any = None, test: Any = None) -> Data
 
 
 def plan_local(cfg: RunConfig, run: RunData, test: Any = None, *, seed_globals: bool = True) -> RunPlan:
-    """The coordinator's plan when the devices bring their own data (issue 18 item 2): the model, the class
+    """The coordinator's plan when the devices bring their own data: the model, the class
     list and the input size, no training data (``test``: an optional test set). Seeded as ``plan_run``, so
     the model starts from the same weights as a simulation of the same config."""
     validate_config(cfg)
@@ -314,7 +314,7 @@ def coordinator_service(
         b = side.plan.bundle
         test: Any = (b.test, b.mean, b.std)
         run_data, info = run_data_of(b), side.run_info()
-    else:  # the devices bring their own data: this side holds none of it (issue 18 item 2)
+    else:  # the devices bring their own data: this side holds none of it
         test_set = read_local_data(test_data, run_data)[0] if test_data is not None else None
         side = build_coordinator(plan_local(cfg, run_data, test_set))
         b = side.plan.bundle
@@ -349,7 +349,7 @@ def device_agent(
 
     ``data``: the device's own data (an image folder or npz, ``--data``), used whole; the run's classes and
     input size come from the coordinator (``describe``), asked before the agent exists, so bad data is an
-    error here, before the device registers (issue 18 item 1). ``latency_profile``: this device's
+    error here, before the device registers. ``latency_profile``: this device's
     `fedsga-edge profile --json`, summarised into its hello; a bad one (unreadable, another model, a split
     missing) is a ``ProfileError`` (a ValueError) here, before the device registers. ``latency_report``: that
     file's JSON where the caller has read it already (the CLI checks it before it connects), so it is read once.

@@ -76,7 +76,7 @@ def test_smoke_preset_writes_tables_and_resumes(bench, tmp_path, capsys, digits)
 @pytest.mark.slow
 def test_wire_formats_run_side_by_side_paired_by_seed(bench, tmp_path, capsys):
     """--wire-formats: one folder per format, and a table whose bytes ratio is each format's act+grad bytes
-    (as metrics.jsonl records them) over fp32's on the same seed (issue 20 item 5)."""
+    (as metrics.jsonl records them) over fp32's on the same seed."""
     argv = ["--preset", "smoke", "--methods", "static", "--seeds", "0", "--out", str(tmp_path), "--no-progress"]
     first = bench.main([*argv, "--wire-formats", "fp32,int4"])
     assert first["skipped"] == 0

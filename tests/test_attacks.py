@@ -1,4 +1,4 @@
-"""A device that keeps attacking inside the bounds (issue 39; benchmarks/attacks.py, docs/protocol.md "Robust
+"""A device that keeps attacking inside the bounds (benchmarks/attacks.py, docs/protocol.md "Robust
 aggregation", "Claims", "Anomaly scores and quarantine"): each class of attack against the defence meant for it,
 on a tiny run (digits, a narrow resnet, one batch a round)."""
 

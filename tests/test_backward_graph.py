@@ -101,7 +101,7 @@ def test_batchnorm_and_relu_decompositions_match_autograd() -> None:
 
 
 def test_backward_graph_recomputes_no_convolution(art) -> None:
-    """The backward takes the forward's saved activations (issue 8): its only convolutions are the
+    """The backward takes the forward's saved activations: its only convolutions are the
     input gradients (every conv but the stem's), its ReLUs one per forward ReLU (the masks)."""
     import onnx
 
@@ -231,7 +231,7 @@ def test_numpy_training_step_lowers_the_loss_and_matches_torch_sgd(art) -> None:
     assert losses[1] < losses[0] and losses[2] < losses[1] and final < losses[2], losses + [final]
 
 
-# --- check_train_graphs: float32 rounding at ReLU kinks vs a wrong graph (issue 8) -----------------------
+# --- check_train_graphs: float32 rounding at ReLU kinks vs a wrong graph ---------------------------------
 
 
 def _checked_copy(art, tmp_path):
@@ -371,7 +371,7 @@ def test_check_fails_batchnorm_exported_as_inference(tmp_path, monkeypatch) -> N
                   "at width 0.25 (the shared train export)")
 def test_train_export_validates_at_paper_width(tmp_path) -> None:
     """Width 1.0, split 2 (depth 3), one of the two splits where float32 rounding at a ReLU kink once
-    failed the check (issue 8: splits 2 and 3; whether a mask flips depends on the graph's exact
+    failed the check (splits 2 and 3; whether a mask flips depends on the graph's exact
     arithmetic): the export validates either way. Split 2 rather than 3 to keep the suite short."""
     from fedsga_edge.export.pipeline import ExportConfig, export_prefixes
 

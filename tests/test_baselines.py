@@ -1,4 +1,4 @@
-"""Issue 19's baselines beyond the paper's own: each method's core rule, checked so that breaking the
+"""The baselines beyond the paper's own: each method's core rule, checked so that breaking the
 rule fails the test (docs/method.md, "Baselines beyond the paper's own")."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 19's FedGH and FedAS: each method's core rule, checked so that breaking the rule fails the test
+"""FedGH and FedAS: each method's core rule, checked so that breaking the rule fails the test
 (docs/method.md, "Baselines beyond the paper's own"), and their device side (device/methods.py)."""
 
 from __future__ import annotations

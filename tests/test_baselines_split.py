@@ -1,4 +1,4 @@
-"""Issue 19's split baselines with their own server side: MultiSFL's branches, master and knowledge replay
+"""The split baselines with their own server side: MultiSFL's branches, master and knowledge replay
 (and, with it, the split device step on the torch-free ONNX device). Each test fails when the method's
 core rule is broken (docs/method.md, "Baselines beyond the paper's own")."""
 

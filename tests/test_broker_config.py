@@ -428,7 +428,7 @@ def test_tls_end_to_end_with_the_credentials_files(
                       reconnect_min=0.05)
 
 
-# ------------------------------------------------------------------ session takeover by client id (issue 17, item 2)
+# ------------------------------------------------------------------ session takeover by client id
 
 TAKEOVER = "already connected, closing old connection"  # Mosquitto's line when a client id connects twice
 
@@ -508,7 +508,7 @@ def _attack(port: int, files: BrokerFiles, stop: threading.Event, every: float,
 @pytest.mark.timeout(600)
 def test_a_round_completes_while_a_device_login_reconnects_as_the_coordinator_and_as_a_device(
         generated: Callable[..., tuple[Broker, BrokerFiles]], digits, tmp_path: Path) -> None:
-    """The must-show of issue 17: three devices and the coordinator on a broker-config Mosquitto, each with
+    """Three devices and the coordinator on a broker-config Mosquitto, each with
     its own login; a fourth login reconnects every 0.1 s with the client id `coordinator`, then `client-001`,
     through two rounds. Before use_username_as_clientid, every device failed round 1 and client-001 lost its bye."""
     from fedsga_edge.config import RunConfig, TrainConfig

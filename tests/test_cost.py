@@ -1,4 +1,4 @@
-"""What a round's record says the devices computed (docs/method.md, "Costs"; issue 16 item 5).
+"""What a round's record says the devices computed (docs/method.md, "Costs").
 
 ``client_flops_per_sample`` is training plus what the method adds on the device (FedSGA's observation
 forward and calibration probes), over the samples trained; the two parts are also kept apart, and

@@ -1,5 +1,5 @@
 """Check before decode: a message's envelope and every tensor's declared size are checked before any
-array is built, and what decoding allocates is bounded by the bytes that came (issue 17, item 3)."""
+array is built, and what decoding allocates is bounded by the bytes that came."""
 
 from __future__ import annotations
 

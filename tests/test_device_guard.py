@@ -1,4 +1,4 @@
-"""The device checks its coordinator (issue 17, item 4): forged orders on a device's down topic.
+"""The device checks its coordinator: forged orders on a device's down topic.
 
 Real coordinator services and device agents over the loopback transport (as tests/test_field.py), plus
 an intruder that publishes what an open broker or a device login would let it: a round_start for round

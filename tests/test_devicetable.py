@@ -1,4 +1,4 @@
-"""trial's live table of devices (issue 20 item 4): built from coordinator.log's events and metrics.jsonl's
+"""trial's live table of devices: built from coordinator.log's events and metrics.jsonl's
 records as the coordinator writes them, printed by ``fedsga_edge.trial.follow`` while the coordinator runs."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""simulate --fleet (issue 20; docs/fleet.md): the fleet file, the discrete-event schedule on the virtual clock,
+"""simulate --fleet (docs/fleet.md): the fleet file, the discrete-event schedule on the virtual clock,
 the deadline and dropouts on that clock, per-device timing, determinism, and resource's speeds from the fleet."""
 
 from __future__ import annotations

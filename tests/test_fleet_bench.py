@@ -1,4 +1,4 @@
-"""benchmarks/fleet.py (issue 20 item 6): the time-to-accuracy table on a fleet, and FedSGA's deadline-aware
+"""benchmarks/fleet.py: the time-to-accuracy table on a fleet, and FedSGA's deadline-aware
 split policy (``--deadline-aware``): never a split whose predicted round misses the deadline."""
 
 from __future__ import annotations

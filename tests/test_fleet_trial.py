@@ -1,4 +1,4 @@
-"""`fedsga-edge trial --fleet` (issue 20 item 2): four device processes of two classes, the slow one under a
+"""`fedsga-edge trial --fleet`: four device processes of two classes, the slow one under a
 quarter of a CPU (a cgroup quota) and behind a 2 Mbit/s link (its own network namespace, tbf both ways), and
 the per-device timing they report against the class's figures (docs/fleet.md, "A real fleet on one machine")."""
 

@@ -1,4 +1,4 @@
-"""The coordinator on a GPU (issue 41): its server side and the estimator's calibration with ``--device cuda``.
+"""The coordinator on a GPU: its server side and the estimator's calibration with ``--device cuda``.
 
 Skipped where torch sees no CUDA device; benchmarks/gpu_check.sh runs it first on a GPU machine, then the
 ``--preset gpu`` benchmark."""

@@ -1,5 +1,5 @@
 """A hostile device against a running field run (real Mosquitto, the coordinator and two device agents as
-OS processes): issue 8's must-show and the fuzz of issue 9, via ``benchmarks/hostile.py``.
+OS processes): forged messages and a fuzz, via ``benchmarks/hostile.py``.
 
 A NaN activation, an activation from an unknown device and one for another round each get an ``error``
 message naming the reason, the coordinator counts and logs the refusals (``coordinator.log``), and the

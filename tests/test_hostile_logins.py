@@ -1,4 +1,4 @@
-"""A device's own broker login against the other devices and the coordinator (issue 39, items 3 and 4), via
+"""A device's own broker login against the other devices and the coordinator, via
 ``benchmarks/hostile.py``'s ``login_attacks``: client-000's password read from the broker's files (and its
 own key) must neither read client-001's tensors nor get a forged ``bye``, ``round_start`` or activation
 acted on; on the embedded broker (no ACL) that takes the sealed, encrypted messages, on Mosquitto the ACL

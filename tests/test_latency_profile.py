@@ -1,4 +1,4 @@
-"""A device's own latency profile (issue 20 item 6): read and summarised on the device, reported in its hello,
+"""A device's own latency profile: read and summarised on the device, reported in its hello,
 checked by the coordinator as hostile input, and turned by ``--strategy resource`` into that device's split
 instead of a fleet's or a drawn speed."""
 

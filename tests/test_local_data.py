@@ -1,4 +1,4 @@
-"""Devices that bring their own data (issue 18): `device --data`, a coordinator without training data,
+"""Devices that bring their own data: `device --data`, a coordinator without training data,
 federated evaluation, `fedsga-edge partition` and `trial --device-data`."""
 
 from __future__ import annotations

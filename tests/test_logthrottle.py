@@ -1,5 +1,4 @@
-"""Log lines about hostile input are rate-limited: counted and summarised, not one line per bad frame
-(issue 17, item 6)."""
+"""Log lines about hostile input are rate-limited: counted and summarised, not one line per bad frame."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Calibration supervision (docs/method.md, "Calibration"; issue 16 item 4):
+"""Calibration supervision (docs/method.md, "Calibration"):
 
 (a) pairs that say nothing about a device (its first observation) do not decide Gamma;
 (b) the fit cannot saturate on a handful of pairs, and its Brier score on pairs it was not fitted on is
@@ -54,7 +54,7 @@ def test_four_pairs_of_one_label_do_not_saturate_r(label: int) -> None:
     obs, r_prev, _ = buf.tensors()
     with torch.no_grad():
         r = est(obs, r_prev)
-    # unregularised, 200 Adam steps gave r = 0.9996 (0.0003) for every device (issue 16)
+    # unregularised, 200 Adam steps gave r = 0.9996 (0.0003) for every device
     assert bool(((r > 0.1) & (r < 0.9)).all()), r
     assert bool((r > 0.5).all()) if label else bool((r < 0.5).all())  # it still learns the direction
 

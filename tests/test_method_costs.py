@@ -1,4 +1,4 @@
-"""FedSGA's client compute beyond training (docs/method.md, "Costs"; issue 16 item 5): the round-start
+"""FedSGA's client compute beyond training (docs/method.md, "Costs"): the round-start
 observation forward is counted per round in ``observation_flops``, beside ``calibration_flops``."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """q (Eq. 5) follows how far the prompts moved, not which token the descriptor weights favour
-(docs/method.md, "Observation"; issue 16 item 1).
+(docs/method.md, "Observation").
 
 The device-level tests drive FedSGA's device side (``after_train`` after local training, then the next
 round's ``choose_split``), so they check the q a device reports, whatever helper computes it.
@@ -58,7 +58,7 @@ def _round_start_body() -> dict[str, Any]:
 
 
 def _contrib(favoured: int) -> np.ndarray:
-    """Contributions whose descriptor weights are near one-hot on ``favoured`` (as in issue 16's runs)."""
+    """Contributions whose descriptor weights are near one-hot on ``favoured`` (as they were in real runs)."""
     c = np.full(M, 0.1)
     c[favoured] = 10.0
     return c

@@ -1,4 +1,4 @@
-"""The simulated round's device order (``--device-order``, docs/method.md "Rounds"; issue 16 item 6).
+"""The simulated round's device order (``--device-order``, docs/method.md "Rounds").
 
 With a fixed order client-000 stepped the shared server copy first in every round and the last device
 last; the default draws a permutation per round from the seed on its own random stream. The first

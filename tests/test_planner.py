@@ -1,4 +1,4 @@
-"""The planner strategy (issue 38 item 2): each device's fastest split from its measured compute speed and link
+"""The planner strategy: each device's fastest split from its measured compute speed and link
 rate, re-planned every round; on the virtual clock (``simulate --fleet``) and digits, a few seconds a run."""
 
 from __future__ import annotations

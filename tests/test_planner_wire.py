@@ -1,4 +1,4 @@
-"""``--wire-format auto`` (issue 38): the planner picks each device's wire format with its split, for the round's
+"""``--wire-format auto``: the planner picks each device's wire format with its split, for the round's
 makespan; the round start carries it, the device and the coordinator send that device's tensors in it, and the
 round's record keeps it. On the virtual clock (``simulate --fleet``) and digits, a few seconds a run."""
 

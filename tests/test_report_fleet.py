@@ -1,4 +1,4 @@
-"""The report on fleet runs (issue 20 item 4): the per-device round timeline and time to accuracy, from real
+"""The report on fleet runs: the per-device round timeline and time to accuracy, from real
 ``simulate --fleet`` runs on fleets/trial-4.toml (2 fast, 2 slow devices) and from hand-made timing."""
 
 from __future__ import annotations

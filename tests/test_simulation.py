@@ -169,7 +169,7 @@ def test_cli_bad_flag_is_a_message_not_a_traceback(tmp_path) -> None:
                   "trial, runs in the default suite (tests/test_trial.py), and simulate's files in "
                   "test_static_run_writes_config_metrics_and_summary")
 def test_quickstart_digits_static_reaches_85_percent(tmp_path) -> None:
-    """The README's in-process run (issue 2's 'Must show'): the quick start trial's settings (3 clients, 2
+    """The README's in-process run: the quick start trial's settings (3 clients, 2
     rounds), paper defaults otherwise. (The README's main job, the trial, is tests/test_trial.py's.)"""
     cmd = [sys.executable, "-m", "fedsga_edge.cli.main", "simulate", "--dataset", "digits", "--clients", "3",
            "--rounds", "2", "--model", "resnet18_cifar", "--width", "0.25", "--strategy", "static",

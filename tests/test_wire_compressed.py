@@ -1,4 +1,4 @@
-"""``--wire-format int4`` (issue 20 item 5): activations and gradients at an eighth of the fp32 bytes.
+"""``--wire-format int4``: activations and gradients at an eighth of the fp32 bytes.
 
 Per-block 4-bit levels with one float32 scale per ``INT4_BLOCK`` values (docs/protocol.md, "Messages"):
 the round trip stays within half a step of each block, the bytes within 0.13 x fp32 on the model's real

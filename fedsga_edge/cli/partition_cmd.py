@@ -1,4 +1,4 @@
-"""``fedsga-edge partition``: a dataset's partition written as one folder per device (issue 18 item 4).
+"""``fedsga-edge partition``: a dataset's partition written as one folder per device.
 
 To rehearse a deployment on public data: the same run flags as ``simulate`` give exactly the partition
 ``simulate`` uses for that seed (``runbuild.plan_run``), and each device's share goes to ``OUT/client-NNN/``

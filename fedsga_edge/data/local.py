@@ -1,6 +1,6 @@
 """A device's own data: an image folder or an npz, read whole and checked before the device registers.
 
-Two layouts (issue 18; docs/deploy.md, "A device's own data"):
+Two layouts (docs/deploy.md, "A device's own data"):
 
 * **an image folder**: ``PATH/<class name>/<image>`` with one sub-folder per class and the common image
   formats Pillow reads (``IMAGE_EXTENSIONS``). Hidden entries (a leading ``.``) are skipped. Samples are

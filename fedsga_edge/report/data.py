@@ -481,7 +481,7 @@ def _fed_evaluations(run: Run) -> list[dict[str, Any]]:
             if isinstance(f["fed_model_round"], int) and not isinstance(f["fed_model_round"], bool)]
 
 
-# -- federated evaluation (issue 18) -----------------------------------------------------------------------
+# -- federated evaluation ----------------------------------------------------------------------------------
 def federated_curves(runs: list[Run]) -> list[dict[str, Any]]:
     """Per run with a federated figure: its ``fed_acc`` per model (x: ``fed_model_round``, the round after
     which the model was aggregated; 0 = the initial model; the final evaluation's at the last round), the
@@ -534,7 +534,7 @@ def federated_device_rows(runs: list[Run]) -> list[dict[str, Any]]:
     return rows
 
 
-# -- fleets: per-device timing and time to accuracy (issue 20) -------------------------------------------
+# -- fleets: per-device timing and time to accuracy ------------------------------------------------------
 def _timed_rounds(run: Run) -> list[dict[str, Any]]:
     return [row for row in run.rows if isinstance(row.get("timing"), dict) and row["timing"]
             and _round_end(row) is not None and isinstance(row.get("round"), int)]

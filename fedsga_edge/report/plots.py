@@ -363,7 +363,7 @@ def plot_federated(curves: list[dict[str, Any]], max_runs: int = 6):
     return fig
 
 
-# -- fleets (issue 20) ----------------------------------------------------------------------------------
+# -- fleets ---------------------------------------------------------------------------------------------
 TIMELINE_PARTS = (("compute", "compute", "C0"), ("wire", "wire", "C1"),
                   ("wait_before", "waiting for the server", "0.72"), ("wait_after", "waiting for the last device", "0.88"))
 

@@ -73,7 +73,7 @@ MAX_ITEMS = 200_000
 MAX_EXPANSION = 4
 EXPANSION_ALLOWANCE = 1 << 20
 # int4: elements per float32 scale. 256 keeps the scales at 1/64 of the packed bytes (0.1289 x fp32 in all,
-# under issue 20's 0.13 x); a smaller block would cut the error and break that limit (128: 0.1328 x).
+# under the 0.13 x limit); a smaller block would cut the error and break that limit (128: 0.1328 x).
 INT4_BLOCK = 256
 # int4 carries float32 and float16 tensors; it is charged half its decoded size against the budget (4 bits
 # become 32), so an int4 message may decode to 8 x its size + 2 MiB. float64 never travels int4 (it would be 16x).

@@ -56,7 +56,7 @@ REQUIRED_FIELDS: dict[str, dict[str, str]] = {
     "weights": {"weights": "dict"},
     "fetch": {"blocks": "list"},
     "probe": {"z1": "array", "zref": "array", "y": "array", "o": "list", "r_prev": "float"},
-    # federated evaluation (issue 18): a held-out batch's eval-mode activations, and the coordinator's tally
+    # federated evaluation: a held-out batch's eval-mode activations, and the coordinator's tally
     "evaluate": {"z": "array", "y": "array", "split": "int"},
     "eval_result": {"loss": "float", "correct": "int", "count": "int"},
     # before its hello, a device with its own data asks what the run's classes and inputs are
