@@ -1046,7 +1046,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--logins", action="store_true", help="instead: a device's own login against the others "
                     "(eavesdropping, forged orders, the coordinator's client id) on the embedded broker and on "
-                    "Mosquitto, with messages plain, MAC-sealed and encrypted (issue 39)")
+                    "Mosquitto, with messages plain, MAC-sealed and encrypted")
     args = ap.parse_args(argv)
     if args.logins:
         return main_logins(args.out, args.json)

@@ -178,7 +178,7 @@ def test_gradients_match_autograd_at_other_batch_with_updated_weights(art, batch
     ref = _autograd(inp, t["params"], torch.float64, masks=[a > 0 for a in pre])
     for name, r in zip(t["backward_outputs"], ref.grads):
         rel = np.abs(grads[name] - r).max() / np.abs(r).max()
-        assert rel < 1e-5, (name, rel)  # the feasibility probe: ~3e-6
+        assert rel < 1e-5, (name, rel)  # the feasibility probe's figure: ~3e-6
 
 
 def _head_loss(z: np.ndarray, w: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:

@@ -53,7 +53,7 @@ def peak_of(fn: Callable[[], Any]) -> tuple[int, Any]:
 
 
 def test_int8_bytes_declared_float64_are_refused_before_allocation() -> None:
-    """The issue's attack at 16 MiB: the whole message as int8 that claims float64 (8x). Before the fix it
+    """The attack at 16 MiB: the whole message as int8 that claims float64 (8x). Before the fix it
     decoded into 128 MiB of float64; now it is refused, and decode held about one copy of the message."""
     n = 16 * MiB
     data = pack({"z": int8_tensor(n, "float64"), "y": labels(), "split": 1})

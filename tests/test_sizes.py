@@ -2,7 +2,7 @@
 benchmarks/. A unit that grows past these holds more than one job; split it where the jobs part.
 
 A unit's size is its lines from its ``def`` or ``class`` line to its last line (docstring and comments
-included, decorators not), as the AST reports them: the way the issue tracker counts.
+included, decorators not), as the AST reports them.
 """
 
 from __future__ import annotations

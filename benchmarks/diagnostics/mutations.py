@@ -41,37 +41,37 @@ class Revert:
 
 
 REVERTS = (
-    Revert("q", "item 1: q is the prompts' movement under one set of weights; old: ||m^t - m^{t-1}|| of the descriptors",
+    Revert("q", "q is the prompts' movement under one set of weights; old: ||m^t - m^{t-1}|| of the descriptors",
            "device/fedsga.py", 'client.state.extra["q"] = prompt_variation(prompts, before, alpha)',
            'client.state.extra["q"] = (0.0 if client.state.m_prev is None\n'
            '                                        else float(np.linalg.norm(client.state.m_last - client.state.m_prev)))',
            ("tests/test_method_q.py",)),
-    Revert("round-one-pairs", "item 2: a first observation's pair is not stored; old: every probed pair is stored",
+    Revert("round-one-pairs", "a first observation's pair is not stored; old: every probed pair is stored",
            "fedsga_edge/method/estimator.py", "return not (float(obs[1]) == 0.0 and float(r_prev) == 0.0)",
            "return True",
            ("tests/test_method_calibration.py::test_a_first_observation_is_not_informative",
             "tests/test_method_calibration.py::test_round_one_pairs_are_not_stored_and_gamma_keeps_its_prior")),
-    Revert("prior", "item 2: the fit has a prior worth two pairs; old: plain BCE, 200 Adam steps",
+    Revert("prior", "the fit has a prior worth two pairs; old: plain BCE, 200 Adam steps",
            "fedsga_edge/method/estimator.py", "PRIOR_PAIRS = 2.0", "PRIOR_PAIRS = 0.0",
            ("tests/test_method_calibration.py::test_four_pairs_of_one_label_do_not_saturate_r",)),
-    Revert("probe-slice", "item 3: the probe batch comes from a slice never trained on; old: a batch of the training data",
+    Revert("probe-slice", "the probe batch comes from a slice never trained on; old: a batch of the training data",
            "device/fedsga.py", "held = client.data.probe_indices\n    if held is None:",
            "held = None\n    if held is None:",
            ("tests/test_method_calibration.py::test_the_probe_batch_is_disjoint_from_every_training_batch",)),
-    Revert("calibration-floor", "item 7: calibration rounds train at least to p_ref; old: the policy's split",
+    Revert("calibration-floor", "calibration rounds train at least to p_ref; old: the policy's split",
            "device/fedsga.py", "floor = reference_index(K) if calibrate else 1", "floor = 1",
            ("tests/test_method_rules.py::test_calibration_rounds_train_at_least_to_p_ref_whatever_the_policy_says",)),
-    Revert("headline-split", "item 7: the headline split is the most trained, ties to the shallower; old: ties to the deeper",
+    Revert("headline-split", "the headline split is the most trained, ties to the shallower; old: ties to the deeper",
            "coordinator/evaluation.py", "return min(split, key=lambda k: (-split[k], k))",
            "return max(split, key=lambda k: (split[k], k))",
            ("tests/test_method_rules.py::test_the_headline_split_is_the_most_trained_ties_to_the_shallower_and_p_ref_before_any",)),
-    Revert("gamma-next-round", "item 7: each round sends the Gamma refitted at the end of the round before; "
+    Revert("gamma-next-round", "each round sends the Gamma refitted at the end of the round before; "
            "old (a stale copy): the first Gamma sent, every round",
            "coordinator/strategies/fedsga.py", "estimator=to_numpy_state(self.estimator.state_dict()),",
            'estimator=self.__dict__.setdefault("_sent", {k: v.copy() for k, v in\n'
            '                                                       to_numpy_state(self.estimator.state_dict()).items()}),',
            ("tests/test_method_rules.py::test_gamma_refit_on_a_calibration_round_is_sent_from_the_next_round",)),
-    Revert("label-freshness", "issue 37: the probe's label is made at the round's end, the server's blocks p_1..p_ref "
+    Revert("label-freshness", "the probe's label is made at the round's end, the server's blocks p_1..p_ref "
            "as fresh as the device's; old: at the probe, against the server's blocks as the round started",
            "coordinator/strategies/fedsga.py",
            'self._calibration.append({"client": msg.sender, "z1": z1, "zref": zref, "y": y, "o": self._bounded(o),\n'
@@ -82,7 +82,7 @@ REVERTS = (
             "test_the_label_runs_the_server_blocks_after_the_round_like_the_devices_blocks",),
            more=(("self._calibration = [label_probe(self, p) for p in self._calibration]",
                   'self._calibration = [p if "s" in p else label_probe(self, p) for p in self._calibration]'),)),
-    Revert("probe-on-calibration-rounds", "issue 37: the probe slice is held out on calibration rounds only; old: on "
+    Revert("probe-on-calibration-rounds", "the probe slice is held out on calibration rounds only; old: on "
            "every round (a permanent slice)",
            "device/fedsga.py", 'if fed.estimator and not plan.full and self.settings.get("calibrate"):',
            "if fed.estimator and not plan.full:",
