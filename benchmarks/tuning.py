@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if reported := sorted(s for s in seeds if s in p.seeds or s >= REPORTED_FROM):
         raise SystemExit(f"--seeds {reported}: reported seeds (the {args.preset} preset's, or {REPORTED_FROM} and up); "
                          "a value tuned on some seeds is judged on others")
-    if unknown := [m for m in methods if m not in BUDGET]:  # before any run: a typo found after FedAvg's runs costs hours
+    # before any run: a typo found only after FedAvg's runs would cost hours
+    if unknown := [m for m in methods if m not in BUDGET]:
         raise SystemExit(f"--methods: {', '.join(map(repr, unknown))} have no tuning budget; methods with one: "
                          f"{', '.join(BUDGET)}")
     methods.sort(key=lambda m: m != SHARED)  # the devices' rate first: the others' settings run at its choice

@@ -10,6 +10,7 @@ its keep only by sitting above that envelope at its own client FLOPs. Torch-free
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -137,10 +138,15 @@ def _regime(config: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     """A run's ``REGIME_KEYS``. A key its record lacks was added after the run, which then had the option's
     default (or ``config.RECORD_BEFORE``'s value where the default changed): runs made before ``--fronts`` existed
     trained with shared fronts, and share a frontier with the runs that say so."""
+    before = _record_defaults()
+    return tuple((k, config[k] if k in config else before.get(k)) for k in REGIME_KEYS)
+
+
+@functools.cache
+def _record_defaults() -> dict[str, Any]:
     from fedsga_edge.config import RECORD_BEFORE, RunConfig
 
-    before = RunConfig().to_dict() | RECORD_BEFORE
-    return tuple((k, config[k] if k in config else before.get(k)) for k in REGIME_KEYS)
+    return RunConfig().to_dict() | RECORD_BEFORE
 
 
 def _plan_root(run: Any) -> str:
@@ -169,8 +175,8 @@ def frontier_groups(runs: Sequence[Any]) -> list[dict[str, Any]]:
             for plan, runs_of_plan in _by_plan(mine):
                 group = _frontier_group(runs_of_plan)
                 if group:
-                    label = " · ".join([part] + [f"{k}={v}" for k, v in regime if k in differ] + ([plan] if plan else [])
-                                       + ([score] if score != "test" else []))
+                    label = " · ".join([part] + [f"{k}={v}" for k, v in regime if k in differ]
+                                       + ([plan] if plan else []) + ([score] if score != "test" else []))
                     out.append({"partition": label, "score": score} | group)
     return out
 
