@@ -341,7 +341,7 @@ def load_tuned(path: Path, preset: str, methods: list[str], explicit: set[str]) 
         raise SystemExit(f"--tuned: no choice yet for {', '.join(missing)} (unfinished budgets in {path.parent}): "
                          f"python benchmarks/tuning.py --preset {preset} --methods {','.join(missing)} --jobs 2")
     keep = lambda values: {k: v for k, v in (values or {}).items() if k not in explicit}  # noqa: E731
-    return {"*": keep(shared)} | {s: keep(c["values"]) for s, c in choice.items() if s in strategies and s != "fedavg"}
+    return {"*": keep(shared)} | {s: keep(c["values"]) for s, c in choice.items() if s in strategies}
 
 
 def plan(p: Preset, spec: str, data_root: str | None, **flags: Any) -> list[dict[str, Any]]:
