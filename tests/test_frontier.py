@@ -121,6 +121,13 @@ def test_the_report_draws_the_frontier_with_each_adaptive_methods_paired_distanc
     assert "<td>+1.25 ± 0.25</td>" in section.section.extra_html and "<td>2/2</td>" in section.section.extra_html
     fig = P.plot_frontier(section.compute())
     assert len(fig.axes) == 1 and "fedsga +1.25 ± 0.25 (n=2)" in [t.get_text() for t in fig.axes[0].get_legend().texts]
+    # many panels wrap into rows of three, the spare places left blank
+    fig = P.plot_frontier(section.compute() * 4)
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(fig.axes) == 6 and len(shown) == 4
+    rows = {round(ax.get_position().y0, 3) for ax in shown}
+    cols = {round(ax.get_position().x0, 3) for ax in shown}
+    assert len(rows) == 2 and len(cols) == 3
     # one cut only: nothing to draw, and the section says why
     assert frontier_groups([r for r in runs if r.method != "static-p1" and r.method != "static-pK"]) == []
 

@@ -406,13 +406,20 @@ def plot_timeline(timelines: list[dict[str, Any]]):
     return fig
 
 
+FRONTIER_COLUMNS = 3  # panels per row: six side by side (two partitions x fronts x scores) shrink past reading
+
+
 def plot_frontier(groups: list[dict[str, Any]]):
     """Accuracy against client MFLOPs per sample, one panel per partition and score (test, own data): the fixed
     cuts (squares) and the envelope through them (the static frontier, dashed past the last vertex), each adaptive
     method a point labelled with its paired distance to the frontier."""
     plt = _plt()
-    fig, axes = plt.subplots(1, len(groups), figsize=(5.8 * len(groups), 4.4), squeeze=False)
-    for ax, g in zip(axes[0], groups):
+    cols = min(len(groups), FRONTIER_COLUMNS)
+    rows = -(-len(groups) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.8 * cols, 4.4 * rows), squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
+    for ax, g in zip(axes.flat, groups):
         xs = [f / 1e6 for f, _ in g["envelope"]]
         ys = [a * 100 for _, a in g["envelope"]]
         right = max([c["flops"] for c in g["cuts"]] + [m["flops"] for m in g["methods"]]) / 1e6
