@@ -20,7 +20,7 @@ from torch import Tensor
 __all__ = ["PrivateFronts", "TEST_MODEL"]
 
 # what the coordinator's test figure scores under private fronts (the record's ``test_model``)
-TEST_MODEL = "each device's own front with the shared server side, averaged by data"
+TEST_MODEL = "each device's own front up to its last split with the shared server side past it, averaged by data"
 
 
 class PrivateFronts:
@@ -31,6 +31,8 @@ class PrivateFronts:
         self.model, self.on = model, on
         self.depth = model.depth_of(model.num_splits)  # units below this are a device's own
         self.fronts: dict[str, dict[str, Tensor]] = {}
+        # units below its last split: what the device runs of its own front (past it, the shared server side)
+        self.runs: dict[str, int] = {}
 
     def is_front(self, name: str) -> bool:
         return self.model.unit_of(name) < self.depth
@@ -56,18 +58,31 @@ class PrivateFronts:
             for unit, state in units.items():
                 if unit < self.depth:
                     front.update({n: v.detach().clone() for n, v in state.items()})
+            if units:
+                self.runs[cid] = min(max(units) + 1, self.depth)
             out[cid] = {u: s for u, s in units.items() if u >= self.depth}
         return out
 
     def test_models(self, global_state: Mapping[str, Tensor],
                     weight: Any) -> list[tuple[float, dict[str, Tensor]]]:
-        """Each device's model as it runs: its own front, the global (shared) rest; ``weight(cid)`` its data
-        (none with shared fronts: the global model is every device's)."""
-        return [(float(weight(cid)), dict(global_state) | front) for cid, front in sorted(self.fronts.items())]
+        """Each device's model as it runs at its last split: its own front below the split, the global (shared)
+        rest; ``weight(cid)`` its data (none with shared fronts: the global model is every device's).
+
+        Its own copies of blocks past its split are left out: the device has not trained them since it took part
+        (or since it last ran that deep), and at its split the shared server side runs them."""
+        return [(float(weight(cid)), dict(global_state) | self.running(cid)) for cid in sorted(self.fronts)]
+
+    def running(self, cid: str) -> dict[str, Tensor]:
+        """The part of ``cid``'s front it runs at its last split (all of it before its first update)."""
+        depth = self.runs.get(cid, self.depth)
+        return {n: v for n, v in self.fronts[cid].items() if self.model.unit_of(n) < depth}
 
     def state_dict(self) -> dict[str, Any]:
-        return {cid: {n: v.clone() for n, v in front.items()} for cid, front in self.fronts.items()}
+        return {"fronts": {cid: {n: v.clone() for n, v in front.items()} for cid, front in self.fronts.items()},
+                "runs": dict(self.runs)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        fronts = state["fronts"] if {"fronts", "runs"} <= set(state) else state  # older checkpoints: fronts only
         self.fronts = {str(cid): {n: torch.as_tensor(v).clone() for n, v in front.items()}
-                       for cid, front in state.items()}
+                       for cid, front in fronts.items()}
+        self.runs = {str(cid): int(d) for cid, d in state.get("runs", {}).items()}

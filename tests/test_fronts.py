@@ -62,6 +62,26 @@ def test_a_device_that_deepens_runs_its_own_copy_of_the_blocks_it_had_handed_ove
         assert {co.model.unit_of(n) for n in front} == set(range(depth)), cid
 
 
+def test_the_test_figure_scores_each_device_at_its_split_with_the_shared_server_side_past_it(digits) -> None:
+    """A device at p_1 never trains its own copy of the blocks past p_1: the server's shared copy runs them, and
+    the model scored for it is its own blocks below the split and the shared ones after."""
+    sim = Simulation(tiny_config("static", rounds=1, split=1, max_batches=2, fronts="private"), digits)
+    next(sim.rounds())
+    co, model = sim.coordinator, sim.coordinator.model
+    cut, depth = model.depth_of(1), model.depth_of(model.num_splits)
+    assert cut < depth  # the front holds blocks this device never ran
+    glob = model.state_dict()
+    models = co.fronts.test_models(glob, lambda cid: 1.0)
+    assert len(models) == 3
+    for cid, (_, state) in zip(sorted(co.fronts.fronts), models):  # one per device, in device order
+        front = co.fronts.fronts[cid]
+        past = [n for n in front if cut <= model.unit_of(n) < depth and front[n].is_floating_point()]
+        assert past and all(torch.equal(state[n], glob[n]) for n in past)  # the shared server side's copy
+        assert any(not torch.equal(front[n], glob[n]) for n in past)  # not the device's untrained copy
+        own = [n for n in front if model.unit_of(n) < cut and front[n].is_floating_point()]
+        assert own and all(torch.equal(state[n], front[n]) for n in own)
+
+
 def test_private_fronts_checkpoint_and_restore(digits) -> None:
     sim = Simulation(tiny_config("static", rounds=1, split=1, max_batches=1, fronts="private"), digits)
     next(sim.rounds())
@@ -70,6 +90,13 @@ def test_private_fronts_checkpoint_and_restore(digits) -> None:
     again.coordinator.restore(state)
     for cid, front in sim.coordinator.fronts.fronts.items():
         assert all(torch.equal(v, again.coordinator.fronts.fronts[cid][n]) for n, v in front.items())
+    assert again.coordinator.fronts.runs == sim.coordinator.fronts.runs == dict.fromkeys(
+        sim.coordinator.fronts.fronts, sim.coordinator.model.depth_of(1))
+    # a checkpoint written before the splits were kept (the fronts alone) still restores them
+    older = Simulation(tiny_config("static", rounds=1, split=1, max_batches=1, fronts="private"), digits)
+    older.coordinator.fronts.load_state_dict(state["fronts"]["fronts"])
+    assert sorted(older.coordinator.fronts.fronts) == sorted(sim.coordinator.fronts.fronts)
+    assert older.coordinator.fronts.runs == {}
 
 
 @pytest.mark.timeout(300)
