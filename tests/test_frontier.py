@@ -214,6 +214,17 @@ def test_the_report_draws_an_own_data_frontier_apart_from_the_test_one(tmp_path)
     assert [ax.get_ylabel() for ax in fig.axes] == ["accuracy (%)", "own-data accuracy (%)"]
     with pytest.raises(ValueError, match="score"):
         run_point(runs[0], "train")
+    # rows that say the test figure scored every device's whole front (untrained blocks past its split included)
+    # make no test point; the own-data figure, each device's model at its split, still does
+    from fedsga_edge.report.frontier import STALE_TEST_MODELS
+
+    for run in root.glob("*/seed0"):
+        rows = [json.loads(line) | {"test_model": STALE_TEST_MODELS[0]}
+                for line in (run / "metrics.jsonl").read_text().splitlines()]
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    runs = discover([root])[0]
+    assert [g["score"] for g in frontier_groups(runs)] == ["own data"]
+    assert run_point(runs[0], "test") is None and run_point(runs[0], "own data") is not None
 
 
 def test_the_frontier_plot_never_draws_two_methods_alike() -> None:

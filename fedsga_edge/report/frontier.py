@@ -115,11 +115,20 @@ def summary_score(summary: Mapping[str, Any], score: str = "test") -> Any:
     return summary.get("final_acc") if value is None else value
 
 
+# What the test figure of runs with private fronts scored before it followed each device's split: every device's
+# whole front, its untrained copies of the blocks past its split included (coordinator/fronts.py has the model
+# scored now). Such a figure stands for no model a device runs, so it makes no frontier point.
+STALE_TEST_MODELS = ("each device's own front with the shared server side, averaged by data",)
+
+
 def run_point(run: Any, score: str = "test") -> Point | None:
     """A run's (client FLOPs per sample, accuracy) from its summary.json; None without both. ``test``: the
     benchmark's headline accuracy where it has one (the mean of its last full-test evaluations), else the final
-    round's; ``own data``: the final model's accuracy on the devices' held-out data (``final_own_acc``)."""
+    round's, and none where its rows say it scored a ``STALE_TEST_MODELS`` model; ``own data``: the final model's
+    accuracy on the devices' held-out data (``final_own_acc``)."""
     s = run.summary or {}
+    if score == "test" and any(row.get("test_model") in STALE_TEST_MODELS for row in run.rows or ()):
+        return None
     acc = summary_score(s, score)
     flops = s.get("client_flops_per_sample")
     if not isinstance(acc, (int, float)) or not isinstance(flops, (int, float)):
