@@ -320,7 +320,8 @@ def tuned_options(p: Preset, method: str) -> dict[str, Any]:
 
 
 def load_tuned(path: Path, preset: str, methods: list[str], explicit: set[str]) -> dict[str, dict[str, Any]]:
-    """The tuning budget's choice (benchmarks/tuning.py's tuning.json) as run options per strategy. A method whose
+    """The tuning budget's choice (benchmarks/tuning.py's tuning.json) as run options per strategy, with the
+    devices' held-out slice the budget ran with for every method. A method whose
     budget is unfinished is refused by name (a table at tuned values with one method at its preset's would be a
     difference of tuning); options given on the command line win over the choice."""
     if not path.exists():
@@ -341,7 +342,10 @@ def load_tuned(path: Path, preset: str, methods: list[str], explicit: set[str]) 
         raise SystemExit(f"--tuned: no choice yet for {', '.join(missing)} (unfinished budgets in {path.parent}): "
                          f"python benchmarks/tuning.py --preset {preset} --methods {','.join(missing)} --jobs 2")
     keep = lambda values: {k: v for k, v in (values or {}).items() if k not in explicit}  # noqa: E731
-    return {"*": keep(shared)} | {s: keep(c["values"]) for s, c in choice.items() if s in strategies}
+    # the held-out slice the budget ran with: a table at the choice keeps it, so each device trains on what it
+    # trained on when its method was tuned
+    holdout = {"eval_holdout": saved["eval_holdout"]} if saved.get("eval_holdout") else {}
+    return {"*": keep(holdout | shared)} | {s: keep(c["values"]) for s, c in choice.items() if s in strategies}
 
 
 def plan(p: Preset, spec: str, data_root: str | None, **flags: Any) -> list[dict[str, Any]]:

@@ -2,9 +2,11 @@
 
 Each method's one or two main options (``BUDGET``), three settings of each, the preset's value among them, varied
 one at a time (so at most five settings a method), each run on the tuning seeds (0 and 1; never a seed a table
-reports, which start at 10) under every partition of the preset. The setting with the best mean headline over
-those runs is the method's value for that preset; docs/method.md, "The tuning budget per method", says why and
-what has been run.
+reports, which start at 10) under every partition of the preset, with the devices' held-out slice the tables keep
+(``--eval-holdout``, 0.2), so a setting is tuned as it is reported. The setting with the best mean score over those
+runs is the method's value for that preset: the headline test accuracy, or for a personalised method (``SCORE``) the
+accuracy of the models its devices use on their own held-out data, the figure its paper reports. docs/method.md,
+"The tuning budget per method", says why and what has been run.
 
     python benchmarks/tuning.py --preset office-v1 --jobs 2                 # every method's budget, then the choice
     python benchmarks/tuning.py --preset office-v1 --methods fedmut,fedprox --jobs 2
@@ -42,6 +44,18 @@ REPORTED_FROM = 10  # the tables report seeds 10 and up
 # FedAvg's knob, the devices' rate, is every method's (a rate chosen for one method's devices and not another's
 # would be a difference of tuning): its budget runs first, and every other method's settings run at its choice.
 SHARED = "fedavg"
+# The tables' held-out slice of every device's data: tuning runs keep it too, so each device trains on what it
+# trains on in the table, and the personalised methods' own-data figure exists to choose by.
+TUNING_HOLDOUT = 0.2
+# What a method's budget chooses by (fedsga_edge/report/frontier.py's ``SCORES``): the headline test accuracy, or for
+# the personalised methods the devices' own held-out data scored on the models they use (FedBABU after its
+# fine-tuning, FedGH each device's body under the server's head, FedAS the aligned body under the device's head), as
+# their papers score them; their global model is one no device runs.
+SCORE: dict[str, str] = {"fedbabu": "own data", "fedgh": "own data", "fedas": "own data"}
+
+
+def score_of(method: str) -> str:
+    return SCORE.get(method, "test")
 
 
 @dataclass(frozen=True)
@@ -130,6 +144,7 @@ class Sweep:
     seeds: list[int]
     root: Path
     passthrough: list[str]
+    holdout: float | None = None  # every run's --eval-holdout (None: none)
 
     def argv(self, method: str, values: dict[str, Any], name: str, shared: dict[str, Any] | None = None) -> list[str]:
         return accuracy_argv(self.preset, method, values, self.seeds, self.root / method / name, self.passthrough,
@@ -137,8 +152,9 @@ class Sweep:
 
     def collect(self, method: str, values: dict[str, Any], name: str,
                 shared: dict[str, Any] | None = None) -> tuple[dict[str, dict[int, float]], int]:
-        """The headline of every finished run of one setting, {partition: {seed: accuracy}}, and how many finished
-        runs there were made with other settings (stale: not counted; the sweep refuses to resume over them)."""
+        """The method's score (``score_of``) of every finished run of one setting, {partition: {seed: accuracy}},
+        and how many finished runs there were made with other settings (stale: not counted; the sweep refuses to
+        resume over them). A run without the score (no own-data figure) is not counted either."""
         p = A.resolve(A.build_parser().parse_args(self.argv(method, values, name, shared)))
         folder = self.root / method / name
         out: dict[str, dict[int, float]] = {}
@@ -149,13 +165,13 @@ class Sweep:
                 continue
             if A.record_differs(folder / r["dir"], r["config"]):
                 stale += 1
-            elif (acc := A.acc_of(json.loads(f.read_text()))) is not None:
+            elif (acc := A.summary_score(json.loads(f.read_text()), score_of(method))) is not None:
                 out.setdefault(r["partition"], {})[r["seed"]] = float(acc)
         return out, stale
 
 
 def choose(table: dict[str, dict[str, dict[int, float]]], partitions: list[str], seeds: list[int]) -> str | None:
-    """The setting with the best mean headline over every (partition, tuning seed); only settings with all their
+    """The setting with the best mean score over every (partition, tuning seed); only settings with all their
     runs take part (a half-run setting is never chosen over a finished one); ties go to the preset's value."""
     full = {name: [acc for p in partitions for acc in by_part.get(p, {}).values()] for name, by_part in table.items()
             if all(len(by_part.get(p, {})) == len(seeds) for p in partitions)}
@@ -183,11 +199,13 @@ def report(sweep: Sweep, methods: list[str], partitions: list[str],
     labels = [A.partition_label(p) for p in partitions]
     rate = ("" if shared is None else "; every method but FedAvg at the devices' rate FedAvg's budget chose ("
             + (", ".join(f"--{k.replace('_', '-')} {v}" for k, v in shared.items()) or "the preset's") + ")")
-    lines = [f"**Tuning at `{preset}`** — headline accuracy (%) on tuning seeds {','.join(map(str, seeds))}, mean ± "
-             "std over the seeds, per partition; mean: over every partition and seed; chosen: the best mean among "
-             f"settings with all their runs (ties: the preset's value){rate}", "",
-             "| Method | setting | " + " | ".join(labels) + " | mean | runs | chosen |",
-             "|---|---|" + "---:|" * len(labels) + "---:|---:|---|"]
+    holdout = "" if sweep.holdout is None else f", every run with --eval-holdout {sweep.holdout:g}"
+    lines = [f"**Tuning at `{preset}`** — each method's score (%) on tuning seeds {','.join(map(str, seeds))}, mean ± "
+             "std over the seeds, per partition (test: the headline on the full test set; own data: the devices' "
+             "held-out slices on the models they use); mean: over every partition and seed; chosen: the best mean "
+             f"among settings with all their runs (ties: the preset's value){rate}{holdout}", "",
+             "| Method | setting | score | " + " | ".join(labels) + " | mean | runs | chosen |",
+             "|---|---|---|" + "---:|" * len(labels) + "---:|---:|---|"]
     choice: dict[str, Any] = {}
     for m in methods:
         at = {} if m == SHARED else shared
@@ -195,7 +213,7 @@ def report(sweep: Sweep, methods: list[str], partitions: list[str],
         table = {name: runs for name, (runs, _) in found.items()}
         pick = choose(table, partitions, seeds)
         values = dict(budgets[m])
-        choice[m] = {"chosen": pick, "values": values.get(pick) if pick else None,
+        choice[m] = {"chosen": pick, "values": values.get(pick) if pick else None, "score": score_of(m),
                      "settings": {n: {p: table[n].get(p, {}) for p in partitions} for n in table}}
         for name, vals in budgets[m]:
             by_part = table[name]
@@ -205,7 +223,7 @@ def report(sweep: Sweep, methods: list[str], partitions: list[str],
                 f"{'--' + k.replace('_', '-')} {'default' if v is None else v}" for k, v in vals.items())
             mean = f"{100 * np.mean(every):.2f}" if every else "—"
             stale = found[name][1]
-            lines.append(f"| {A.LABELS.get(m, m)} | {what} | " + " | ".join(cells)
+            lines.append(f"| {A.LABELS.get(m, m)} | {what} | {score_of(m)} | " + " | ".join(cells)
                          + f" | {mean} | {len(every)}/{len(seeds) * len(partitions)}"
                          + (f" ({stale} made with other settings)" if stale else "") + " | "
                          + ("**chosen**" if name == pick else "") + " |")
@@ -224,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dry-run", action="store_true", help="Print the settings and the number of runs, run nothing.")
     ap.add_argument("--tables-only", action="store_true", help="Run nothing: the choice from the finished runs.")
     ap.add_argument("--data", default=None, help="accuracy.py's --data (e.g. npz:PATH), passed to every run.")
+    ap.add_argument("--eval-holdout", type=float, default=TUNING_HOLDOUT,
+                    help=f"Every run's held-out slice of each device's data (default {TUNING_HOLDOUT:g}, the tables'); "
+                         f"0: none, refused for a method chosen on own data ({', '.join(SCORE)}).")
     return ap
 
 
@@ -246,7 +267,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     root = tuning_dir(args.preset, args.out)
     partitions = list(p.partitions)
     run = not (args.dry_run or args.tables_only)
-    sweep = Sweep(args.preset, seeds, root, ["--data", args.data] if args.data else [])
+    if not 0 <= args.eval_holdout < 1:
+        raise SystemExit(f"--eval-holdout {args.eval_holdout:g}: a share of each device's data in [0, 1)")
+    if not args.eval_holdout and (own := [m for m in methods if score_of(m) == "own data"]):
+        raise SystemExit(f"--eval-holdout 0: {', '.join(own)} are chosen on their devices' held-out data, which a run "
+                         "without a held-out slice does not have; leave them out or keep a slice")
+    holdout = args.eval_holdout or None
+    passthrough = (["--data", args.data] if args.data else []) + (["--eval-holdout", f"{holdout:g}"] if holdout else [])
+    sweep = Sweep(args.preset, seeds, root, passthrough, holdout)
     print(f"tuning at {args.preset}: {len(methods)} methods (seeds {seeds}, partitions {partitions}) into {root}")
     budgets: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     shared: dict[str, Any] | None = None
@@ -278,7 +306,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     (root / "tuning.md").write_text(md)
     (root / "tuning.json").write_text(json.dumps({"preset": args.preset, "seeds": seeds, "partitions": partitions,
-                                                  "shared": shared, "methods": choice}, indent=1, default=str))
+                                                  "eval_holdout": holdout, "shared": shared, "methods": choice},
+                                                 indent=1, default=str))
     print(md)
     return {"runs": n_runs, "choice": choice, "shared": shared, "markdown": md}
 

@@ -91,12 +91,12 @@ def test_a_small_sweep_runs_records_and_chooses(T, tmp_path):
     assert stale["markdown"].count("0/1 (1 made with other settings)") == 1
 
 
-def _tuning_json(path, preset="smoke", shared=None, **chosen):
+def _tuning_json(path, preset="smoke", shared=None, holdout=0.2, **chosen):
     methods = {m: {"chosen": None, "values": None, "settings": {}} for m in ("fedavg", "static", "fedprox")}
     for m, values in chosen.items():
         methods[m] = {"chosen": "x", "values": values, "settings": {}}
-    path.write_text(json.dumps({"preset": preset, "seeds": [0, 1], "partitions": ["iid"], "shared": shared,
-                                "methods": methods}))
+    path.write_text(json.dumps({"preset": preset, "seeds": [0, 1], "partitions": ["iid"], "eval_holdout": holdout,
+                                "shared": shared, "methods": methods}))
     return path
 
 
@@ -119,6 +119,9 @@ def test_tuned_runs_every_method_at_the_budgets_choice(T, tmp_path):
         "random": (0.3, c["random"].server_lr)}
     assert c["random"].server_lr == A.PRESETS["smoke"].settings()["server_lr"]  # random's strategy: none tuned
     assert configs("--server-lr", "0.01")["static"].server_lr == 0.01  # the command line wins
+    # the budget's held-out slice is the table's, unless the command line says otherwise
+    assert {cfg.eval_holdout for cfg in c.values()} == {0.2}
+    assert {cfg.eval_holdout for cfg in configs("--eval-holdout", "0.1").values()} == {0.1}
     _tuning_json(path, shared={"lr": 0.3}, fedavg={"lr": 0.3})  # static's budget unfinished
     with pytest.raises(SystemExit, match="no choice yet for static"):
         configs()
@@ -147,3 +150,38 @@ def test_the_others_settings_run_at_the_devices_rate_fedavg_chose(T, tmp_path, c
     assert [v for _, v in out["budgets"]["static"]] == [{}, {"server_lr": lr0 * 2 * 0.075}, {"server_lr": lr0 * 2}]
     done = T.main(["--preset", "office-v1", "--methods", "static", "--out", str(tmp_path), "--tables-only"])
     assert done["shared"] == {"lr": lr0 * 2} and "--lr " + f"{lr0 * 2:g}" in done["markdown"]
+
+
+def test_personalised_methods_are_chosen_on_their_devices_own_data(T, tmp_path, capsys):
+    """FedBABU's settings score alike on the global test set (its fine-tuning never touches the global model): its
+    budget chooses by the devices' own held-out data on the models they use, as its paper scores it; FedProx's by
+    the headline. Every planned run keeps the tables' held-out slice; without one an own-data budget is refused."""
+    def record(method, name, headline, own):
+        for seed in (0, 1):
+            d = tmp_path / "tuning" / method / name / method / "domain0.5" / f"seed{seed}"
+            d.mkdir(parents=True)
+            (d / "summary.json").write_text(json.dumps({"final_acc": headline, "headline_acc": headline,
+                                                        "final_own_acc": own}))
+    lr0 = T.A.PRESETS["office-v1"].settings()["lr"]
+    for name in ("preset", f"lr{lr0 / 2:g}", f"lr{lr0 * 2:g}"):
+        record("fedavg", name, 0.2, 0.3)
+    for name, own in (("preset", 0.40), ("fedbabu-finetune-epochs1", 0.45), ("fedbabu-finetune-epochs10", 0.35)):
+        record("fedbabu", name, 0.2167, own)
+    for name, head, own in (("preset", 0.25, 0.9), ("mu0.001", 0.24, 0.1), ("mu0.1", 0.26, 0.1)):
+        record("fedprox", name, head, own)
+    argv = ["--preset", "office-v1", "--methods", "fedbabu,fedprox", "--out", str(tmp_path)]
+    out = T.main(argv + ["--tables-only"])
+    assert out["choice"]["fedbabu"]["chosen"] == "fedbabu-finetune-epochs1"
+    assert out["choice"]["fedbabu"]["score"] == "own data" and out["choice"]["fedprox"]["score"] == "test"
+    assert out["choice"]["fedprox"]["chosen"] == "mu0.1"
+    saved = json.loads((tmp_path / "tuning" / "tuning.json").read_text())
+    assert saved["eval_holdout"] == T.TUNING_HOLDOUT and saved["methods"]["fedbabu"]["values"] == {
+        "fedbabu_finetune_epochs": 1}
+    capsys.readouterr()
+    plan = T.main(argv + ["--dry-run"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "accuracy.py" in ln]
+    assert plan["runs"] == 12 and len(lines) == 6 and all(ln.endswith("--eval-holdout 0.2") for ln in lines)
+    with pytest.raises(SystemExit, match="--eval-holdout 0: fedbabu are chosen on their devices' held-out data"):
+        T.main(argv + ["--eval-holdout", "0", "--dry-run"])
+    assert T.main(["--preset", "office-v1", "--methods", "fedprox", "--out", str(tmp_path), "--eval-holdout", "0",
+                   "--dry-run"])["runs"] == 6
