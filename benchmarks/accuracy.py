@@ -78,7 +78,7 @@ OFFICE31_NPZ = REPO.parent / "shared" / "data" / "office31" / "office31_32.npz"
 # split to p_1, "fedsga-no-adapt" switches FedSGA's adaptation channel off). A new strategy appears
 # here, in the tables and in the report with no edit of this file.
 from fedsga_edge.coordinator.strategy import all_methods  # noqa: E402  (torch-free)
-from fedsga_edge.report.frontier import summary_score  # noqa: E402  (torch-free)
+from fedsga_edge.report.frontier import stale_test_model, summary_score  # noqa: E402  (torch-free)
 
 REGISTERED = all_methods()  # method -> (strategy, Method), in registration order
 METHODS: list[str] = list(REGISTERED)
@@ -1257,11 +1257,18 @@ def _worker_sets(argv: list[str], i: int) -> bool:
 
 
 def with_final_by_split(summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    """Add the last round's accuracy under every depth embedding (and the headline's split) if recorded."""
+    """Add the last round's accuracy under every depth embedding (and the headline's split) if recorded. A record
+    whose rows say its test figure scored a model no device runs (``stale_test_model``: private fronts before each
+    device was scored at its own split) keeps its own-data figures and loses its test ones (None, tabled "—"), with
+    ``stale_test_model`` saying which model it was; the report drops the same points."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+    rows = [json.loads(ln) for ln in lines if ln.strip()]
+    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    if stale := stale_test_model(rows, config):
+        summary = summary | {"headline_acc": None, "final_acc": None, "stale_test_model": stale}
     if summary.get("final_acc_by_split"):
         return summary
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
-    last = json.loads(lines[-1]) if lines else {}
+    last = rows[-1] if rows else {}
     if "test_acc_by_split" in last:
         summary["final_acc_by_split"] = last["test_acc_by_split"]
         summary["eval_split"] = last.get("eval_split")

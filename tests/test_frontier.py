@@ -273,3 +273,35 @@ def test_one_methods_runs_from_two_benchmark_folders_are_never_one_point(tmp_pat
     (root / "options").rename(tmp_path / "elsewhere")  # the earlier runs alone: one folder, one frontier
     [g] = frontier_groups(discover([root])[0])
     assert g["partition"] == "iid" and g["methods"][0]["n"] == 1
+
+
+def test_a_retired_test_model_is_stale_only_where_a_device_sat_below_the_deepest_cut(tmp_path):
+    """Private-front rows from before each device was scored at its own split name the retired model: stale where any
+    device sat below the deepest candidate split (its untrained copies past the split were scored), not where every
+    device sat at it (its whole front is the model it runs). The benchmark's tables drop the stale test figures and
+    keep the own-data ones, as the report does."""
+    from fedsga_edge.report.frontier import STALE_TEST_MODELS, stale_test_model
+
+    old = STALE_TEST_MODELS[0]
+    config = {"candidate_depths": [2, 3, 4]}
+    deep = {"round": 1, "test_acc": 0.2, "test_model": old, "depths": {"a": 4, "b": 4}}
+    mixed = deep | {"round": 2, "depths": {"a": 4, "b": 2}}
+    assert stale_test_model([deep], config) is None
+    assert stale_test_model([deep, mixed], config) == old
+    assert stale_test_model([deep], {}) == old  # no candidate depths recorded: the deepest cut is unknown
+    assert stale_test_model([mixed | {"test_model": "each device at its last split"}], config) is None
+
+    from _bench import load_bench
+
+    bench = load_bench("accuracy")
+    for name, rows in (("deep", [deep]), ("mixed", [deep, mixed])):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps(config))
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    summary = {"final_acc": 0.2, "headline_acc": 0.2, "final_own_acc": 0.5}
+    kept = bench.with_final_by_split(dict(summary), tmp_path / "deep")
+    dropped = bench.with_final_by_split(dict(summary), tmp_path / "mixed")
+    assert bench.acc_of(kept) == 0.2 and "stale_test_model" not in kept
+    assert bench.acc_of(dropped) is None and dropped["stale_test_model"] == old
+    assert bench.own_data_acc(dropped) == 0.5

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,13 +121,29 @@ def summary_score(summary: Mapping[str, Any], score: str = "test") -> Any:
 STALE_TEST_MODELS = ("each device's own front with the shared server side, averaged by data",)
 
 
+def stale_test_model(rows: Iterable[Mapping[str, Any]], config: Mapping[str, Any]) -> str | None:
+    """The retired test model (``STALE_TEST_MODELS``) a record's rows name where it was not the model the devices
+    run; None otherwise. A row whose devices all sat at the deepest candidate split scored the right model anyway:
+    their whole front is the model they run (config.json's ``candidate_depths``; without it every such row is
+    stale)."""
+    depths = config.get("candidate_depths") or []
+    deepest = max(depths) if depths else None
+    for row in rows:
+        old = row.get("test_model")
+        if old in STALE_TEST_MODELS:
+            at = list((row.get("depths") or {}).values())
+            if deepest is None or not at or any(d != deepest for d in at):
+                return str(old)
+    return None
+
+
 def run_point(run: Any, score: str = "test") -> Point | None:
     """A run's (client FLOPs per sample, accuracy) from its summary.json; None without both. ``test``: the
     benchmark's headline accuracy where it has one (the mean of its last full-test evaluations), else the final
-    round's, and none where its rows say it scored a ``STALE_TEST_MODELS`` model; ``own data``: the final model's
+    round's, and none where its rows say it scored a retired model no device runs (``stale_test_model``); ``own data``: the final model's
     accuracy on the devices' held-out data (``final_own_acc``)."""
     s = run.summary or {}
-    if score == "test" and any(row.get("test_model") in STALE_TEST_MODELS for row in run.rows or ()):
+    if score == "test" and stale_test_model(run.rows or (), run.config or {}):
         return None
     acc = summary_score(s, score)
     flops = s.get("client_flops_per_sample")
