@@ -1,7 +1,7 @@
 """The tuning budget: every Table 2 method gets the same chance to be tuned, and the choice is made in one place.
 
-Each method's one or two main options (``BUDGET``), three settings of each, the preset's value among them, varied
-one at a time (so at most five settings a method), each run on the tuning seeds (0 and 1; never a seed a table
+Each method's one or two main options (``BUDGET``), five settings a method (one option at five values, or two at
+three each varied one at a time), the preset's value among them, each run on the tuning seeds (0 and 1; never a seed a table
 reports, which start at 10) under every partition of the preset, with the devices' held-out slice the tables keep
 (``--eval-holdout``, 0.2), so a setting is tuned as it is reported. The setting with the best mean score over those
 runs is the method's value for that preset: the headline test accuracy, or for a personalised method (``SCORE``) the
@@ -60,7 +60,7 @@ def score_of(method: str) -> str:
 
 @dataclass(frozen=True)
 class Knob:
-    """One main option of a method: its ``accuracy.py`` flag and the three settings tried (the preset's value is
+    """One main option of a method: its ``accuracy.py`` flag and the settings tried (the preset's value is
     expected among them; ``values`` may depend on the preset's settings, e.g. a rate relative to the devices')."""
 
     option: str  # the run option's name, as the preset and accuracy.py's parser spell it (``server_lr``)
@@ -71,34 +71,34 @@ class Knob:
         return tuple(round(v, 6) if isinstance(v, float) else v for v in vals)
 
 
-def _server_rates(s: dict[str, Any]) -> tuple[float, ...]:
-    """A split method's server rate: the devices' rate x 0.075 (one shared copy's rate at the ``cifar`` preset),
-    x 0.5 and x 1 (a per-client copy at the devices' rate)."""
-    lr = float(s["lr"])
-    return (lr * 0.075, lr * 0.5, lr)
+def _times_devices_rate(*factors: float) -> Callable[[dict[str, Any]], tuple[float, ...]]:
+    """Rates relative to the devices' (FedAvg's chosen one once its budget has run)."""
+    return lambda s: tuple(float(s["lr"]) * f for f in factors)
 
 
-def _device_rates(s: dict[str, Any]) -> tuple[float, ...]:
-    lr = float(s["lr"])
-    return (lr / 2, lr, lr * 2)
+# A split method's server rate: from one shared copy's rate at the ``cifar`` preset (x 0.075) to twice a per-client
+# copy at the devices' rate; five settings where it is the method's one knob, three where it shares the budget.
+SERVER_RATES_5 = _times_devices_rate(0.075, 0.25, 0.5, 1, 2)
+SERVER_RATES_3 = _times_devices_rate(0.075, 0.5, 1)
 
-
-# Every Table 2 method and its one or two main options; docs/method.md tables the same, with the reasons.
+# Every Table 2 method and its main options, five settings a method (the preset's value among them): one option at
+# five values, or two at three values each, varied one at a time (the preset's, then two others of each).
+# docs/method.md tables the same, with the reasons.
 BUDGET: dict[str, tuple[Knob, ...]] = {
-    "fedavg": (Knob("lr", _device_rates),),  # the devices' rate, then shared by every method
-    "fedprox": (Knob("mu", (0.001, 0.01, 0.1)),),
-    "fedbabu": (Knob("fedbabu_finetune_epochs", (1, 5, 10)),),
-    "fedgh": (Knob("fedgh_server_lr", (0.001, 0.01, 0.1)),),
+    "fedavg": (Knob("lr", _times_devices_rate(0.25, 0.5, 1, 2, 4)),),  # the devices' rate, then every method's
+    "fedprox": (Knob("mu", (0.001, 0.003, 0.01, 0.03, 0.1)),),
+    "fedbabu": (Knob("fedbabu_finetune_epochs", (1, 2, 5, 10, 20)),),
+    "fedgh": (Knob("fedgh_server_lr", (0.001, 0.003, 0.01, 0.03, 0.1)),),
     "fedas": (Knob("fedas_align_lr", (0.001, 0.01, 0.1)), Knob("fedas_align_epochs", (1, 2, 5))),
-    "static": (Knob("server_lr", _server_rates),),
-    "mergesfl": (Knob("server_lr", _server_rates),),
-    "fedmut": (Knob("fedmut_alpha", (1.0, 2.0, 4.0)),),
-    "musplitfed": (Knob("musplitfed_tau", (1, 2, 4)), Knob("server_lr", _server_rates)),
+    "static": (Knob("server_lr", SERVER_RATES_5),),
+    "mergesfl": (Knob("server_lr", SERVER_RATES_5),),
+    "fedmut": (Knob("fedmut_alpha", (0.5, 1.0, 2.0, 4.0, 8.0)),),
+    "musplitfed": (Knob("musplitfed_tau", (1, 2, 4)), Knob("server_lr", SERVER_RATES_3)),
     "multisfl": (Knob("multisfl_replay", (0.01, 0.05, 0.2)),
                  Knob("multisfl_mix", lambda s: (None, 0.25, 0.5))),  # None: the reference's 1 / (branches + 1)
     "fedsga": (Knob("harmonizer_lr", (0.002, 0.015, 0.05)), Knob("harmonizer_form", ("residual", "mlp"))),
 }
-MAX_SETTINGS = 5  # the preset's value, then two others for each of at most two options
+MAX_SETTINGS = 5  # every method's: the same number of chances to be lucky on the tuning seeds
 
 
 def _slug(option: str, value: Any) -> str:
@@ -187,8 +187,9 @@ def shared_choice(sweep: Sweep, preset_values: dict[str, Any], partitions: list[
     budget has unfinished runs (no other method can be tuned yet: its settings run at this rate)."""
     budget = settings(SHARED, preset_values)
     table = {name: sweep.collect(SHARED, vals, name)[0] for name, vals in budget}
-    pick = choose(table, partitions, sweep.seeds)
-    return None if pick is None else dict(budget)[pick]
+    if not all(len(table[name].get(p, {})) == len(sweep.seeds) for name in table for p in partitions):
+        return None  # a rate not yet run might win: every other method's settings would be run at the wrong one
+    return dict(budget)[choose(table, partitions, sweep.seeds)]
 
 
 def report(sweep: Sweep, methods: list[str], partitions: list[str],

@@ -21,18 +21,21 @@ def test_every_table2_method_has_the_same_budget(T):
         values = A.PRESETS[preset].settings()
         for m in A.TABLE2_METHODS:
             knobs = T.BUDGET[m]
-            assert 1 <= len(knobs) <= 2 and all(2 <= len(k.settings(values)) <= 3 for k in knobs)
+            assert 1 <= len(knobs) <= 2 and all(2 <= len(k.settings(values)) <= 5 for k in knobs)
             budget = T.settings(m, values)
-            assert budget[0] == ("preset", {}) and len(budget) <= T.MAX_SETTINGS
+            # the same number of settings for every method: the same number of chances on the tuning seeds
+            assert budget[0] == ("preset", {}) and len(budget) == T.MAX_SETTINGS
             assert len({name for name, _ in budget}) == len(budget)
             for name, vals in budget:  # every setting is a command line accuracy.py accepts, with that value
                 args = parser.parse_args(T.accuracy_argv(preset, m, vals, [0, 1], T.tuning_dir(preset), []))
                 for option, v in vals.items():
                     if v is not None:
                         assert getattr(args, option) == v
-    # a rate relative to the devices': at cifar-v1 (lr 0.2) SplitFed's server rate is tried at 0.015, 0.1, 0.2
+    # a rate relative to the devices': at cifar-v1 (lr 0.2, the preset's server rate 0.2) SplitFed's server rate is
+    # tried at 0.015, 0.05, 0.1, 0.2 and 0.4
     cifar = A.PRESETS["cifar-v1"].settings()
-    assert [v for _, v in T.settings("static", cifar)] == [{}, {"server_lr": 0.015}, {"server_lr": 0.1}]
+    assert [v for _, v in T.settings("static", cifar)] == [{}, {"server_lr": 0.015}, {"server_lr": 0.05},
+                                                          {"server_lr": 0.1}, {"server_lr": 0.4}]
     with pytest.raises(SystemExit, match="no tuning budget"):
         T.settings("random", cifar)
 
@@ -57,7 +60,7 @@ def test_tuning_refuses_a_reported_seed(T):
 
 
 def test_a_small_sweep_runs_records_and_chooses(T, tmp_path):
-    """FedAvg's and FedProx's three settings on digits, one tuning seed: six real runs, FedProx's at the devices'
+    """FedAvg's and FedProx's five settings on digits, one tuning seed: ten real runs, FedProx's at the devices'
     rate FedAvg's chose, the choice from their records, and the same choice again from the records alone."""
     argv = ["--preset", "smoke", "--seeds", "2", "--out", str(tmp_path)]
     with pytest.raises(SystemExit, match="FedAvg's budget has unfinished runs.*--methods fedavg"):
@@ -66,8 +69,9 @@ def test_a_small_sweep_runs_records_and_chooses(T, tmp_path):
     out = T.main(argv + ["--methods", "fedprox,fedavg"])
     runs = sorted(str(p.relative_to(tmp_path / "tuning")).split("/")[:2] for p in tmp_path.rglob("summary.json"))
     lr0 = T.A.PRESETS["smoke"].settings()["lr"]
-    rate = {"preset": lr0, f"lr{lr0 / 2:g}": lr0 / 2, f"lr{lr0 * 2:g}": lr0 * 2}
-    assert runs == sorted([["fedavg", n] for n in rate] + [["fedprox", n] for n in ("mu0.001", "mu0.1", "preset")])
+    rate = {"preset": lr0} | {f"lr{lr0 * f:g}": lr0 * f for f in (0.25, 0.5, 2, 4)}
+    assert runs == sorted([["fedavg", n] for n in rate] + [["fedprox", n] for n in ("mu0.001", "mu0.003", "mu0.03",
+                                                                                    "mu0.1", "preset")])
     saved = json.loads((tmp_path / "tuning" / "tuning.json").read_text())
     rates = {n: by_part["iid"]["2"] for n, by_part in saved["methods"]["fedavg"]["settings"].items()}
     assert saved["methods"]["fedavg"]["chosen"] == max(rates, key=lambda n: (rates[n], n == "preset"))
@@ -80,7 +84,7 @@ def test_a_small_sweep_runs_records_and_chooses(T, tmp_path):
     assert fedprox["chosen"] == max(accs, key=lambda n: (accs[n], n == "preset"))
     # every method's choice is in the file (those with no runs: none yet), whichever --methods ran
     assert set(saved["methods"]) == set(T.BUDGET) and saved["methods"]["fedgh"]["chosen"] is None
-    assert out["markdown"].count("**chosen**") == 2 and out["markdown"].count("| 1/1 |") == 6
+    assert out["markdown"].count("**chosen**") == 2 and out["markdown"].count("| 1/1 |") == 10
     again = T.main(argv + ["--methods", "fedprox", "--tables-only"])
     assert again["choice"]["fedprox"]["chosen"] == fedprox["chosen"] and again["shared"] == saved["shared"]
     # a record made at another devices' rate is not this setting's run: shown as such, never counted
@@ -139,7 +143,16 @@ def test_the_others_settings_run_at_the_devices_rate_fedavg_chose(T, tmp_path, c
     """FedAvg's records choose a devices' rate other than the preset's: every other method's settings (a server
     rate relative to the devices' included) are planned at it, and the choice file says so."""
     lr0 = T.A.PRESETS["office-v1"].settings()["lr"]
-    for name, acc in (("preset", 0.20), (f"lr{lr0 / 2:g}", 0.10), (f"lr{lr0 * 2:g}", 0.30)):
+    rates = (("preset", 0.20), (f"lr{lr0 / 4:g}", 0.05), (f"lr{lr0 / 2:g}", 0.10), (f"lr{lr0 * 2:g}", 0.30),
+             (f"lr{lr0 * 4:g}", 0.25))
+    for name, acc in rates[:-1]:  # one rate short: FedAvg's budget is unfinished, and a rate not run might win
+        for seed in (0, 1):
+            d = tmp_path / "tuning" / "fedavg" / name / "fedavg" / "domain0.5" / f"seed{seed}"
+            d.mkdir(parents=True)
+            (d / "summary.json").write_text(json.dumps({"final_acc": acc, "headline_acc": acc}))
+    with pytest.raises(SystemExit, match="FedAvg's budget has unfinished runs"):
+        T.main(["--preset", "office-v1", "--methods", "static", "--out", str(tmp_path), "--jobs", "1"])
+    for name, acc in rates[-1:]:
         for seed in (0, 1):
             d = tmp_path / "tuning" / "fedavg" / name / "fedavg" / "domain0.5" / f"seed{seed}"
             d.mkdir(parents=True)
@@ -147,7 +160,9 @@ def test_the_others_settings_run_at_the_devices_rate_fedavg_chose(T, tmp_path, c
     out = T.main(["--preset", "office-v1", "--methods", "static", "--out", str(tmp_path), "--dry-run"])
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "accuracy.py" in ln]
     assert lines and all(f"--lr {lr0 * 2:g}" in ln for ln in lines)
-    assert [v for _, v in out["budgets"]["static"]] == [{}, {"server_lr": lr0 * 2 * 0.075}, {"server_lr": lr0 * 2}]
+    # the preset's server rate (0.1) is the chosen devices' rate x 0.5; the others are x 0.075, 0.25, 1 and 2 of it
+    assert [v for _, v in out["budgets"]["static"]] == [{}] + [{"server_lr": round(lr0 * 2 * f, 6)}
+                                                               for f in (0.075, 0.25, 1, 2)]
     done = T.main(["--preset", "office-v1", "--methods", "static", "--out", str(tmp_path), "--tables-only"])
     assert done["shared"] == {"lr": lr0 * 2} and "--lr " + f"{lr0 * 2:g}" in done["markdown"]
 
@@ -163,7 +178,7 @@ def test_personalised_methods_are_chosen_on_their_devices_own_data(T, tmp_path, 
             (d / "summary.json").write_text(json.dumps({"final_acc": headline, "headline_acc": headline,
                                                         "final_own_acc": own}))
     lr0 = T.A.PRESETS["office-v1"].settings()["lr"]
-    for name in ("preset", f"lr{lr0 / 2:g}", f"lr{lr0 * 2:g}"):
+    for name in ("preset", f"lr{lr0 / 4:g}", f"lr{lr0 / 2:g}", f"lr{lr0 * 2:g}", f"lr{lr0 * 4:g}"):
         record("fedavg", name, 0.2, 0.3)
     for name, own in (("preset", 0.40), ("fedbabu-finetune-epochs1", 0.45), ("fedbabu-finetune-epochs10", 0.35)):
         record("fedbabu", name, 0.2167, own)
@@ -180,8 +195,8 @@ def test_personalised_methods_are_chosen_on_their_devices_own_data(T, tmp_path, 
     capsys.readouterr()
     plan = T.main(argv + ["--dry-run"])
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "accuracy.py" in ln]
-    assert plan["runs"] == 12 and len(lines) == 6 and all(ln.endswith("--eval-holdout 0.2") for ln in lines)
+    assert plan["runs"] == 20 and len(lines) == 10 and all(ln.endswith("--eval-holdout 0.2") for ln in lines)
     with pytest.raises(SystemExit, match="--eval-holdout 0: fedbabu are chosen on their devices' held-out data"):
         T.main(argv + ["--eval-holdout", "0", "--dry-run"])
     assert T.main(["--preset", "office-v1", "--methods", "fedprox", "--out", str(tmp_path), "--eval-holdout", "0",
-                   "--dry-run"])["runs"] == 6
+                   "--dry-run"])["runs"] == 10
