@@ -1,12 +1,12 @@
 """The tuning budget: every Table 2 method gets the same chance to be tuned, and the choice is made in one place.
 
 Each method's one or two main options (``BUDGET``), five settings a method (one option at five values, or two at
-three each varied one at a time), the preset's value among them, each run on the tuning seeds (0 and 1; never a seed a table
-reports, which start at 10) under every partition of the preset, with the devices' held-out slice the tables keep
-(``--eval-holdout``, 0.2), so a setting is tuned as it is reported. The setting with the best mean score over those
-runs is the method's value for that preset: the headline test accuracy, or for a personalised method (``SCORE``) the
-accuracy of the models its devices use on their own held-out data, the figure its paper reports. docs/method.md,
-"The tuning budget per method", says why and what has been run.
+three each varied one at a time), the preset's value among them, each run on the tuning seeds (0 and 1; never a seed
+a table reports, which start at 10) under every partition of the preset, with the devices' held-out slice the tables
+keep (``--eval-holdout``, 0.2), so a setting is tuned as it is reported. The setting with the best mean score over
+those runs is the method's value for that preset: the headline test accuracy, or for a personalised method
+(``SCORE``) the accuracy of the models its devices use on their own held-out data, the figure its paper reports.
+docs/method.md, "The tuning budget per method", says why and what has been run.
 
     python benchmarks/tuning.py --preset office-v1 --jobs 2                 # every method's budget, then the choice
     python benchmarks/tuning.py --preset office-v1 --methods fedmut,fedprox --jobs 2
@@ -201,10 +201,10 @@ def report(sweep: Sweep, methods: list[str], partitions: list[str],
     rate = ("" if shared is None else "; every method but FedAvg at the devices' rate FedAvg's budget chose ("
             + (", ".join(f"--{k.replace('_', '-')} {v}" for k, v in shared.items()) or "the preset's") + ")")
     holdout = "" if sweep.holdout is None else f", every run with --eval-holdout {sweep.holdout:g}"
-    lines = [f"**Tuning at `{preset}`** — each method's score (%) on tuning seeds {','.join(map(str, seeds))}, mean ± "
-             "std over the seeds, per partition (test: the headline on the full test set; own data: the devices' "
-             "held-out slices on the models they use); mean: over every partition and seed; chosen: the best mean "
-             f"among settings with all their runs (ties: the preset's value){rate}{holdout}", "",
+    lines = [f"**Tuning at `{preset}`** — each method's score (%) on tuning seeds {','.join(map(str, seeds))}, "
+             "mean ± std over the seeds, per partition (test: the headline on the full test set; own data: the "
+             "devices' held-out slices on the models they use); mean: over every partition and seed; chosen: the "
+             f"best mean among settings with all their runs (ties: the preset's value){rate}{holdout}", "",
              "| Method | setting | score | " + " | ".join(labels) + " | mean | runs | chosen |",
              "|---|---|---|" + "---:|" * len(labels) + "---:|---:|---|"]
     choice: dict[str, Any] = {}

@@ -140,8 +140,8 @@ def stale_test_model(rows: Iterable[Mapping[str, Any]], config: Mapping[str, Any
 def run_point(run: Any, score: str = "test") -> Point | None:
     """A run's (client FLOPs per sample, accuracy) from its summary.json; None without both. ``test``: the
     benchmark's headline accuracy where it has one (the mean of its last full-test evaluations), else the final
-    round's, and none where its rows say it scored a retired model no device runs (``stale_test_model``); ``own data``: the final model's
-    accuracy on the devices' held-out data (``final_own_acc``)."""
+    round's, and none where its rows say it scored a retired model no device runs (``stale_test_model``);
+    ``own data``: the final model's accuracy on the devices' held-out data (``final_own_acc``)."""
     s = run.summary or {}
     if score == "test" and stale_test_model(run.rows or (), run.config or {}):
         return None
