@@ -943,7 +943,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     ap.add_argument("--out", type=Path, default=None,
-                    help="Output folder (default: the preset's records, benchmarks/records/<preset>).")
+                    help="Output folder (default: the preset's records, benchmarks/records/<preset>; with --tuned "
+                         "benchmarks/records/<preset>/tuned).")
     ap.add_argument("--data", default=None, help="An .npz path (x_train,y_train,x_test,y_test; d_train,d_test,domains for "
                                                  "domain partitions) or a dataset spec (digits, cifar10, npz:PATH).")
     ap.add_argument("--data-root", default=None, help="Root for dataset specs that read an official layout (cifar10 ...).")
@@ -1040,10 +1041,17 @@ def resolve(args: argparse.Namespace) -> Preset:
     return p
 
 
+def default_out(args: argparse.Namespace) -> Path:
+    """``--out``'s default: the preset's records, and a table at the tuning budget's choice in their ``tuned``
+    folder, so it never meets the records made at the preset's own values (other rates, no held-out slice)."""
+    base = records_dir(args.preset)
+    return base / "tuned" if args.tuned is not None else base
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     p = resolve(args)
-    out: Path = args.out or records_dir(args.preset)
+    out: Path = args.out or default_out(args)
     spec = data_spec(p.data)
     runs = plan(p, spec, args.data_root)
     argv = list(argv if argv is not None else sys.argv[1:])

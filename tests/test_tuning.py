@@ -137,6 +137,10 @@ def test_tuned_runs_every_method_at_the_budgets_choice(T, tmp_path):
         configs()
     with pytest.raises(SystemExit, match="does not exist.*tuning.py --preset smoke"):
         A.resolve(A.build_parser().parse_args(["--preset", "smoke", "--tuned", str(tmp_path / "none.json")]))
+    # a table at the choice has its own folder: it never meets (or is refused by) the preset's own records
+    parse = A.build_parser().parse_args
+    assert A.default_out(parse(["--preset", "office-v1", "--tuned"])) == A.records_dir("office-v1") / "tuned"
+    assert A.default_out(parse(["--preset", "office-v1"])) == A.records_dir("office-v1")
 
 
 def test_the_others_settings_run_at_the_devices_rate_fedavg_chose(T, tmp_path, capsys):
