@@ -46,7 +46,8 @@ of ``eval_subset`` images and are stored as ``test_acc_subset`` (and ``test_loss
 ``test_pred_share_subset``) in metrics.jsonl, for curves only.
 Nothing is tuned here: every hyperparameter is the paper's default or a stated scale choice, so
 the test set selects nothing (``best_acc`` is not reported). ``--tuned`` runs every method at the values the
-tuning budget chose on tuning seeds (benchmarks/tuning.py's ``tuning.json``), never on the seeds it reports.
+tuning budget chose on tuning seeds (benchmarks/tuning.py's ``tuning.json``), never on the seeds it reports,
+into ``benchmarks/records/<preset>/tuned`` unless ``--out`` says otherwise.
 """
 
 from __future__ import annotations
