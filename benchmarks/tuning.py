@@ -12,6 +12,7 @@ docs/method.md, "The tuning budget per method", says why and what has been run.
     python benchmarks/tuning.py --preset office-v1 --methods fedmut,fedprox --jobs 2
     python benchmarks/tuning.py --preset cifar-v1 --dry-run                 # the settings and how many runs
     python benchmarks/tuning.py --preset office-v1 --tables-only            # the choice from the records there are
+    python benchmarks/tuning.py --preset cifar-v1 --partitions dir0.1       # the choice made on one partition
 
 Every setting is one ``benchmarks/accuracy.py`` invocation (same runs, same records, same refusal of a record made
 with other settings) into ``benchmarks/records/<preset>/tuning/<method>/<setting>/``, so a killed sweep continues
@@ -243,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dry-run", action="store_true", help="Print the settings and the number of runs, run nothing.")
     ap.add_argument("--tables-only", action="store_true", help="Run nothing: the choice from the finished runs.")
     ap.add_argument("--data", default=None, help="accuracy.py's --data (e.g. npz:PATH), passed to every run.")
+    ap.add_argument("--partitions", default=None,
+                    help="Comma-separated, a subset of the preset's (default: all of them): the partitions the choice "
+                         "is made on; tuning.json records them, and the choice holds for every column of the table.")
     ap.add_argument("--eval-holdout", type=float, default=TUNING_HOLDOUT,
                     help=f"Every run's held-out slice of each device's data (default {TUNING_HOLDOUT:g}, the tables'); "
                          f"0: none, refused for a method chosen on own data ({', '.join(SCORE)}).")
@@ -267,6 +271,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     preset_values = p.settings()
     root = tuning_dir(args.preset, args.out)
     partitions = list(p.partitions)
+    if args.partitions is not None:
+        asked = [x.strip() for x in args.partitions.split(",") if x.strip()]
+        if not asked or (other := [x for x in asked if x not in partitions]):
+            raise SystemExit(f"--partitions {args.partitions!r}: the {args.preset} preset's are "
+                             f"{','.join(partitions)}; tune on some of them (a choice made on a partition the tables "
+                             "do not report would be judged nowhere)")
+        partitions = [x for x in partitions if x in asked]
     run = not (args.dry_run or args.tables_only)
     if not 0 <= args.eval_holdout < 1:
         raise SystemExit(f"--eval-holdout {args.eval_holdout:g}: a share of each device's data in [0, 1)")
@@ -274,7 +285,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--eval-holdout 0: {', '.join(own)} are chosen on their devices' held-out data, which a run "
                          "without a held-out slice does not have; leave them out or keep a slice")
     holdout = args.eval_holdout or None
-    passthrough = (["--data", args.data] if args.data else []) + (["--eval-holdout", f"{holdout:g}"] if holdout else [])
+    passthrough = ((["--data", args.data] if args.data else []) + (["--eval-holdout", f"{holdout:g}"] if holdout else [])
+                   + (["--partitions", ",".join(partitions)] if partitions != list(p.partitions) else []))
     sweep = Sweep(args.preset, seeds, root, passthrough, holdout)
     print(f"tuning at {args.preset}: {len(methods)} methods (seeds {seeds}, partitions {partitions}) into {root}")
     budgets: dict[str, list[tuple[str, dict[str, Any]]]] = {}

@@ -59,6 +59,28 @@ def test_tuning_refuses_a_reported_seed(T):
         T.main(["--preset", "office-v1", "--methods", "fedavg,random"])
 
 
+def test_the_choice_can_be_made_on_some_of_the_presets_partitions(T, tmp_path, capsys):
+    """--partitions: every run of the budget on the partitions named (half of cifar-v1's runs on Dir(0.1) alone), and
+    the choice made on them alone; a partition the preset's tables do not report is refused by name."""
+    argv = ["--preset", "cifar-v1", "--methods", "fedavg", "--out", str(tmp_path), "--dry-run"]
+    assert T.main(argv)["runs"] == 2 * T.main(argv + ["--partitions", "dir0.1"])["runs"] == 20
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "accuracy.py" in ln]
+    assert len(lines) == 10 and all(ln.endswith("--partitions dir0.1") for ln in lines[5:])
+    assert not any("--partitions" in ln for ln in lines[:5])
+    with pytest.raises(SystemExit, match="--partitions 'dir0.5'.*iid,dir0.1"):
+        T.main(argv + ["--partitions", "dir0.5"])
+    for name in ("preset", "lr0.05", "lr0.1", "lr0.4", "lr0.8"):  # Dir(0.1)'s runs only: a choice on it alone
+        for seed in (0, 1):
+            d = tmp_path / "tuning" / "fedavg" / name / "fedavg" / "dir0.1" / f"seed{seed}"
+            d.mkdir(parents=True)
+            (d / "summary.json").write_text(json.dumps({"final_acc": 0.5, "headline_acc": 0.6 if name == "lr0.4"
+                                                        else 0.4}))
+    tables = ["--preset", "cifar-v1", "--methods", "fedavg", "--out", str(tmp_path), "--tables-only"]
+    assert T.main(tables)["shared"] is None  # IID's runs missing: nothing chosen on both partitions
+    assert T.main(tables + ["--partitions", "dir0.1"])["shared"] == {"lr": 0.4}
+    assert json.loads((tmp_path / "tuning" / "tuning.json").read_text())["partitions"] == ["dir0.1"]
+
+
 def test_a_small_sweep_runs_records_and_chooses(T, tmp_path):
     """FedAvg's and FedProx's five settings on digits, one tuning seed: ten real runs, FedProx's at the devices'
     rate FedAvg's chose, the choice from their records, and the same choice again from the records alone."""
