@@ -20,26 +20,41 @@ def _cfg(**kw) -> RunConfig:
     return RunConfig(**(base | kw))
 
 
-def _run(cfg: RunConfig, ranks: ServerRanks | None) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def _run(cfg: RunConfig, ranks: ServerRanks | None,
+         states: list[dict[str, torch.Tensor]] | None = None) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """The run's round records and final weights (``states``, if given, gets the weights after every round)."""
     sim = Simulation(cfg)
     if ranks is not None:
         ranks.shard(sim.coordinator)
-    records = [{k: v for k, v in r.items() if k not in ("wall_s", "round_s")} for r in sim.rounds()]
+    records = []
+    for r in sim.rounds():
+        records.append({k: v for k, v in r.items() if k not in ("wall_s", "round_s")})
+        if states is not None:
+            states.append({n: v.clone() for n, v in sim.model.state_dict().items()})
     return records, {n: v.clone() for n, v in sim.model.state_dict().items()}
 
 
 def test_two_ranks_train_what_one_process_trains():
     torch.set_num_threads(1)  # the other rank's thread count: the same float sums on both sides
-    one = _run(_cfg(), None)
+    at_one: list[dict[str, torch.Tensor]] = []
+    at_two: list[dict[str, torch.Tensor]] = []
+    one = _run(_cfg(), None, at_one)
     with ServerRanks(_cfg(), 2, threads=1) as ranks:
-        two = _run(_cfg(), ranks)
+        two = _run(_cfg(), ranks, at_two)
         assert set(ranks.server.owners.values()) == {0, 1}
     for a, b in zip(one[0], two[0], strict=True):
         assert a["splits"] == b["splits"] and a["failures"] == b["failures"] == {}
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
         assert a.get("test_acc") == pytest.approx(b.get("test_acc"))
+    # Round 1's average is one process's to float rounding: the ranks add their float64 sums in another order,
+    # which moves some entries by one float32 ulp (about one run in six measured here), never more.
+    for n, v in at_one[0].items():
+        torch.testing.assert_close(at_two[0][n], v, rtol=2e-7, atol=1e-9, msg=n)
+    # Round 2 starts from those weights: a one-ulp move can flip a ReLU near zero at batch 32, and that flip
+    # changes a gradient by a step, not by an ulp (the largest measured: 3.5e-5 in a device's first conv, one run
+    # in ten). A wrong copy, device or weight in the average moves weights by the size of an update (1e-3 and up).
     for n, v in one[1].items():
-        torch.testing.assert_close(two[1][n], v, rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(two[1][n], v, rtol=1e-4, atol=2e-4, msg=n)
 
 
 def _leaving_out(sim: Simulation, device: str) -> None:
@@ -70,9 +85,11 @@ def test_a_copy_left_out_on_another_rank_leaves_the_average_as_on_one_rank():
     for _ in one_sim.rounds():
         pass
     kept = _run(_cfg(), None)[1]
-    for n, v in one_sim.model.state_dict().items():
-        torch.testing.assert_close(two[n], v, rtol=1e-5, atol=1e-6, msg=n)
-    assert any(not torch.equal(kept[n], v) for n, v in one_sim.model.state_dict().items())
+    left = one_sim.model.state_dict()
+    for n, v in left.items():  # two rounds: the tolerance of test_two_ranks_train_what_one_process_trains
+        torch.testing.assert_close(two[n], v, rtol=1e-4, atol=2e-4, msg=n)
+    # the copy left out moves the average by far more than that tolerance (both one-process runs: deterministic)
+    assert max((kept[n].double() - v.double()).abs().max().item() for n, v in left.items()) > 1e-2  # 0.019
 
 
 def test_a_message_travels_as_a_header_and_its_tensors():
