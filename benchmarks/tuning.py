@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     partitions = list(p.partitions)
     if args.partitions is not None:
         asked = [x.strip() for x in args.partitions.split(",") if x.strip()]
-        if not asked or (other := [x for x in asked if x not in partitions]):
+        if not asked or any(x not in partitions for x in asked):
             raise SystemExit(f"--partitions {args.partitions!r}: the {args.preset} preset's are "
                              f"{','.join(partitions)}; tune on some of them (a choice made on a partition the tables "
                              "do not report would be judged nowhere)")
