@@ -16,8 +16,8 @@ docs/method.md, "The tuning budget per method", says why and what has been run.
 
 Every setting is one ``benchmarks/accuracy.py`` invocation (same runs, same records, same refusal of a record made
 with other settings) into ``benchmarks/records/<preset>/tuning/<method>/<setting>/``, so a killed sweep continues
-where it stopped and ``--tables-only`` chooses from whatever has finished (a setting short of a run is shown, never
-chosen). The choice of every method (from all the records there, whichever ``--methods`` ran) is printed and
+where it stopped and ``--tables-only`` shows whatever has finished (a method chooses only once every one of its
+settings has all its runs: one not yet run might win). The choice of every method (from all the records there, whichever ``--methods`` ran) is printed and
 written to ``tuning/tuning.md`` and ``tuning/tuning.json``, which ``accuracy.py --tuned`` applies to a table's runs.
 
 FedAvg's knob is the devices' rate, which every method shares: its budget runs first, and every other method's
@@ -213,7 +213,10 @@ def report(sweep: Sweep, methods: list[str], partitions: list[str],
         at = {} if m == SHARED else shared
         found = {name: sweep.collect(m, vals, name, at) for name, vals in budgets[m]}
         table = {name: runs for name, (runs, _) in found.items()}
-        pick = choose(table, partitions, seeds)
+        # no choice while a setting has runs to go: the one not yet run might win (``shared_choice``'s rule), and
+        # ``accuracy.py --tuned`` refuses a method without a choice by name
+        finished = all(len(runs.get(q, {})) == len(seeds) for runs in table.values() for q in partitions)
+        pick = choose(table, partitions, seeds) if finished else None
         values = dict(budgets[m])
         choice[m] = {"chosen": pick, "values": values.get(pick) if pick else None, "score": score_of(m),
                      "settings": {n: {p: table[n].get(p, {}) for p in partitions} for n in table}}

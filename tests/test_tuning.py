@@ -211,6 +211,13 @@ def test_personalised_methods_are_chosen_on_their_devices_own_data(T, tmp_path, 
     for name, head, own in (("preset", 0.25, 0.9), ("mu0.001", 0.24, 0.1), ("mu0.1", 0.26, 0.1)):
         record("fedprox", name, head, own)
     argv = ["--preset", "office-v1", "--methods", "fedbabu,fedprox", "--out", str(tmp_path)]
+    # two settings of each not yet run: no choice (one of them might win), so --tuned refuses these methods
+    out = T.main(argv + ["--tables-only"])
+    assert out["choice"]["fedbabu"]["chosen"] is None and out["choice"]["fedprox"]["chosen"] is None
+    for name in ("fedbabu-finetune-epochs2", "fedbabu-finetune-epochs20"):
+        record("fedbabu", name, 0.2167, 0.30)
+    for name in ("mu0.003", "mu0.03"):
+        record("fedprox", name, 0.20, 0.95)
     out = T.main(argv + ["--tables-only"])
     assert out["choice"]["fedbabu"]["chosen"] == "fedbabu-finetune-epochs1"
     assert out["choice"]["fedbabu"]["score"] == "own data" and out["choice"]["fedprox"]["score"] == "test"
