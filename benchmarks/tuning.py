@@ -205,7 +205,7 @@ def report(sweep: Sweep, methods: list[str], partitions: list[str],
     lines = [f"**Tuning at `{preset}`** — each method's score (%) on tuning seeds {','.join(map(str, seeds))}, "
              "mean ± std over the seeds, per partition (test: the headline on the full test set; own data: the "
              "devices' held-out slices on the models they use); mean: over every partition and seed; chosen: the "
-             f"best mean among settings with all their runs (ties: the preset's value){rate}{holdout}", "",
+             f"best mean, once every setting has all its runs (ties: the preset's value){rate}{holdout}", "",
              "| Method | setting | score | " + " | ".join(labels) + " | mean | runs | chosen |",
              "|---|---|---|" + "---:|" * len(labels) + "---:|---:|---|"]
     choice: dict[str, Any] = {}
