@@ -655,7 +655,8 @@ def _cost_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:
                "steps (coordinator/server_work.py); — where a run's records predate that count (not estimated)")
     out.append("")
     out.append("| Method | Partition | client params (K) | client MFLOPs/sample (training + method) | of which the method's "
-               "(observation, probes) | client FLOPs / static's (per seed) | server steps / round "
+               "(FedSGA's observation and probes, FedAS's alignment and Fisher, FedGH's class means) "
+               "| client FLOPs / static's (per seed) | server steps / round "
                "| server GFLOPs / round | split histogram (k: client-rounds, all seeds) "
                "| wall s / run (CPU s) | MB on the wire / run |")
     out.append("|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")

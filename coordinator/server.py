@@ -440,8 +440,9 @@ def client_costs(cfg: RunConfig, clients: dict[str, int], costs: CostTable, upda
     """docs/method.md, "Costs": what the round's devices computed per sample they trained.
 
     Training FLOPs at each device's split plus what the method adds on the device (FedSGA's
-    observation forward and calibration probes: the strategy's ``observation_flops`` and
-    ``calibration_flops`` "client" totals, absent for other strategies), over the samples trained;
+    observation forward and calibration probes, FedAS's alignment and Fisher passes, FedGH's class means:
+    the strategy's ``observation_flops``, ``calibration_flops`` and ``method_flops`` "client" totals,
+    absent for other strategies), over the samples trained;
     each device weighs by the samples it trained (|D_i| x local epochs), ``client_params`` too.
     """
     tc = cfg.train
@@ -452,7 +453,7 @@ def client_costs(cfg: RunConfig, clients: dict[str, int], costs: CostTable, upda
         return {"client_flops_per_sample": 0.0, "client_train_flops_per_sample": 0.0,
                 "client_method_flops_per_sample": 0.0, "client_params": 0.0, "client_samples": 0}
     train = sum(seen[c] * costs.train(int(u["split"])) for c, u in updates.items())
-    method = sum(_flops_part(record.get(key)) for key in ("observation_flops", "calibration_flops"))
+    method = sum(_flops_part(record.get(key)) for key in ("observation_flops", "calibration_flops", "method_flops"))
     params = sum(seen[c] * costs.params[int(u["split"])] for c, u in updates.items())
     return {"client_flops_per_sample": (train + method) / total, "client_train_flops_per_sample": train / total,
             "client_method_flops_per_sample": method / total, "client_params": params / total,

@@ -233,6 +233,42 @@ def test_fedas_device_aligns_the_received_body_and_keeps_its_own_head(digits, mo
         assert moved == (align_lr > 0), cid
 
 
+@pytest.mark.parametrize("strategy", ["fedas", "fedgh"])
+def test_the_passes_a_method_adds_on_the_device_are_its_client_flops(digits, monkeypatch, strategy) -> None:
+    """Each round's method FLOPs are the passes the devices ran, counted sample by sample at the backend:
+    through ``align_step`` and ``fisher_trace`` at the whole model's training cost, through ``features`` at
+    its forward cost. FedAS aligns from a device's second round on (2 align epochs here), FedGH only takes
+    its class means."""
+    from fedsga_edge.device.client import TorchBackend
+
+    ran = {"train": 0, "fwd": 0}
+
+    def count(name: str, kind: str) -> None:
+        orig = getattr(TorchBackend, name)
+
+        def spy(self, x, *args, **kwargs):
+            ran[kind] += len(x)
+            return orig(self, x, *args, **kwargs)
+
+        monkeypatch.setattr(TorchBackend, name, spy)
+
+    for name, kind in (("align_step", "train"), ("fisher_trace", "train"), ("features", "fwd")):
+        count(name, kind)
+    args = {"align_epochs": 2} if strategy == "fedas" else {}
+    sim = Simulation(tiny_config(strategy, rounds=2, clients=2, max_batches=2, strategy_args=args), digits)
+    costs, gen = sim.coordinator.costs, sim.rounds()
+    for t in (1, 2):
+        rec = next(gen)
+        n = rec["client_samples"]  # one local epoch: every pass goes over the samples trained
+        assert ran["fwd"] == n
+        assert ran["train"] == (0 if strategy == "fedgh" else n if t == 1 else 3 * n), t
+        want = ran["train"] * costs.full_train + ran["fwd"] * costs.full_fwd
+        assert rec["method_flops"] == {"client": want}
+        assert rec["client_method_flops_per_sample"] == pytest.approx(want / n)
+        assert rec["client_flops_per_sample"] == pytest.approx(costs.full_train + want / n)
+        ran.update(train=0, fwd=0)
+
+
 def _client_batch(digits, strategy: str = "fedas"):
     sim = Simulation(tiny_config(strategy, rounds=1, clients=2), digits)
     client = sim.clients[0]

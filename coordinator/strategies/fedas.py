@@ -41,6 +41,14 @@ class FedAS(FedAvg):
             ge=0, le=100),
     )
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._coordinator: Any = None
+        self._kept: set[str] = set()  # devices that reported a model: from their next round on they align to it
+
+    def attach(self, coordinator: Any) -> None:
+        self._coordinator = coordinator  # its cost table and devices' sample counts, for the devices' FLOPs
+
     def configure_round(self, t: int, devices: list[str]) -> dict[str, Instruction]:
         method = {"name": self.name, "align_lr": float(self.args["align_lr"]),
                   "align_epochs": int(self.args["align_epochs"])}
@@ -64,6 +72,35 @@ class FedAS(FedAvg):
         total = sum(fisher.values())
         record["fisher"] = fisher
         record["fisher_weights"] = {cid: f / total for cid, f in fisher.items()} if total > 0 else None
+        record["method_flops"] = {"client": self._device_flops(updates)}
+        self._kept |= set(updates)
+
+    def _device_flops(self, updates: dict[str, dict[str, Any]]) -> int:
+        """docs/method.md, "Costs": what FedAS adds to a device's training, counted from the plan as FedSGA's
+        probes are. Each pass goes over the device's training batches (device/methods.py ``FedASDevice``): the
+        alignment's ``align_epochs`` forward + backward passes (from a device's second round: it aligns to the
+        model it kept), the Fisher trace's one forward + backward and the class means' one forward. The
+        alignment's and the class means' passes run the body alone and are counted at the whole model's
+        cost: the head, one linear layer, is under 0.1 % of it at this project's models (an approximation)."""
+        co = self._coordinator
+        if co is None or not updates:
+            return 0
+        from ..server import samples_per_epoch
+
+        costs, tc = co.costs, self.cfg.train
+        align = int(self.args["align_epochs"]) if float(self.args["align_lr"]) > 0 else 0
+        total = 0
+        for cid in updates:
+            n = samples_per_epoch(int(co.clients[cid]), tc.batch_size, tc.max_batches, tc.batching)
+            passes = (align if cid in self._kept else 0) + 1  # alignment, then the Fisher trace
+            total += n * (passes * costs.full_train + costs.full_fwd)
+        return int(total)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kept": sorted(self._kept)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._kept = set(state.get("kept", ()))
 
     def info(self) -> dict[str, Any]:
         return {"weights": "Fisher-information weights (trace, all parameters)",

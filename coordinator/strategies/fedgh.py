@@ -144,6 +144,17 @@ class FedGH(FedAvg):
                 continue
             self._bodies[cid] = {n: torch.from_numpy(np.array(a)).to(device) for n, a in u["weights"].items()
                                  if n not in head}
+        record["method_flops"] = {"client": self._device_flops(updates)}
+
+    def _device_flops(self, updates: dict[str, dict[str, Any]]) -> int:
+        """docs/method.md, "Costs": the class means FedGH adds to a device's training, one forward pass over its
+        training batches (device/methods.py ``class_means``), counted from the plan at the whole model's
+        forward cost (the head, one linear layer, included: under 0.1 % of it, an approximation)."""
+        from ..server import samples_per_epoch
+
+        co, tc = self._coordinator, self.cfg.train
+        return int(sum(samples_per_epoch(int(co.clients[cid]), tc.batch_size, tc.max_batches, tc.batching)
+                       for cid in updates) * co.costs.full_fwd)
 
     def test_models(self) -> list[tuple[float, dict[str, "Tensor"]]]:
         """Each device's latest body under the server's current head, weighted by its data."""
