@@ -1050,12 +1050,18 @@ def default_out(args: argparse.Namespace) -> Path:
     return base / "tuned" if args.tuned is not None else base
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def prepare(argv: list[str] | None) -> tuple[argparse.Namespace, Preset, Path, str, list[dict[str, Any]]]:
+    """A command line's (args, preset, out, data spec, plan): what it would run or table, before any record is
+    read (tests/test_results_commands.py checks RESULTS.md's commands against their records through it)."""
     args = build_parser().parse_args(argv)
     p = resolve(args)
     out: Path = args.out or default_out(args)
     spec = data_spec(p.data)
-    runs = plan(p, spec, args.data_root)
+    return args, p, out, spec, plan(p, spec, args.data_root)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args, p, out, spec, runs = prepare(argv)
     argv = list(argv if argv is not None else sys.argv[1:])
     if args.only is not None:
         runs = [r for r in runs if r["dir"] == args.only]
