@@ -672,7 +672,7 @@ def _cost_table(g: dict, parts: list[str], methods: list[str]) -> list[str]:
             hist_s = " ".join(f"{'full' if k == '0' else k}:{v}" for k, v in sorted(hist.items()))
             out.append(
                 f"| {LABELS.get(m, m)} | {partition_label(p)} | {np.mean([s['client_params'] for s in ss]) / 1e3:.1f} "
-                f"| {np.mean([s['client_flops_per_sample'] for s in ss]) / 1e6:.2f} | {_method_flops(ss)} "
+                f"| {_client_flops(ss)} | {_method_flops(ss)} "
                 f"| {_flops_ratio(ss, g.get((REFERENCE, p), []))} | {_server_work(ss, 'server_steps', 1, 1)} "
                 f"| {_server_work(ss, 'server_flops', 1e9, 2)} | {hist_s} "
                 f"| {np.mean([s['wall_s'] for s in ss]):.0f}{_cpu(ss)} | {np.mean([s['bytes_total'] for s in ss]) / 1e6:.1f} |"
@@ -761,6 +761,14 @@ def _cpu(ss: list[dict[str, Any]]) -> str:
     return "" if any(v is None for v in vals) else f" ({np.mean(vals):.0f})"
 
 
+def _client_flops(ss: list[dict[str, Any]]) -> str:
+    """Client MFLOPs per sample, mean over seeds; "—" where a run's device passes beyond training went uncounted
+    (FedAS's and FedGH's records before ``method_flops``: their figure would be training alone)."""
+    if any(s.get("device_passes_uncounted") for s in ss):
+        return "—"
+    return f"{np.mean([s['client_flops_per_sample'] for s in ss]) / 1e6:.2f}"
+
+
 def _method_flops(ss: list[dict[str, Any]]) -> str:
     """The client FLOPs per sample the method adds to training (FedSGA's observation forward and probes);
     "—" for runs summarised before the cost was split (their figure is training only)."""
@@ -779,7 +787,7 @@ def _server_work(ss: list[dict[str, Any]], key: str, unit: float, digits: int) -
 
 def _flops_ratio(ss: list[dict[str, Any]], ref: list[dict[str, Any]]) -> str:
     """Client FLOPs per sample over the reference's, seed by seed, mean ± std over seeds."""
-    return _ratio(ss, ref, lambda s: s["client_flops_per_sample"])
+    return _ratio(ss, ref, lambda s: None if s.get("device_passes_uncounted") else s["client_flops_per_sample"])
 
 
 def _ratio(ss: list[dict[str, Any]], ref: list[dict[str, Any]], key: Any, digits: int = 2) -> str:
@@ -1282,6 +1290,8 @@ def with_final_by_split(summary: dict[str, Any], run_dir: Path) -> dict[str, Any
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
     if stale := stale_test_model(rows, config):
         summary = summary | {"headline_acc": None, "final_acc": None, "stale_test_model": stale}
+    if rows and _uncounted_device_passes(rows, config):  # its client FLOPs are training alone: not its cost
+        summary = summary | {"client_method_flops_per_sample": None, "device_passes_uncounted": True}
     if summary.get("final_acc_by_split"):
         return summary
     last = rows[-1] if rows else {}
@@ -1289,6 +1299,18 @@ def with_final_by_split(summary: dict[str, Any], run_dir: Path) -> dict[str, Any
         summary["final_acc_by_split"] = last["test_acc_by_split"]
         summary["eval_split"] = last.get("eval_split")
     return summary
+
+
+def _uncounted_device_passes(rows: list[dict[str, Any]], config: dict[str, Any]) -> bool:
+    """Whether a run's strategy runs device passes beyond training (``Strategy.device_passes``) that its rows
+    do not count (``method_flops``: recorded before the count existed)."""
+    from fedsga_edge.coordinator.strategy import get_strategy
+
+    try:
+        passes = get_strategy(str(config.get("strategy"))).device_passes
+    except (KeyError, ValueError):
+        return False
+    return passes and not any("method_flops" in r for r in rows)
 
 
 def write_results(out: Path, preset: str, command: str, scale: dict[str, Any], results: list[dict[str, Any]], p: Preset) -> str:

@@ -167,6 +167,10 @@ class Strategy:
     # ``eval_acc_finetuned``: FedBABU's personalised accuracy); the coordinator requires it then, and refuses it
     # from every other strategy's devices (coordinator/evaluation.py)
     finetuned_eval: ClassVar[bool] = False
+    # Its devices run passes beyond training (FedAS's alignment and Fisher trace, FedGH's class means) that each
+    # round's record counts as ``method_flops``; a record without that count predates it (benchmarks/accuracy.py
+    # tables its client FLOPs as "—" then, not as training alone)
+    device_passes: ClassVar[bool] = False
 
     def __init__(self, cfg: RunConfig, num_splits: int, clients: list[str], train_flops: dict[int, int]) -> None:
         self.cfg = cfg

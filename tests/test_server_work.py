@@ -3,6 +3,8 @@ steps and FLOPs counted where the server steps, in every record and the summary,
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from _bench import load_bench
@@ -113,3 +115,29 @@ def test_table_5_reports_the_server_work_per_round_and_a_dash_for_older_records(
     assert (splitfed[steps], splitfed[flops]) == ("40.0", "4.00")
     assert (mu[steps], mu[flops]) == ("—", "—")
     assert "predate that count (not estimated)" in md
+
+
+def test_table_5_dashes_the_client_flops_of_records_that_predate_the_device_passes_count(tmp_path) -> None:
+    """A FedAS record whose rows lack ``method_flops`` counted its training alone: Table 5 gives "—" for its client
+    FLOPs, the method's part and the ratio, not a figure that leaves the alignment out; with the count, the figures."""
+    bench = load_bench("accuracy")
+    base = {"split_histogram": {"0": 20}, "client_params": 1e4, "client_flops_per_sample": 1e8,
+            "client_method_flops_per_sample": 0.0, "wall_s": 10.0, "bytes_total": 1e6, "rounds": 1}
+    runs = {}
+    for name, row in (("old", {"round": 1}), ("new", {"round": 1, "method_flops": {"client": 5}})):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"strategy": "fedas"}))
+        (d / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+        runs[name] = bench.with_final_by_split(dict(base), d)
+    assert runs["old"]["device_passes_uncounted"] and runs["old"]["client_method_flops_per_sample"] is None
+    assert "device_passes_uncounted" not in runs["new"]
+    ref = [base | {"_seed": 0}]
+    for name, want in (("old", ["—", "—", "—"]), ("new", ["100.00", "0.00", "1.00 (n=1)"])):
+        md = "\n".join(bench._cost_table({("fedas", "iid"): [runs[name] | {"_seed": 0}], ("static", "iid"): ref},
+                                         ["iid"], ["fedas", "static"]))
+        header = next(line for line in md.splitlines() if line.startswith("| Method"))
+        cols = [c.strip() for c in header.split("|")]
+        row = next([c.strip() for c in line.split("|")] for line in md.splitlines() if line.startswith("| FedAS"))
+        at = [cols.index(c) for c in cols if c.startswith(("client MFLOPs", "of which", "client FLOPs /"))]
+        assert [row[i] for i in at] == want, name

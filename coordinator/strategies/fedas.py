@@ -34,6 +34,7 @@ class FedAS(FedAvg):
     help = ("FedAS: whole model on every device, the received body aligned to the device's class prototypes, "
             "the head kept per device, models averaged by Fisher information (--fedas-align-lr)")
     label = "FedAS (alignment + Fisher-weighted aggregation)"
+    device_passes = True
     options = (
         Opt("align_lr", float, 0.01, "SGD learning rate of the device's body alignment to its class prototypes "
             "(reference code: 0.01; 0 = no alignment).", ge=0, le=10, finite=True),

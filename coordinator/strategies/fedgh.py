@@ -71,6 +71,7 @@ class FedGH(FedAvg):
     help = ("FedGH: whole model on every device, bodies kept on the devices, the server trains the shared head "
             "on the devices' class-mean representations (--fedgh-server-lr)")
     label = "FedGH (generalized global head)"
+    device_passes = True
     options = (
         Opt("server_lr", float, 0.01, "SGD learning rate of the server's head training on the class means "
             "(the paper's setting: 0.01).", gt=0, le=10, finite=True),
