@@ -770,8 +770,8 @@ def _client_flops(ss: list[dict[str, Any]]) -> str:
 
 
 def _method_flops(ss: list[dict[str, Any]]) -> str:
-    """The client FLOPs per sample the method adds to training (FedSGA's observation forward and probes);
-    "—" for runs summarised before the cost was split (their figure is training only)."""
+    """The client FLOPs per sample the method adds to training (FedSGA's observation forward and probes, FedAS's
+    and FedGH's passes); "—" for runs summarised before the cost was split or the passes were counted."""
     vals = [s.get("client_method_flops_per_sample") for s in ss]
     return "—" if any(v is None for v in vals) else f"{np.mean(vals) / 1e6:.2f}"
 
