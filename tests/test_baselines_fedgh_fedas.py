@@ -255,7 +255,7 @@ def test_the_passes_a_method_adds_on_the_device_are_its_client_flops(digits, mon
     for name, kind in (("align_step", "train"), ("fisher_trace", "train"), ("features", "fwd")):
         count(name, kind)
     args = {"align_epochs": 2} if strategy == "fedas" else {}
-    sim = Simulation(tiny_config(strategy, rounds=2, clients=2, max_batches=2, strategy_args=args), digits)
+    sim = Simulation(tiny_config(strategy, rounds=2, clients=2, max_batches=1, strategy_args=args), digits)
     costs, gen = sim.coordinator.costs, sim.rounds()
     for t in (1, 2):
         rec = next(gen)
