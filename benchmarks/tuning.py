@@ -171,11 +171,16 @@ class Sweep:
         return out, stale
 
 
+def has_all_runs(by_part: dict[str, dict[int, float]], partitions: list[str], seeds: list[int]) -> bool:
+    """Whether a setting has its score on every (partition, tuning seed)."""
+    return all(len(by_part.get(p, {})) == len(seeds) for p in partitions)
+
+
 def choose(table: dict[str, dict[str, dict[int, float]]], partitions: list[str], seeds: list[int]) -> str | None:
     """The setting with the best mean score over every (partition, tuning seed); only settings with all their
     runs take part (a half-run setting is never chosen over a finished one); ties go to the preset's value."""
     full = {name: [acc for p in partitions for acc in by_part.get(p, {}).values()] for name, by_part in table.items()
-            if all(len(by_part.get(p, {})) == len(seeds) for p in partitions)}
+            if has_all_runs(by_part, partitions, seeds)}
     if not full:
         return None
     best = max(np.mean(v) for v in full.values())
@@ -188,7 +193,7 @@ def shared_choice(sweep: Sweep, preset_values: dict[str, Any], partitions: list[
     budget has unfinished runs (no other method can be tuned yet: its settings run at this rate)."""
     budget = settings(SHARED, preset_values)
     table = {name: sweep.collect(SHARED, vals, name)[0] for name, vals in budget}
-    if not all(len(table[name].get(p, {})) == len(sweep.seeds) for name in table for p in partitions):
+    if not all(has_all_runs(runs, partitions, sweep.seeds) for runs in table.values()):
         return None  # a rate not yet run might win: every other method's settings would be run at the wrong one
     return dict(budget)[choose(table, partitions, sweep.seeds)]
 
@@ -215,7 +220,7 @@ def report(sweep: Sweep, methods: list[str], partitions: list[str],
         table = {name: runs for name, (runs, _) in found.items()}
         # no choice while a setting has runs to go: the one not yet run might win (``shared_choice``'s rule), and
         # ``accuracy.py --tuned`` refuses a method without a choice by name
-        finished = all(len(runs.get(q, {})) == len(seeds) for runs in table.values() for q in partitions)
+        finished = all(has_all_runs(runs, partitions, seeds) for runs in table.values())
         pick = choose(table, partitions, seeds) if finished else None
         values = dict(budgets[m])
         choice[m] = {"chosen": pick, "values": values.get(pick) if pick else None, "score": score_of(m),
